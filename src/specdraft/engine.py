@@ -1,0 +1,245 @@
+"""The speculative decoding loop: propose, score all at once, verify, commit.
+
+```
+prefill(prompt[:-1])                               # target and drafter
+while not done:
+    draft   = drafter.propose(ctx, k)              # 1. propose
+    logits  = target.forward([last] + draft)       # 2. score every draft position at once
+    verdict = verify(draft, logits, sampling)      # 3. accept, then recover or bonus
+    commit(verdict)                                # 4. caches keep the accepted prefix
+    yield the committed tokens, cut at EOS / stop string / budget
+```
+
+Without a drafter the same loop is plain autoregressive decoding (`ar`): each step drafts
+nothing and the target's own token is the whole commitment.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
+from specdraft.stats import GenerationStats
+from specdraft.text import IncrementalText, encode_prompt, find_stop
+from specdraft.verify import verify_greedy, verify_sampled
+
+# What happened to each emitted token.
+ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
+
+
+@dataclass
+class StepEvent:
+    """What one step emitted: tokens, what happened to each, and the text they add."""
+
+    token_ids: list[int]
+    kinds: list[str]  # ACCEPTED / RECOVERED / BONUS, or TARGET when nothing was drafted
+    text: str  # the text delta (never splits a character, never shows part of a stop string)
+    drafted: int
+    accepted: int
+    finish_reason: str | None = None  # "stop" or "length" on the last event
+
+
+@dataclass
+class Completion:
+    """A finished generation with its statistics."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    kinds: list[str] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeDecoder:
+    """Generates with `target`, drafting with `drafter` (None = plain autoregressive decoding).
+
+    `k` is the number of draft tokens per step. The decoder is not thread-safe: one request
+    at a time (the caches belong to it).
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, k: int = 4) -> None:
+        if drafter is not None and (not isinstance(k, int) or k < 1):
+            raise SpecdraftError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}.")
+        self.target = target
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+
+    @property
+    def method(self) -> str:
+        return "ar" if self.drafter is None else "spec"
+
+    # ------------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool | None) -> list[int]:
+        if isinstance(prompt, str):
+            ids = encode_prompt(self.target.tokenizer, prompt, chat=chat)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise SpecdraftError("The prompt is empty; give at least one token.")
+        if len(ids) >= self.target.max_context:
+            raise SpecdraftError(
+                f"The prompt has {len(ids)} tokens, but {self.target.name} holds {self.target.max_context} "
+                "in all; shorten the prompt."
+            )
+        vocab = self.target.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise SpecdraftError(f"Prompt token ids must lie in [0, {vocab}); got one outside.")
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 128,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[StepEvent]:
+        """Generate step by step; each event carries the tokens and text one step committed.
+
+        `stats` (optional) is filled in as the generation goes; `generate` returns it.
+        """
+        params = sampling or SamplingParams()
+        if max_new_tokens < 1:
+            raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        stops = [s for s in stop if s]
+        if stops and self.target.tokenizer is None:
+            raise SpecdraftError("Stop strings need a tokenizer to decode the output; this model has none.")
+        prompt_ids = self._prompt_ids(prompt, chat)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt_ids)
+        target, drafter, device = self.target, self.drafter, self.target.device
+        eos_ids = target.eos_token_ids
+        generator = params.make_generator(device)
+        text = IncrementalText(target.tokenizer, stops)
+        max_stop = max((len(s) for s in stops), default=0)
+
+        started = time.perf_counter()
+        sequence = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [L]
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)
+            seen[sequence] = True
+        target.reset()
+        target.prefill(sequence[:-1].unsqueeze(0))
+        if drafter is not None:
+            drafter.begin(sequence)
+        _sync(device)
+        stats.prefill_seconds = time.perf_counter() - started
+
+        generated: list[int] = []
+        decoded = ""
+        while True:
+            length = sequence.shape[0]
+            remaining = max_new_tokens - len(generated)
+            k = max(0, min(self.k, remaining - 1, target.max_context - length - 1))
+
+            # 1. propose
+            t0 = time.perf_counter()
+            if k > 0:
+                draft = drafter.propose(DraftContext(sequence, params, generator, seen), k)
+                k = draft.k
+            else:
+                draft = Draft.chain(sequence.new_empty(0))
+            _sync(device)
+            t1 = time.perf_counter()
+
+            # 2. score every draft position in one target pass: [last, d1 .. dk]
+            block = torch.cat([sequence[target.cache_len:], draft.tokens]).unsqueeze(0)  # [1, T]
+            logits = target.forward(block, logits_to_keep=k + 1).logits[0]  # [k + 1, V]
+
+            # 3. verify
+            if params.greedy and seen is None:
+                verdict = verify_greedy(draft.tokens.unsqueeze(0), logits.unsqueeze(0))
+            else:
+                rows_seen = None  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
+                if seen is not None:
+                    rows_seen = seen_tokens_per_row(seen, torch.cat([sequence[-1:], draft.tokens]))
+                p_target = warp(logits, params, rows_seen)  # [k + 1, V]
+                if params.greedy:
+                    verdict = verify_greedy(draft.tokens.unsqueeze(0), p_target.unsqueeze(0))
+                else:
+                    q = draft.q_draft.unsqueeze(0) if draft.q_draft is not None else None
+                    verdict = verify_sampled(draft.tokens.unsqueeze(0), q, p_target.unsqueeze(0), generator)
+            # The one host sync of the step.
+            num_accepted, next_token = torch.stack([verdict.num_accepted[0], verdict.next_token[0]]).tolist()
+            t2 = time.perf_counter()
+
+            # 4. commit: both caches keep the accepted prefix
+            target.truncate(length + num_accepted)
+            if drafter is not None and k > 0:
+                drafter.commit(length, num_accepted)
+            committed = draft.tokens[:num_accepted].tolist() + [next_token]
+            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if num_accepted == k else RECOVERED)]
+
+            # Stopping, possibly in the middle of the block: nothing after the stop is emitted.
+            finish = None
+            hits = [i for i, t in enumerate(committed) if t in eos_ids]
+            if hits:
+                committed, finish = committed[: hits[0] + 1], "stop"
+            if stops:
+                new_text = text.decode(generated + committed)
+                at = find_stop(new_text, stops, start=max(0, len(decoded) - max_stop))
+                if at is not None:
+                    # Keep the fewest tokens whose text reaches the end of the stop string.
+                    for j in range(1, len(committed) + 1):
+                        if find_stop(text.decode(generated + committed[:j]), stops, start=max(0, at - 1)) is not None:
+                            committed = committed[:j]
+                            break
+                    decoded, finish = new_text[:at], "stop"
+                else:
+                    decoded = new_text
+            kinds = kinds[: len(committed)]
+            generated.extend(committed)
+            sequence = torch.cat([sequence, sequence.new_tensor(committed)])
+            if seen is not None:
+                seen[sequence.new_tensor(committed)] = True
+            if finish is None and len(generated) >= max_new_tokens:
+                finish = "length"
+            if finish is None and sequence.shape[0] >= target.max_context:
+                finish = "length"
+            if not stops:
+                decoded = text.decode(generated) if target.tokenizer is not None else ""
+            delta = text.delta(decoded, final=finish is not None)
+
+            kept_accepted = min(num_accepted, len(committed))
+            stats.record_step(k, kept_accepted)
+            stats.new_tokens = len(generated)
+            stats.draft_seconds += t1 - t0
+            stats.verify_seconds += t2 - t1
+            stats.wall_seconds = time.perf_counter() - started
+            yield StepEvent(committed, kinds, delta, k, kept_accepted, finish)
+            if finish is not None:
+                return
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int = 128,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+    ) -> Completion:
+        """Generate to the end and return the completion with its statistics."""
+        stats = GenerationStats()
+        prompt_ids = self._prompt_ids(prompt, chat)
+        token_ids, kinds, pieces, finish = [], [], [], "length"
+        for event in self.stream(prompt_ids, sampling, max_new_tokens, stop, chat, stats):
+            token_ids += event.token_ids
+            kinds += event.kinds
+            pieces.append(event.text)
+            finish = event.finish_reason or finish
+        return Completion(prompt_ids, token_ids, "".join(pieces), finish, stats, kinds)

@@ -1,0 +1,128 @@
+"""The one model interface the engine sees: a causal LM with its own KV cache.
+
+`CausalLM` runs `tokens[1, T]` at the positions that follow its cache, returns
+`logits[1, T', V]` for the last T' positions asked for, and can cut its cache back to a
+length (rollback after a rejected draft). No model-name special cases live above this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdraft.errors import SpecdraftError
+
+
+@dataclass
+class ForwardOutput:
+    """Logits of the positions asked for, and the final hidden states when asked."""
+
+    logits: torch.Tensor  # [1, T', V]
+    hidden_states: torch.Tensor | None = None  # [1, T', hidden]
+
+
+class CausalLM:
+    """A Hugging Face causal LM, its tokenizer, and a KV cache that can be cut back.
+
+    `cache_len` is how many tokens of the sequence the cache holds; `forward` appends the
+    new tokens at positions `cache_len ..`, `truncate(n)` forgets everything past `n`.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model") -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self._cache = DynamicCache(config=model.config)
+        self.cache_len = 0
+
+    # ----- facts about the model -------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (may exceed the tokenizer's length when the embedding is padded)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt + generated) the model's positions allow."""
+        return int(getattr(self.config, "max_position_embeddings", None) or 1 << 30)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every end-of-sequence id that the model's generation config or tokenizer names."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update([value] if isinstance(value, int) else list(value))
+        return ids
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied embedding and LM head count once)."""
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel()
+        return total
+
+    # ----- the cache ---------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the whole sequence."""
+        self._cache = DynamicCache(config=self.config)
+        self.cache_len = 0
+
+    def truncate(self, length: int) -> None:
+        """Cut the cache back to its first `length` tokens (a no-op when it is not longer)."""
+        if length < 0:
+            raise ValueError(f"cannot truncate to a negative length {length}")
+        excess = self.cache_len - length
+        if excess > 0:
+            self._cache.crop(-excess)
+            self.cache_len = length
+
+    # ----- running it ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [1, T] int64, placed at positions cache_len .. cache_len + T - 1
+        logits_to_keep: int = 1,
+        output_hidden_states: bool = False,
+    ) -> ForwardOutput:
+        """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them."""
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
+        length = tokens.shape[1]
+        if self.cache_len + length > self.max_context:
+            raise SpecdraftError(
+                f"The sequence would reach {self.cache_len + length} tokens, past {self.name}'s context of "
+                f"{self.max_context}. Shorten the prompt or lower --max-new-tokens."
+            )
+        positions = torch.arange(self.cache_len, self.cache_len + length, device=tokens.device).unsqueeze(0)
+        out = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=output_hidden_states,
+        )
+        self.cache_len += length
+        hidden = out.hidden_states[-1][:, -logits_to_keep:] if output_hidden_states else None
+        return ForwardOutput(logits=out.logits, hidden_states=hidden)
+
+    def prefill(self, tokens: torch.Tensor) -> None:  # tokens: [1, T]
+        """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself)."""
+        if tokens.shape[1] > 0:
+            self.forward(tokens, logits_to_keep=1)

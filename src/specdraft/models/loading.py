@@ -1,0 +1,136 @@
+"""Load a model by what the user names: a bundled model, a Hugging Face folder, or a GGUF file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.models import registry
+from specdraft.models.causal_lm import CausalLM
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"bfloat16"` / `"float32"` / `"float16"` (or a torch dtype) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise SpecdraftError(f"Unknown dtype {dtype!r}; use bfloat16 or float32 (float16 on GPU).") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`None` or "auto" picks CUDA when present, else the CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_model_path(spec: str) -> tuple[str, Path]:
+    """Map what the user named to ("gguf" | "folder", path); bundled names are assembled first."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SpecdraftError(f"{spec!r} is a file but not a .gguf file; give a .gguf file or a model folder.")
+        return "gguf", path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecdraftError(f"{spec!r} is a folder without config.json; give a Hugging Face model folder.")
+        return "folder", path
+    if spec in registry.BUNDLED_MODELS:
+        return "gguf", registry.assemble(registry.get_bundled(spec))
+    if "/" in spec or spec.endswith(".gguf"):
+        raise SpecdraftError(f"No such file or folder: {spec!r}.")
+    registry.get_bundled(spec)  # raises the "unknown model" error listing the bundled names
+    raise AssertionError("unreachable")
+
+
+def _tokenizer_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return registry.cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}"
+
+
+def _load_gguf_tokenizer(path: Path):
+    """The tokenizer stored in a GGUF file; converted once and kept in the cache (the conversion is slow)."""
+    from transformers import AutoTokenizer
+
+    cached = _tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError as error:  # a read-only cache only costs time
+        print(f"warning: could not cache the tokenizer in {cached}: {error}", file=sys.stderr)
+    return tokenizer
+
+
+def load_model(
+    spec: str,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+    verbose: bool = True,
+) -> CausalLM:
+    """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
+
+    GGUF weights are unpacked into `dtype` by transformers' GGUF loader; the tokenizer comes
+    from the file (or the folder).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kind, path = resolve_model_path(spec)
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    started = time.perf_counter()
+    hf_logging.set_verbosity_error()  # transformers' notices go nowhere; ours go to stderr
+    hf_logging.disable_progress_bar()
+    try:
+        if kind == "gguf":
+            from transformers import GgufConfig
+
+            tokenizer = _load_gguf_tokenizer(path)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch_dtype,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    except SpecdraftError:
+        raise
+    except (OSError, ValueError, KeyError) as error:
+        raise SpecdraftError(f"Could not load {spec!r} as a causal LM: {error}") from error
+    finally:
+        hf_logging.set_verbosity_warning()
+    model.to(torch_device)
+    lm = CausalLM(model, tokenizer, name=spec)
+    if verbose:
+        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {torch_dtype}, {torch_device}) "
+              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return lm
+
+
+def check_compatible(target: CausalLM, draft: CausalLM) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: its tokens would mean other things."""
+    if target.vocab_size != draft.vocab_size:
+        raise SpecdraftError(
+            f"The draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens and the target {target.name!r} "
+            f"{target.vocab_size}: a draft must share the target's tokenizer. Pick a draft from the target's family."
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise SpecdraftError(
+                f"The draft {draft.name!r} and the target {target.name!r} have different tokenizers: "
+                "a draft must share the target's vocabulary. Pick a draft from the target's family."
+            )

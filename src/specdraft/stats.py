@@ -1,0 +1,95 @@
+"""Statistics every generation returns with its result (no hooks needed to benchmark)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counts and times of one generation (or the sum of several).
+
+    steps      target forwards after the prefill (each verifies one draft)
+    drafted    draft tokens proposed; accepted: those the verifier kept (and that were emitted)
+    new_tokens tokens emitted; wall_seconds: from the start of prefill to the last token
+    accepted_at[i] / drafted_at[i]: acceptance counts per draft position i
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    wall_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    k_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """α: accepted / drafted (None when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_committed_per_step(self) -> float | None:
+        """τ: tokens emitted per target step."""
+        return self.new_tokens / self.steps if self.steps else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def other_seconds(self) -> float:
+        """Wall time spent neither prefilling, drafting nor verifying (sampling, bookkeeping, text)."""
+        return max(self.wall_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds, 0.0)
+
+    def record_step(self, k: int, num_accepted: int) -> None:
+        """Count one verification step that drafted `k` tokens and emitted `num_accepted` of them."""
+        self.steps += 1
+        self.drafted += k
+        self.accepted += num_accepted
+        self.k_per_step.append(k)
+        for counts in (self.accepted_at, self.drafted_at):
+            if len(counts) < k:
+                counts.extend([0] * (k - len(counts)))
+        for i in range(k):
+            self.drafted_at[i] += 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    def merge(self, other: "GenerationStats") -> "GenerationStats":
+        """The sum of two runs' statistics (e.g. over `--n` samples)."""
+        merged = GenerationStats()
+        for name in ("steps", "drafted", "accepted", "new_tokens", "prompt_tokens", "wall_seconds",
+                     "prefill_seconds", "draft_seconds", "verify_seconds"):
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        for name in ("accepted_at", "drafted_at"):
+            a, b = getattr(self, name), getattr(other, name)
+            width = max(len(a), len(b))
+            setattr(merged, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)])
+        merged.k_per_step = self.k_per_step + other.k_per_step
+        return merged
+
+    def to_dict(self) -> dict:
+        """The JSON form used by `--json`, the benchmark and the server."""
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_committed_per_step": self.mean_committed_per_step,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "wall_seconds": self.wall_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "other_seconds": self.other_seconds,
+            "accepted_at": list(self.accepted_at),
+            "drafted_at": list(self.drafted_at),
+        }

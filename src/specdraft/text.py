@@ -1,0 +1,79 @@
+"""Text in and out: prompts to token ids, generated ids to text deltas with stop strings."""
+
+from __future__ import annotations
+
+from specdraft.errors import SpecdraftError
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+    """Token ids of `prompt`: through the tokenizer's chat template when `chat` (default: if it has one)."""
+    if not prompt or not prompt.strip():
+        raise SpecdraftError("The prompt is empty; give some text (or --prompt-file with text in it).")
+    if tokenizer is None:
+        raise SpecdraftError("This model has no tokenizer; pass token ids instead of text.")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat is None:
+        chat = has_template
+    if chat:
+        if not has_template:
+            raise SpecdraftError("This model's tokenizer has no chat template; use --no-chat for raw text.")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a whole chat (a list of {"role", "content"}) with the generation prompt appended."""
+    if not messages:
+        raise SpecdraftError("The chat has no messages.")
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecdraftError("This model's tokenizer has no chat template; send a plain completion prompt instead.")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    """The index in `text` where the earliest stop string begins (searching from `start`), or None."""
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters could still become a stop string, or an unfinished character."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    unfinished = len(text) - len(text.rstrip("\ufffd"))  # bytes of a character still to come
+    return max(hold, unfinished)
+
+
+class IncrementalText:
+    """Turns the growing list of generated ids into text deltas.
+
+    A delta never ends in the middle of a multi-byte character (the tokenizer decodes a
+    partial UTF-8 sequence as U+FFFD, which is held back), nor in text that may still turn
+    into a stop string. `stop_at` reports where a stop string starts, so the caller can cut.
+    """
+
+    def __init__(self, tokenizer, stops: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stops = [s for s in (stops or []) if s]
+        self.emitted = ""
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def delta(self, text: str, final: bool) -> str:
+        """The new text to emit given the full decoded `text` so far."""
+        stable = len(text) if final else len(text) - _held_back(text, self.stops)
+        if stable <= len(self.emitted):
+            return ""
+        piece = text[len(self.emitted):stable]
+        self.emitted = text[:stable]
+        return piece
