@@ -27,7 +27,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
 from specdraft.stats import GenerationStats
-from specdraft.text import IncrementalText, encode_prompt, find_stop
+from specdraft.text import IncrementalText, encode_prompt
 from specdraft.verify import verify_greedy, verify_sampled
 
 # What happened to each emitted token.
@@ -40,10 +40,15 @@ class StepEvent:
 
     token_ids: list[int]
     kinds: list[str]  # ACCEPTED / RECOVERED / BONUS, or TARGET when nothing was drafted
-    text: str  # the text delta (never splits a character, never shows part of a stop string)
+    pieces: list[str]  # text each token adds (never splits a character, never shows part of a stop string)
     drafted: int
     accepted: int
     finish_reason: str | None = None  # "stop" or "length" on the last event
+
+    @property
+    def text(self) -> str:
+        """The text delta of the whole step."""
+        return "".join(self.pieces)
 
 
 @dataclass
@@ -125,7 +130,6 @@ class SpeculativeDecoder:
         eos_ids = target.eos_token_ids
         generator = params.make_generator(device)
         text = IncrementalText(target.tokenizer, stops)
-        max_stop = max((len(s) for s in stops), default=0)
 
         started = time.perf_counter()
         sequence = torch.tensor(prompt_ids, dtype=torch.long, device=device)  # [L]
@@ -141,7 +145,6 @@ class SpeculativeDecoder:
         stats.prefill_seconds = time.perf_counter() - started
 
         generated: list[int] = []
-        decoded = ""
         while True:
             length = sequence.shape[0]
             remaining = max_new_tokens - len(generated)
@@ -190,30 +193,17 @@ class SpeculativeDecoder:
             hits = [i for i, t in enumerate(committed) if t in eos_ids]
             if hits:
                 committed, finish = committed[: hits[0] + 1], "stop"
-            if stops:
-                new_text = text.decode(generated + committed)
-                at = find_stop(new_text, stops, start=max(0, len(decoded) - max_stop))
-                if at is not None:
-                    # Keep the fewest tokens whose text reaches the end of the stop string.
-                    for j in range(1, len(committed) + 1):
-                        if find_stop(text.decode(generated + committed[:j]), stops, start=max(0, at - 1)) is not None:
-                            committed = committed[:j]
-                            break
-                    decoded, finish = new_text[:at], "stop"
-                else:
-                    decoded = new_text
+            texts, stopped = text.token_texts(generated, committed)  # decoded text after each token
+            if stopped:
+                committed, finish = committed[: len(texts)], "stop"
             kinds = kinds[: len(committed)]
             generated.extend(committed)
             sequence = torch.cat([sequence, sequence.new_tensor(committed)])
             if seen is not None:
                 seen[sequence.new_tensor(committed)] = True
-            if finish is None and len(generated) >= max_new_tokens:
+            if finish is None and (len(generated) >= max_new_tokens or sequence.shape[0] >= target.max_context):
                 finish = "length"
-            if finish is None and sequence.shape[0] >= target.max_context:
-                finish = "length"
-            if not stops:
-                decoded = text.decode(generated) if target.tokenizer is not None else ""
-            delta = text.delta(decoded, final=finish is not None)
+            pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             kept_accepted = min(num_accepted, len(committed))
             stats.record_step(k, kept_accepted)
@@ -221,7 +211,7 @@ class SpeculativeDecoder:
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
             stats.wall_seconds = time.perf_counter() - started
-            yield StepEvent(committed, kinds, delta, k, kept_accepted, finish)
+            yield StepEvent(committed, kinds, pieces, k, kept_accepted, finish)
             if finish is not None:
                 return
 

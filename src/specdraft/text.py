@@ -69,6 +69,24 @@ class IncrementalText:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def token_texts(self, before: list[int], new: list[int]) -> tuple[list[str], bool]:
+        """The decoded text after each token of `new`, cut at the first stop string.
+
+        Returns the texts (one per kept token) and whether a stop string ended them. A stop
+        string cannot begin inside text already emitted: any of its prefixes is held back.
+        """
+        if self.tokenizer is None:
+            return [""] * len(new), False
+        texts = []
+        for j in range(1, len(new) + 1):
+            decoded = self.decode(before + new[:j])
+            at = find_stop(decoded, self.stops, start=len(self.emitted)) if self.stops else None
+            if at is not None:
+                texts.append(decoded[:at])
+                return texts, True
+            texts.append(decoded)
+        return texts, False
+
     def delta(self, text: str, final: bool) -> str:
         """The new text to emit given the full decoded `text` so far."""
         stable = len(text) if final else len(text) - _held_back(text, self.stops)

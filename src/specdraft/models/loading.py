@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,25 +55,41 @@ def resolve_model_path(spec: str) -> tuple[str, Path]:
     raise AssertionError("unreachable")
 
 
-def _tokenizer_cache_dir(gguf_path: Path) -> Path:
+def _converted_dir(gguf_path: Path, dtype: torch.dtype) -> Path:
+    """Where the unpacked copy of a GGUF file is kept, keyed by the file's identity and the dtype."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return registry.cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}"
+    return registry.cache_dir() / "converted" / f"{gguf_path.stem}-{key}-{str(dtype).removeprefix('torch.')}"
 
 
-def _load_gguf_tokenizer(path: Path):
-    """The tokenizer stored in a GGUF file; converted once and kept in the cache (the conversion is slow)."""
-    from transformers import AutoTokenizer
+def _load_gguf(path: Path, dtype: torch.dtype):
+    """Model and tokenizer from a GGUF file, unpacked to `dtype` by transformers' GGUF loader.
 
-    cached = _tokenizer_cache_dir(path)
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+    Unpacking takes most of a minute on 2 cores, so the result is kept once as safetensors
+    in the cache folder and later loads read that copy (the same weights, bit for bit).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    converted = _converted_dir(path, dtype)
+    if (converted / "config.json").is_file():
+        return (AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype),
+                AutoTokenizer.from_pretrained(str(converted)))
+    print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
+          file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
+    )
+    partial = converted.with_name(converted.name + ".partial")
     try:
-        tokenizer.save_pretrained(str(cached))
-    except OSError as error:  # a read-only cache only costs time
-        print(f"warning: could not cache the tokenizer in {cached}: {error}", file=sys.stderr)
-    return tokenizer
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(str(partial))
+        tokenizer.save_pretrained(str(partial))
+        os.replace(partial, converted)
+    except OSError as error:  # a full or read-only cache only costs time on the next load
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"warning: could not keep the unpacked copy in {converted}: {error}", file=sys.stderr)
+    return model, tokenizer
 
 
 def load_model(
@@ -97,13 +114,7 @@ def load_model(
     hf_logging.disable_progress_bar()
     try:
         if kind == "gguf":
-            from transformers import GgufConfig
-
-            tokenizer = _load_gguf_tokenizer(path)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch_dtype,
-                quantization_config=GgufConfig(dequantize=True),
-            )
+            model, tokenizer = _load_gguf(path, torch_dtype)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)

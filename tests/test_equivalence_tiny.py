@@ -1,0 +1,99 @@
+"""Tier 3 on tiny random models: greedy speculative output equals plain decoding, for several k."""
+
+import pytest
+import torch
+
+from conftest import perturbed, tiny_config, tiny_model
+from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target):
+    """Drafts from always right (the target's own weights) to mostly wrong (independent)."""
+    return {
+        "identical": perturbed(tiny_target, noise=0.0, seed=0),
+        "close": perturbed(tiny_target, noise=0.3, seed=1),
+        "far": perturbed(tiny_target, noise=1.0, seed=2),
+        "independent": tiny_model(tiny_config(), seed=99),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("draft_name", ["identical", "close", "far", "independent"])
+def test_greedy_spec_equals_ar(tiny_target, drafts, make_lm, k, draft_name):
+    target = make_lm(tiny_target)
+    ar = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[draft_name])), k=k)
+    for prompt in PROMPTS:
+        expected = ar.generate(prompt, max_new_tokens=40)
+        got = spec.generate(prompt, max_new_tokens=40)
+        assert got.token_ids == expected.token_ids
+        assert got.stats.new_tokens == 40 and got.finish_reason == "length"
+        assert got.stats.drafted > 0
+
+
+def test_acceptance_tracks_draft_quality(tiny_target, drafts, make_lm):
+    rates = {}
+    for name in ("identical", "close", "independent"):
+        spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[name])), k=4)
+        stats = spec.generate(PROMPTS[0], max_new_tokens=40).stats
+        rates[name] = stats.acceptance_rate
+        assert stats.mean_committed_per_step == pytest.approx(stats.new_tokens / stats.steps)
+        assert sum(stats.accepted_at) == stats.accepted
+        assert sum(stats.drafted_at) == stats.drafted
+    assert rates["identical"] == 1.0
+    assert rates["identical"] > rates["close"] > rates["independent"]
+
+
+def test_full_acceptance_commits_k_plus_one(tiny_target, drafts, make_lm):
+    """An identical draft is always accepted: every step commits k + 1 (the last one is the bonus)."""
+    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"])), k=3)
+    events = list(spec.stream(PROMPTS[0], max_new_tokens=21))
+    assert [len(e.token_ids) for e in events] == [4] * 5 + [1]
+    assert events[0].kinds == ["accepted"] * 3 + ["bonus"]
+    assert events[-1].kinds == ["target"]  # the budget left room for no draft
+
+
+def test_caches_follow_the_committed_sequence(tiny_target, drafts, make_lm):
+    """After each step both caches hold exactly the committed sequence minus its last token."""
+    target, draft = make_lm(tiny_target), make_lm(drafts["close"])
+    spec = SpeculativeDecoder(target, ModelDrafter(draft), k=4)
+    length = len(PROMPTS[2])
+    for event in spec.stream(PROMPTS[2], max_new_tokens=30):
+        length += len(event.token_ids)
+        if event.finish_reason is None:
+            assert target.cache_len == length - 1
+            assert draft.cache_len <= length - 1
+
+
+@pytest.mark.parametrize("settings", [
+    dict(repetition_penalty=1.5),
+    dict(repetition_penalty=0.7),
+])
+def test_greedy_with_repetition_penalty_equals_ar(tiny_target, drafts, make_lm, settings):
+    params = SamplingParams(**settings)
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[0], params, max_new_tokens=40)
+    for name in ("identical", "close"):
+        spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[name])), k=4)
+        got = spec.generate(PROMPTS[0], params, max_new_tokens=40)
+        assert got.token_ids == expected.token_ids
+    # The penalty changes the output (else this test would prove nothing).
+    plain = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[0], max_new_tokens=40)
+    assert plain.token_ids != expected.token_ids
+
+
+def test_sampling_is_reproducible_and_seed_dependent(tiny_target, drafts, make_lm):
+    def run(seed):
+        spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=3)
+        return spec.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.95, seed=seed), 30).token_ids
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_identical_draft_with_sampling_accepts_everything(tiny_target, drafts, make_lm):
+    """p == q: every draft token is accepted with probability 1."""
+    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"])), k=4)
+    stats = spec.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_k=20, seed=5), 30).stats
+    assert stats.acceptance_rate == 1.0
