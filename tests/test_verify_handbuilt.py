@@ -556,3 +556,9 @@ def test_sampling_params_reject_bad_values(kwargs):
 def test_sampling_params_accept_edge_values(kwargs):
     params = SamplingParams(**kwargs)
     assert params.greedy == (params.temperature == 0.0)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=1e-40), dict(top_k=2.5)])
+def test_sampling_params_reject_values_that_break_warping(bad):
+    with pytest.raises(SpecdraftError):
+        SamplingParams(**bad)

@@ -39,6 +39,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise SpecdraftError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if 0 < self.temperature < 1e-4:
+            raise SpecdraftError(f"temperature {self.temperature} is too small to divide logits by; use 0 for greedy.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise SpecdraftError(f"top-k must be a whole number (0 = off), got {self.top_k!r}.")
         if self.top_k < 0:
             raise SpecdraftError(f"top-k must be >= 0 (0 = off), got {self.top_k}.")
         if not (0.0 < self.top_p <= 1.0):

@@ -1,0 +1,62 @@
+"""Tier 3 on the real bundled pair (slow): greedy speculative output equals plain decoding."""
+
+import pytest
+import torch
+
+from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder, check_compatible, load_model
+from specdraft.exactness import compare_greedy
+from specdraft.models import registry
+from specdraft.text import encode_prompt
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Explain in three sentences why the sky is blue.",
+    "Write a SQL query that lists the ten customers with the highest total order value.",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    target = load_model(registry.DEFAULT_TARGET)
+    draft = load_model(registry.DEFAULT_DRAFT)
+    check_compatible(target, draft)
+    yield target, draft
+    torch.set_num_threads(threads)
+
+
+def test_bundled_files_verified(pair):
+    for model in registry.BUNDLED_MODELS.values():
+        assert registry.is_assembled(model)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_spec_equals_ar(pair, prompt):
+    target, draft = pair
+    ids = encode_prompt(target.tokenizer, prompt)
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=64)
+    spec = SpeculativeDecoder(target, ModelDrafter(draft), k=4).generate(ids, max_new_tokens=64)
+    verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
+    assert verdict.acceptable, verdict
+    assert spec.stats.acceptance_rate is not None and spec.stats.acceptance_rate > 0.3
+    assert spec.stats.steps < ar.stats.steps
+
+
+def test_sampled_run_is_reproducible_and_stops(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, ModelDrafter(draft), k=3)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    a = decoder.generate(PROMPTS[1], params, max_new_tokens=40, stop=["\n\n"])
+    b = decoder.generate(PROMPTS[1], params, max_new_tokens=40, stop=["\n\n"])
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert "\n\n" not in a.text
+
+
+def test_eos_ends_a_short_answer(pair):
+    target, draft = pair
+    out = SpeculativeDecoder(target, ModelDrafter(draft), k=4).generate("Reply with the single word: yes", max_new_tokens=32)
+    assert out.finish_reason == "stop" and out.token_ids[-1] in target.eos_token_ids
+    assert "yes" in out.text.lower()
