@@ -97,3 +97,31 @@ def test_identical_draft_with_sampling_accepts_everything(tiny_target, drafts, m
     spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"])), k=4)
     stats = spec.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_k=20, seed=5), 30).stats
     assert stats.acceptance_rate == 1.0
+
+
+def test_int4_draft_stays_exact(tiny_target, drafts, make_lm):
+    """A quantized draft proposes differently but the output is still the target's."""
+    from specdraft.models.loading import prepare_draft
+
+    draft = make_lm(drafts["close"])
+    quantized = prepare_draft(draft, "int4", copy=True)
+    assert quantized.model is not draft.model  # the copy leaves the loaded draft as it was
+    assert any(type(m).__name__ == "Int4Linear" for m in quantized.model.modules())
+    assert not any(type(m).__name__ == "Int4Linear" for m in draft.model.modules())
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[2], max_new_tokens=40)
+    got = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(quantized), k=4).generate(PROMPTS[2], max_new_tokens=40)
+    assert got.token_ids == expected.token_ids and got.stats.accepted > 0
+
+
+def test_int4_linear_matches_its_float_weights():
+    from torch import nn
+
+    from specdraft.models.quantize import Int4Linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64, bias=True)
+    x = torch.randn(3, 128)
+    ref = linear(x)
+    err = (Int4Linear(linear)(x) - ref).norm() / ref.norm()
+    assert err < 0.05  # 4-bit groups of 32: close, not equal
+    assert err > 0  # and really quantized

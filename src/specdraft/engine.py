@@ -30,6 +30,9 @@ from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
 from specdraft.verify import verify_greedy, verify_sampled
 
+# Draft tokens per step when none is given: measured on the bundled pair (README, benchmarks).
+DEFAULT_K = 5
+
 # What happened to each emitted token.
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
 
@@ -75,7 +78,7 @@ class SpeculativeDecoder:
     at a time (the caches belong to it).
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, k: int = 4) -> None:
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None, k: int = DEFAULT_K) -> None:
         if drafter is not None and (not isinstance(k, int) or k < 1):
             raise SpecdraftError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}.")
         self.target = target

@@ -145,3 +145,30 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
                 f"The draft {draft.name!r} and the target {target.name!r} have different tokenizers: "
                 "a draft must share the target's vocabulary. Pick a draft from the target's family."
             )
+
+
+DRAFT_QUANTS = ("auto", "int4", "none")
+
+
+def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False) -> CausalLM:
+    """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it.
+
+    `auto` is int4 on the CPU where the kernel exists, else none. A quantized draft only
+    proposes differently; output stays exact because q_draft is what it sampled from.
+    With `copy`, the given model is left as it was (e.g. for a peer that uses it unquantized).
+    """
+    from specdraft.models.quantize import int4_kernel_available, quantize_int4
+
+    if quant not in DRAFT_QUANTS:
+        raise SpecdraftError(f"Unknown draft quantization {quant!r}; use one of {', '.join(DRAFT_QUANTS)}.")
+    if quant == "auto":
+        quant = "int4" if draft.device.type == "cpu" and int4_kernel_available() else "none"
+    if quant == "none":
+        return draft
+    import copy as copying
+
+    model = copying.deepcopy(draft.model) if copy else draft.model
+    started = time.perf_counter()
+    swapped = quantize_int4(model)
+    print(f"draft {draft.name}: {swapped} linears in int4 ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
+    return CausalLM(model, draft.tokenizer, name=f"{draft.name}[int4]")

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from specdraft.engine import DEFAULT_K
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 
@@ -23,8 +24,6 @@ err = Console(stderr=True, soft_wrap=True)
 
 # Colour of each token by what happened to it.
 KIND_STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "target": ""}
-
-DEFAULT_K = 4
 
 
 class Method(str, Enum):
@@ -46,6 +45,8 @@ def generate(
     method: Method = typer.Option(Method.spec, help="spec: speculative decoding; ar: plain decoding."),
     drafter: str = typer.Option("model", help="Drafter name (see the drafter registry)."),
     k: int = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step."),
+    draft_quant: str = typer.Option("auto", "--draft-quant",
+                                    help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
@@ -67,10 +68,10 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, temperature, top_k, top_p, min_p,
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_quant, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
-    from specdraft.models.loading import check_compatible, load_model
+    from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.drafters import make_drafter
     from specdraft.sampling import SamplingParams
     from specdraft.stats import GenerationStats
@@ -94,6 +95,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tempera
     if method == Method.spec:
         draft_lm = load_model(draft, dtype=dtype, device=device)
         check_compatible(target_lm, draft_lm)
+        draft_lm = prepare_draft(draft_lm, draft_quant)
         decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm), k=k)
     else:
         decoder = SpeculativeDecoder(target_lm)
@@ -160,6 +162,69 @@ def drafters() -> None:
 
     for name, info in DRAFTERS.items():
         Console(highlight=False).print(f"[bold]{name}[/]  {info.description}")
+
+
+@app.command()
+def bench(
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Spec-Bench JSONL (default: the shipped set)."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts",
+                                              help="At most N prompts per category, in file order."),
+    turns: int = typer.Option(1, "--turns", help="1: the first turn of each question (2: not supported yet)."),
+    methods: str = typer.Option("ar,spec", "--methods",
+                                help="Comma list of NAME or NAME:key=value;key=value, NAME one of ar, spec, hf-ar, "
+                                     "hf-assisted, hf-prompt-lookup; keys: k, temperature, top-k, top-p, seed."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for spec and hf-assisted."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, help="0 = greedy; for every method that does not set its own."),
+    seed: int = typer.Option(0, help="Seed of every sampled run (unless a method sets its own)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat",
+                                        help="Apply the chat template (default: if the model has one)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
+    out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
+) -> None:
+    """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
+    from specdraft.bench import BenchConfig, ExactnessError, run_bench
+
+    try:
+        config = BenchConfig(
+            out=out, methods=methods, target=target, draft=draft, prompts=prompts,
+            categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
+            max_prompts=max_prompts, turns=turns, max_new_tokens=max_new_tokens, temperature=temperature,
+            seed=seed, dtype=dtype, device=device, threads=threads, chat=chat,
+        )
+        result = run_bench(config, console=err)
+    except ExactnessError as error:
+        if error.result is not None:
+            err.print(_bench_table(error.result.summary))
+        _fail(str(error), code=1)
+    except SpecdraftError as error:
+        _fail(str(error))
+    else:
+        err.print(_bench_table(result.summary))
+        err.print(f"wrote {out / 'results.jsonl'}, {out / 'summary.json'}, {out / 'report.md'}", highlight=False)
+
+
+def _bench_table(summary: dict) -> Table:
+    """The overall figures per method, and the speedup per category when there are few (report.md has all)."""
+    def fmt(value, spec=".2f", suffix=""):
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
+    methods = summary["methods"]
+    categories = list(dict.fromkeys(c for figures in methods.values() for c in figures["categories"]))
+    categories = categories if len(categories) <= 4 else []
+    table = Table(title="specdraft bench")
+    table.add_column("method", overflow="fold")
+    for column in ("tok/s", "speedup", "τ", "α", "exact", *categories):
+        table.add_column(column, justify="right", no_wrap=True)
+    for label, f in methods.items():
+        table.add_row(label, fmt(f["tokens_per_second"], ".1f"), fmt(f["speedup_vs_ar"], ".2f", "×"),
+                      fmt(f["mean_committed_per_step"]), fmt(f["acceptance_rate"]), fmt(f["greedy_exact"], ".0%"),
+                      *(fmt(f["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories))
+    return table
 
 
 def main() -> None:

@@ -1,0 +1,18 @@
+"""`specdraft bench`: methods side by side on the same prompts, weights and token budget.
+
+prompts  Spec-Bench JSONL in, a selection out
+methods  the registry of methods (`ar`, `spec`, the transformers peers) and their option strings
+runner   runs them interleaved per prompt, resumable, into OUT/results.jsonl
+summary  records to figures (pure arithmetic) and the markdown report
+"""
+
+from specdraft.bench.methods import METHODS, MethodSpec, parse_method, parse_methods
+from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
+from specdraft.bench.runner import BenchConfig, BenchResult, run_bench
+from specdraft.bench.summary import ExactnessError, check_exactness, find_mismatches, render_report, summarize
+
+__all__ = [
+    "METHODS", "BenchConfig", "BenchResult", "ExactnessError", "MethodSpec", "Prompt", "check_exactness",
+    "default_prompts_path", "find_mismatches", "load_prompts", "parse_method", "parse_methods", "render_report",
+    "run_bench", "select_prompts", "summarize",
+]

@@ -1,0 +1,310 @@
+"""The methods a benchmark compares, chosen by name from a registry, and how each one runs.
+
+A method is written `NAME` or `NAME:key=value;key=value`, the keys being `specdraft generate`'s
+option names without their dashes (`spec:k=8`, `hf-ar:temperature=0.7;seed=3`); its label in
+every output is the whole string. Every method runs on the same loaded weights and takes a
+prompt as token ids, so all of them see exactly the same input.
+
+| name               | what runs                                                          |
+| ------------------ | ------------------------------------------------------------------ |
+| `ar`               | `SpeculativeDecoder(target)`: plain decoding, our loop              |
+| `spec`             | `SpeculativeDecoder(target, ModelDrafter(draft), k)`                |
+| `hf-ar`            | transformers `generate` (greedy, or sampling with the same warping) |
+| `hf-assisted`      | transformers assisted generation with the same draft model          |
+| `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
+
+For the transformers methods `k` means `num_assistant_tokens` (with a constant schedule and
+no confidence cut-off; unset, transformers' own defaults apply) or `prompt_lookup_num_tokens`
+(default 10); their steps, drafted and accepted counts are not reported (None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from specdraft.drafters import ModelDrafter
+from specdraft.engine import DEFAULT_K, SpeculativeDecoder
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.loading import DRAFT_QUANTS, prepare_draft
+from specdraft.sampling import SamplingParams
+
+PROMPT_LOOKUP_K = 10  # transformers' usual prompt_lookup_num_tokens
+
+# Option keys (generate's option names without dashes) and how their values are read.
+OPTION_TYPES: dict[str, type] = {"k": int, "temperature": float, "top-k": int, "top-p": float, "seed": int,
+                                 "draft-quant": str}
+SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
+
+
+@dataclass
+class Models:
+    """The loaded weights every method shares; quantized drafts are made once, on first use."""
+
+    target: CausalLM
+    draft: CausalLM | None = None
+    prepared: dict[str, CausalLM] = field(default_factory=dict)
+
+    def draft_as(self, quant: str) -> CausalLM:
+        """The draft with `quant` applied (a copy: other methods keep the loaded weights)."""
+        if quant not in self.prepared:
+            self.prepared[quant] = prepare_draft(self.draft, quant, copy=True)
+        return self.prepared[quant]
+
+
+@dataclass(frozen=True)
+class RunParams:
+    """What one generation of a method needs besides the prompt."""
+
+    sampling: SamplingParams
+    max_new_tokens: int
+    k: int | None = None  # draft tokens per step; None: the method's default (or not applicable)
+    draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
+
+
+@dataclass
+class RunOutput:
+    """One generation: the new tokens (cut after the first EOS), its time and, for our loop, its counts."""
+
+    token_ids: list[int]
+    wall_seconds: float
+    steps: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    accepted_at: list[int] | None = None  # accepted_at[i]: drafts accepted at position i
+    drafted_at: list[int] | None = None  # drafted_at[i]: drafts that reached position i
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A registered method: a one-line description, the option keys it takes, and how it runs."""
+
+    description: str
+    keys: tuple[str, ...]
+    needs_draft: bool
+    run: Callable[[Models, list[int], RunParams], RunOutput]
+
+
+@dataclass
+class MethodSpec:
+    """A parsed method string: its label (the whole string), registry name and options."""
+
+    label: str
+    name: str
+    options: dict[str, int | float] = field(default_factory=dict)
+
+    @property
+    def info(self) -> MethodInfo:
+        """The registry entry of this method."""
+        return METHODS[self.name]
+
+    def sampling(self, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
+        """The method's sampling: the run-wide temperature and seed unless the method sets its own."""
+        return SamplingParams(
+            temperature=float(self.options.get("temperature", temperature)),
+            top_k=int(self.options.get("top-k", 0)),
+            top_p=float(self.options.get("top-p", 1.0)),
+            seed=int(self.options.get("seed", seed)),
+        )
+
+    def params(self, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> RunParams:
+        """Everything a run of this method needs besides the prompt (validated)."""
+        k = self.options.get("k")
+        if k is not None and k < 1:
+            raise SpecdraftError(f"k must be >= 1 in method {self.label!r}, got {k}.")
+        quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
+        if quant not in DRAFT_QUANTS:
+            raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
+        return RunParams(self.sampling(temperature, seed), max_new_tokens, None if k is None else int(k), quant)
+
+
+# ----- running one generation ---------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
+    target = models.target
+    if drafter:
+        drafter = ModelDrafter(models.draft_as(params.draft_quant))
+        decoder = SpeculativeDecoder(target, drafter, k=params.k or DEFAULT_K)
+    else:
+        decoder = SpeculativeDecoder(target)
+    _sync(target.device)
+    started = time.perf_counter()
+    completion = decoder.generate(prompt_ids, params.sampling, params.max_new_tokens)
+    _sync(target.device)
+    wall = time.perf_counter() - started
+    stats = completion.stats
+    return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
+                     list(stats.accepted_at), list(stats.drafted_at))
+
+
+def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """Plain decoding with our loop (no drafter)."""
+    return _run_ours(models, prompt_ids, params, drafter=False)
+
+
+def run_spec(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """Speculative decoding with the draft model drafting `k` tokens a step."""
+    return _run_ours(models, prompt_ids, params, drafter=True)
+
+
+def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
+    """The tokens up to and including the first EOS (as our loop emits them)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: i + 1]
+    return token_ids
+
+
+def hf_generate_kwargs(target: CausalLM, params: RunParams) -> dict:
+    """Keyword arguments for transformers' `generate` that match our decoding settings exactly.
+
+    Everything that could otherwise come from the checkpoint's generation_config (a repetition
+    penalty, default top-k 50, min-p) is set explicitly, so the peers warp as our loop does.
+    """
+    eos = sorted(target.eos_token_ids)
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    kwargs: dict = {
+        "max_new_tokens": params.max_new_tokens,
+        "eos_token_id": eos or None,
+        "pad_token_id": pad if pad is not None else (eos[0] if eos else None),
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+    }
+    sampling = params.sampling
+    if sampling.greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+                      top_p=sampling.top_p, min_p=None, typical_p=1.0)
+    return kwargs
+
+
+@contextlib.contextmanager
+def _assistant_tokens(draft: CausalLM, k: int | None) -> Iterator[None]:
+    """With `k`, make transformers draft exactly `k` tokens a step (constant schedule, no confidence cut)."""
+    if k is None:
+        yield
+        return
+    config = draft.model.generation_config
+    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    saved = {name: getattr(config, name, None) for name in names}
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+    config.assistant_confidence_threshold = 0.0
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' notices for one call (its assisted path warns about its own internal kwargs)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _run_hf(models: Models, prompt_ids: list[int], params: RunParams, **extra) -> RunOutput:
+    target = models.target
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=target.device)  # [1, L]
+    attention_mask = torch.ones_like(input_ids)  # [1, L]
+    kwargs = hf_generate_kwargs(target, params)
+    if not params.sampling.greedy:
+        torch.manual_seed(params.sampling.seed)  # transformers samples from the global generator
+    with torch.inference_mode(), _quiet_transformers():
+        _sync(target.device)
+        started = time.perf_counter()
+        output = target.model.generate(input_ids, attention_mask=attention_mask, **kwargs, **extra)  # [1, L + n]
+        _sync(target.device)
+        wall = time.perf_counter() - started
+    new_ids = cut_at_eos(output[0, len(prompt_ids):].tolist(), target.eos_token_ids)
+    return RunOutput(new_ids, wall)
+
+
+def run_hf_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """transformers `generate` without a drafter."""
+    return _run_hf(models, prompt_ids, params)
+
+
+def run_hf_assisted(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """transformers assisted generation with the shared draft model."""
+    draft = models.draft_as(params.draft_quant)
+    with _assistant_tokens(draft, params.k):
+        return _run_hf(models, prompt_ids, params, assistant_model=draft.model)
+
+
+def run_hf_prompt_lookup(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """transformers prompt lookup decoding (n-gram matches in the prompt and output so far)."""
+    return _run_hf(models, prompt_ids, params, prompt_lookup_num_tokens=params.k or PROMPT_LOOKUP_K)
+
+
+METHODS: dict[str, MethodInfo] = {
+    "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
+    "spec": MethodInfo("specdraft speculative decoding with the draft model (int4 on CPU by default)",
+                       ("k", "draft-quant") + SAMPLING_KEYS, True, run_spec),
+    "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
+    "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
+                              ("k", "draft-quant") + SAMPLING_KEYS,
+                              True, run_hf_assisted),
+    "hf-prompt-lookup": MethodInfo("transformers prompt lookup decoding", ("k",) + SAMPLING_KEYS, False,
+                                   run_hf_prompt_lookup),
+}
+
+
+# ----- parsing method strings ------------------------------------------------------------------------
+def _read_value(key: str, value: str, label: str) -> int | float:
+    kind = OPTION_TYPES[key]
+    try:
+        return kind(value)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise SpecdraftError(f"{key} must be {what} in method {label!r}, got {value!r}.") from None
+
+
+def parse_method(text: str) -> MethodSpec:
+    """Parse `NAME` or `NAME:key=value;key=value` into a MethodSpec (label = the whole string)."""
+    label = text.strip()
+    name, _, rest = label.partition(":")
+    name = name.strip()
+    if name not in METHODS:
+        raise SpecdraftError(f"Unknown method {name!r} in {label!r}; choose from: {', '.join(METHODS)}.")
+    info = METHODS[name]
+    options: dict[str, int | float] = {}
+    for part in filter(None, (p.strip() for p in rest.split(";"))):
+        key, eq, value = (s.strip() for s in part.partition("="))
+        if not eq or not key or not value:
+            raise SpecdraftError(f"Method options are key=value pairs separated by ';'; got {part!r} in {label!r}.")
+        if key not in info.keys:
+            raise SpecdraftError(f"Unknown option {key!r} for method {name!r} in {label!r}; "
+                                 f"{name} takes: {', '.join(info.keys)}.")
+        if key in options:
+            raise SpecdraftError(f"Option {key!r} is given twice in {label!r}.")
+        options[key] = _read_value(key, value, label)
+    return MethodSpec(label, name, options)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """Parse a comma list of methods; labels must be distinct."""
+    specs = [parse_method(part) for part in text.split(",") if part.strip()]
+    if not specs:
+        raise SpecdraftError(f"No methods given; choose from: {', '.join(METHODS)}.")
+    labels = [s.label for s in specs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise SpecdraftError(f"Method {repeated[0]!r} is listed twice.")
+    return specs

@@ -1,0 +1,294 @@
+"""Run every method on every prompt, interleaved, append each result as it lands, then summarise.
+
+```
+load the target (and the draft, when a method needs it) once
+skip (prompt, method) pairs OUT/results.jsonl already holds under the same settings
+warm up each method that still has work (a short generation, not recorded)
+for prompt in prompts:                     # methods interleaved per prompt: drift cancels
+    for method in methods:
+        run, append one record to OUT/results.jsonl, flush
+judge greedy divergences from ar with the near-tie rule (needs the target)
+write OUT/summary.json and OUT/report.md; raise ExactnessError if a greedy output differs
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+from specdraft.bench.methods import MethodSpec, Models, RunOutput, parse_methods
+from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
+from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
+from specdraft.errors import SpecdraftError
+from specdraft.exactness import compare_greedy
+from specdraft.models import registry
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.loading import check_compatible, load_model
+from specdraft.text import encode_prompt
+
+RESULTS, SUMMARY, REPORT = "results.jsonl", "summary.json", "report.md"
+
+
+@dataclass
+class BenchConfig:
+    """Everything one `specdraft bench` run is given (the CLI options, parsed)."""
+
+    out: Path
+    methods: Sequence[MethodSpec] | str = "ar,spec"
+    target: str = registry.DEFAULT_TARGET
+    draft: str = registry.DEFAULT_DRAFT
+    prompts: Path | None = None  # None: the shipped prompt set
+    categories: Sequence[str] | None = None
+    max_prompts: int | None = None  # per category, in file order
+    turns: int = 1
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    threads: int | None = None  # None: torch's default
+    chat: bool | None = None  # None: the chat template when the tokenizer has one
+    warmup_tokens: int = 8
+
+
+@dataclass
+class BenchResult:
+    """What a run wrote: the output folder, the summary (as in summary.json), the records and any mismatches."""
+
+    out: Path
+    summary: dict
+    records: list[dict]
+    mismatches: list[Key] = field(default_factory=list)
+
+
+# ----- the machine and the settings --------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's marketing name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run_settings(config: BenchConfig, models: Models, prompts_path: Path, methods: Sequence[MethodSpec]) -> dict:
+    """The settings of a run as summary.json reports them (dtype, device and threads as resolved)."""
+    return {
+        "target": config.target, "draft": config.draft if models.draft is not None else None,
+        "dtype": str(models.target.dtype).removeprefix("torch."), "device": str(models.target.device),
+        "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "seed": config.seed,
+        "turns": config.turns, "threads": torch.get_num_threads(), "chat": config.chat,
+        "prompts": str(prompts_path), "categories": list(config.categories or []),
+        "max_prompts": config.max_prompts, "methods": [spec.label for spec in methods],
+        "warmup_tokens": config.warmup_tokens,
+    }
+
+
+def settings_id(settings: dict, needs_draft: bool) -> str:
+    """A short hash of the settings that shape a method's records (the draft only where it drafts)."""
+    keys = ["target", "dtype", "device", "max_new_tokens", "temperature", "seed", "turns", "threads", "chat"]
+    shaping = {key: settings[key] for key in keys} | ({"draft": settings["draft"]} if needs_draft else {})
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ----- results.jsonl ----------------------------------------------------------------------------------------
+def read_records(path: Path) -> list[dict]:
+    """The records in `path` (none if it is missing); a line cut short by an interruption is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "question_id" in record and "method" in record:
+            records.append(record)
+    return records
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one record as a line and flush it (after mending a line an interruption left unfinished)."""
+    with open(path, "a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode("utf-8"))
+        f.flush()
+
+
+# ----- the steps of a run --------------------------------------------------------------------------------
+def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
+    target = load_model(config.target, dtype=config.dtype, device=None if config.device == "auto" else config.device)
+    draft = None
+    if any(spec.info.needs_draft for spec in methods):
+        draft = load_model(config.draft, dtype=config.dtype, device=target.device)
+        check_compatible(target, draft)
+    return Models(target, draft)
+
+
+def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> dict[Hashable, list[int]]:
+    """Token ids of each prompt's first turn; each must leave room for --max-new-tokens in every model."""
+    encoded = {}
+    for prompt in prompts:
+        ids = encode_prompt(models.target.tokenizer, prompt.turns[0], chat=config.chat)
+        for model in filter(None, (models.target, models.draft)):
+            if len(ids) + config.max_new_tokens > model.max_context:
+                raise SpecdraftError(
+                    f"Question {prompt.question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "
+                    f"{config.max_new_tokens} that passes {model.name}'s context of {model.max_context}. "
+                    "Lower --max-new-tokens or leave that prompt out."
+                )
+        encoded[prompt.question_id] = ids
+    return encoded
+
+
+def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput, temperature: float,
+            sid: str) -> dict:
+    return {
+        "question_id": prompt.question_id,
+        "category": prompt.category,
+        "method": spec.label,
+        "new_tokens": len(output.token_ids),
+        "wall_seconds": output.wall_seconds,
+        "steps": output.steps,
+        "drafted": output.drafted,
+        "accepted": output.accepted,
+        "accepted_at": output.accepted_at,
+        "drafted_at": output.drafted_at,
+        "token_ids": output.token_ids,
+        "prompt_tokens": len(ids),
+        "temperature": temperature,
+        "settings_id": sid,
+    }
+
+
+def _progress(console: Console | None) -> Progress:
+    return Progress(
+        TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
+        console=console or Console(stderr=True, quiet=True), disable=console is None,
+    )
+
+
+def judge_divergences(records: Sequence[dict], reference: str | None, target: CausalLM,
+                      prompt_ids: dict[Hashable, list[int]]) -> tuple[dict[Key, bool], list[dict]]:
+    """For each greedy run whose tokens differ from the reference's: is the first divergence a near-tie?
+
+    Returns the verdicts `{(question_id, method): near_tie}` and their details for summary.json.
+    A run that is a strict prefix of the other (different length, no differing token) is no near-tie.
+    """
+    verdicts, details = {}, []
+    refs = {r["question_id"]: r for r in records if r["method"] == reference and is_greedy(r)}
+    for record in records:
+        ref = refs.get(record["question_id"])
+        if ref is None or record is ref or not is_greedy(record) or record["token_ids"] == ref["token_ids"]:
+            continue
+        comparison = compare_greedy(target, prompt_ids[record["question_id"]], ref["token_ids"], record["token_ids"])
+        near_tie = not comparison.equal and comparison.near_tie
+        verdicts[(record["question_id"], record["method"])] = near_tie
+        details.append({"question_id": record["question_id"], "method": record["method"],
+                        "diverged_at": comparison.diverged_at, "top2_gap": comparison.top2_gap,
+                        "near_tie": near_tie})
+    return verdicts, details
+
+
+def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResult:
+    """Run the benchmark into `config.out` (resuming), write the summary and report, and return them.
+
+    `console` (e.g. stderr) shows a progress bar; None runs quietly. Raises ExactnessError,
+    after every file is written, when a greedy method's output differs from `ar` beyond a near-tie.
+    """
+    methods = parse_methods(config.methods) if isinstance(config.methods, str) else list(config.methods)
+    if config.turns == 2:
+        raise SpecdraftError("--turns 2 (continuing multi-turn questions) is not supported yet; use --turns 1.")
+    if config.turns != 1:
+        raise SpecdraftError(f"--turns must be 1 (or, later, 2), got {config.turns}.")
+    if config.max_new_tokens < 1:
+        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {config.max_new_tokens}.")
+    if config.threads is not None and config.threads < 1:
+        raise SpecdraftError(f"--threads must be >= 1, got {config.threads}.")
+    params = {spec.label: spec.params(config.max_new_tokens, config.temperature, config.seed) for spec in methods}
+    prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
+    prompts = select_prompts(load_prompts(prompts_path), config.categories, config.max_prompts)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    threads_before = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        models = _load_models(config, methods)
+        settings = run_settings(config, models, prompts_path, methods)
+        sids = {spec.label: settings_id(settings, spec.info.needs_draft) for spec in methods}
+        prompt_ids = _encode(prompts, models, config)
+
+        results_path = out / RESULTS
+        done = {(r["question_id"], r["method"]): r for r in read_records(results_path)
+                if r["method"] in sids and r.get("settings_id") == sids[r["method"]]}
+        todo = [(p, s) for p in prompts for s in methods if (p.question_id, s.label) not in done]
+
+        if todo:  # one short, unrecorded generation per method that still has work
+            first_ids = prompt_ids[todo[0][0].question_id]
+            warmup = max(1, min(config.warmup_tokens, config.max_new_tokens))
+            for spec in {s.label: s for _, s in todo}.values():
+                spec.info.run(models, first_ids, dataclasses.replace(params[spec.label], max_new_tokens=warmup))
+
+        with _progress(console) as progress:
+            task = progress.add_task("", total=len(todo))
+            for prompt, spec in todo:
+                progress.update(task, description=f"question {prompt.question_id} / {spec.label}")
+                ids = prompt_ids[prompt.question_id]
+                output = spec.info.run(models, ids, params[spec.label])
+                record = _record(prompt, spec, ids, output, params[spec.label].sampling.temperature, sids[spec.label])
+                append_record(results_path, record)
+                done[(prompt.question_id, spec.label)] = record
+                progress.advance(task)
+
+        records = [done[(p.question_id, s.label)] for p in prompts for s in methods]
+        reference = next((s.label for s in methods if s.name == "ar"), None)
+        near_ties, divergences = judge_divergences(records, reference, models.target, prompt_ids)
+        summary = {
+            "machine": machine_info(models.target.device),
+            "settings": settings,
+            "methods": summarize(records, reference, near_ties, [s.label for s in methods]),
+            "divergences": divergences,
+        }
+        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        (out / REPORT).write_text(render_report(summary), encoding="utf-8")
+        result = BenchResult(out, summary, records, find_mismatches(records, reference, near_ties))
+    finally:
+        torch.set_num_threads(threads_before)
+    if result.mismatches:
+        raise ExactnessError(result.mismatches, result)
+    return result

@@ -1,0 +1,192 @@
+"""From benchmark records to figures: pure arithmetic on the records, and the markdown report.
+
+A record is one (prompt, method) run as written to `results.jsonl`; the fields used here are
+`question_id`, `category`, `method`, `new_tokens`, `wall_seconds`, `steps`, `drafted`,
+`accepted`, `token_ids` and `temperature` (0 = greedy). Per method (and per category):
+
+    tokens_per_second       Σ new_tokens / Σ wall_seconds
+    speedup_vs_ar           tokens_per_second / the reference's (`ar`) tokens_per_second
+    acceptance_rate (α)     Σ accepted / Σ drafted           (None if nothing was drafted)
+    mean_committed_per_step Σ new_tokens / Σ steps (τ)       (None if no steps were counted)
+    greedy_exact            share of prompts whose token_ids equal the reference's, a
+                            divergence at a near-tie counting as equal (greedy runs only)
+
+The near-tie verdicts need the target model, so they come in from outside as
+`near_ties[(question_id, method)] -> bool`; everything else is a function of the records.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Mapping, Sequence
+
+from specdraft.errors import SpecdraftError
+
+Key = tuple[Hashable, str]  # (question_id, method label)
+FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact")
+
+
+class ExactnessError(SpecdraftError):
+    """A greedy method's output differs from `ar` beyond the near-tie rule; `mismatches` lists where."""
+
+    def __init__(self, mismatches: Sequence[Key], result=None) -> None:
+        self.mismatches = list(mismatches)
+        self.result = result  # the BenchResult, when raised by the runner (files are written first)
+        listing = ", ".join(f"question {qid} / {method}" for qid, method in self.mismatches)
+        super().__init__(
+            f"{len(self.mismatches)} greedy output(s) differ from ar beyond a near-tie: {listing}. "
+            "Lossless decoding must reproduce the target's greedy output."
+        )
+
+
+def is_greedy(record: Mapping) -> bool:
+    """Whether a record comes from a greedy run (temperature 0)."""
+    return float(record.get("temperature", 0.0)) == 0.0
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def rates(records: Sequence[Mapping]) -> dict[str, float | None]:
+    """tokens_per_second, acceptance_rate and mean_committed_per_step of a group of records."""
+    new_tokens = sum(r["new_tokens"] for r in records)
+    drafted = [r for r in records if r.get("drafted") is not None]
+    counted = [r for r in records if r.get("steps") is not None]
+    return {
+        "tokens_per_second": _ratio(new_tokens, sum(r["wall_seconds"] for r in records)),
+        "acceptance_rate": _ratio(sum(r["accepted"] for r in drafted), sum(r["drafted"] for r in drafted)),
+        "mean_committed_per_step": _ratio(sum(r["new_tokens"] for r in counted), sum(r["steps"] for r in counted)),
+    }
+
+
+def _exact(record: Mapping, reference: Mapping, near_ties: Mapping[Key, bool]) -> bool:
+    if record["token_ids"] == reference["token_ids"]:
+        return True
+    return bool(near_ties.get((record["question_id"], record["method"]), False))
+
+
+def greedy_exact(records: Sequence[Mapping], reference: Mapping[Hashable, Mapping],
+                 near_ties: Mapping[Key, bool]) -> float | None:
+    """Share of `records` equal to the reference run of the same prompt (None unless both are greedy).
+
+    Prompts without a reference run are left out; a sampled run among `records` gives None.
+    """
+    if not all(is_greedy(r) for r in records):
+        return None
+    pairs = [(r, reference[r["question_id"]]) for r in records
+             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])]
+    if not pairs:
+        return None
+    return sum(_exact(r, ref, near_ties) for r, ref in pairs) / len(pairs)
+
+
+def _group(records: Iterable[Mapping], field: str) -> dict[Hashable, list[Mapping]]:
+    groups: dict[Hashable, list[Mapping]] = {}
+    for record in records:
+        groups.setdefault(record[field], []).append(record)
+    return groups
+
+
+def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
+             near_ties: Mapping[Key, bool]) -> dict[str, float | None]:
+    figures = rates(records)
+    reference_tps = rates(reference_records)["tokens_per_second"] if reference_records else None
+    tps = figures["tokens_per_second"]
+    figures["speedup_vs_ar"] = tps / reference_tps if tps is not None and reference_tps else None
+    by_prompt = {r["question_id"]: r for r in reference_records}
+    figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if reference_records else None
+    return {name: figures[name] for name in FIELDS}
+
+
+def summarize(
+    records: Sequence[Mapping],
+    reference: str | None = "ar",
+    near_ties: Mapping[Key, bool] | None = None,
+    methods: Sequence[str] | None = None,
+) -> dict[str, dict]:
+    """Per method: the five figures overall and per category (`{"categories": {cat: figures}}`).
+
+    `reference` is the label of the `ar` method (None or absent: no speedup, no greedy_exact);
+    `methods` fixes the order of the result (default: first appearance in the records).
+    """
+    near_ties = near_ties or {}
+    by_method = _group(records, "method")
+    reference_records = by_method.get(reference, []) if reference else []
+    reference_by_category = _group(reference_records, "category")
+    summary = {}
+    for method in (methods if methods is not None else list(by_method)):
+        own = by_method.get(method, [])
+        if not own:
+            continue
+        figures = _figures(own, reference_records, near_ties)
+        figures["categories"] = {
+            category: _figures(group, reference_by_category.get(category, []), near_ties)
+            for category, group in _group(own, "category").items()
+        }
+        summary[method] = figures
+    return summary
+
+
+def find_mismatches(
+    records: Sequence[Mapping],
+    reference: str | None = "ar",
+    near_ties: Mapping[Key, bool] | None = None,
+) -> list[Key]:
+    """(question_id, method) of every greedy run whose tokens differ from the greedy reference's, not at a near-tie."""
+    near_ties = near_ties or {}
+    if not reference:
+        return []
+    by_prompt = {r["question_id"]: r for r in records if r["method"] == reference and is_greedy(r)}
+    return [
+        (r["question_id"], r["method"]) for r in records
+        if r["method"] != reference and is_greedy(r) and r["question_id"] in by_prompt
+        and not _exact(r, by_prompt[r["question_id"]], near_ties)
+    ]
+
+
+def check_exactness(records: Sequence[Mapping], reference: str | None = "ar",
+                    near_ties: Mapping[Key, bool] | None = None) -> None:
+    """Raise ExactnessError listing every greedy run that differs from the reference beyond a near-tie."""
+    mismatches = find_mismatches(records, reference, near_ties)
+    if mismatches:
+        raise ExactnessError(mismatches)
+
+
+# ----- the markdown report -------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def render_report(summary: Mapping) -> str:
+    """`report.md`: speedup per method × category (as Spec-Bench's leaderboard), details, settings, machine."""
+    methods: Mapping[str, Mapping] = summary.get("methods", {})
+    categories = list(dict.fromkeys(c for figures in methods.values() for c in figures["categories"]))
+    lines = ["# specdraft bench", "", "## Speedup over ar by category", ""]
+    header = ["method", *categories, "overall", "τ", "α", "tokens/s", "greedy exact"]
+    rows = []
+    for method, figures in methods.items():
+        per_category = [_fmt(figures["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories]
+        rows.append([f"`{method}`", *per_category, _fmt(figures["speedup_vs_ar"], ".2f", "×"),
+                     _fmt(figures["mean_committed_per_step"]), _fmt(figures["acceptance_rate"]),
+                     _fmt(figures["tokens_per_second"], ".1f"), _fmt(figures["greedy_exact"], ".0%")])
+    lines += _table(header, rows)
+    lines += ["", "## Per method and category", ""]
+    rows = []
+    for method, figures in methods.items():
+        for category, cat in [*figures["categories"].items(), ("all", figures)]:
+            rows.append([f"`{method}`", category, _fmt(cat["speedup_vs_ar"], ".2f", "×"),
+                         _fmt(cat["mean_committed_per_step"]), _fmt(cat["acceptance_rate"]),
+                         _fmt(cat["tokens_per_second"], ".1f"), _fmt(cat["greedy_exact"], ".0%")])
+    lines += _table(["method", "category", "speedup", "τ", "α", "tokens/s", "greedy exact"], rows)
+    lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
+              "α: accepted / drafted; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
+    for title in ("settings", "machine"):
+        lines += [f"## {title.capitalize()}", ""]
+        lines += [f"- {key}: `{value}`" for key, value in summary.get(title, {}).items()]
+        lines.append("")
+    return "\n".join(lines)

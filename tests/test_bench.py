@@ -1,0 +1,281 @@
+"""`specdraft bench`: summary arithmetic, method strings, prompts, resumption, the exactness check, the CLI."""
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdraft.bench import (METHODS, BenchConfig, ExactnessError, check_exactness, find_mismatches, load_prompts,
+                             parse_method, parse_methods, render_report, run_bench, select_prompts, summarize)
+from specdraft.bench.runner import append_record, read_records
+from specdraft.errors import SpecdraftError
+from specdraft.surfaces.cli import app
+
+# ----- summary arithmetic on synthetic records ---------------------------------------------------------
+
+
+def rec(qid, category, method, new, wall, tokens, steps=None, drafted=None, accepted=None, temperature=0.0):
+    return {"question_id": qid, "category": category, "method": method, "new_tokens": new, "wall_seconds": wall,
+            "steps": steps, "drafted": drafted, "accepted": accepted, "token_ids": tokens, "temperature": temperature}
+
+
+SAME, OTHER = list(range(10)), [0, 1, 2, 99, 4, 5]
+RECORDS = [
+    rec(1, "code", "ar", 10, 1.0, SAME, steps=10, drafted=0, accepted=0),
+    rec(1, "code", "spec", 10, 0.5, SAME, steps=4, drafted=12, accepted=6),
+    rec(1, "code", "hf-ar", 10, 1.25, SAME),
+    rec(1, "code", "spec:temperature=1", 10, 0.4, OTHER, steps=2, drafted=8, accepted=8, temperature=1.0),
+    rec(2, "prose", "ar", 20, 4.0, SAME, steps=20, drafted=0, accepted=0),
+    rec(2, "prose", "spec", 20, 1.5, OTHER, steps=5, drafted=16, accepted=15),  # diverges at a near-tie
+    rec(2, "prose", "hf-ar", 18, 3.75, OTHER),  # diverges, not at a near-tie
+    rec(2, "prose", "spec:temperature=1", 20, 1.6, SAME, steps=4, drafted=16, accepted=16, temperature=1.0),
+]
+NEAR_TIES = {(2, "spec"): True, (2, "hf-ar"): False}
+
+
+def test_summary_arithmetic_by_hand():
+    s = summarize(RECORDS, "ar", NEAR_TIES)
+    assert list(s) == ["ar", "spec", "hf-ar", "spec:temperature=1"]
+    approx = pytest.approx
+    # ar: 30 tokens / 5 s; nothing drafted; 30 tokens / 30 steps
+    assert s["ar"]["tokens_per_second"] == approx(6.0)
+    assert s["ar"]["speedup_vs_ar"] == approx(1.0)
+    assert s["ar"]["acceptance_rate"] is None
+    assert s["ar"]["mean_committed_per_step"] == approx(1.0)
+    assert s["ar"]["greedy_exact"] == approx(1.0)
+    # spec: 30 / 2.0 s = 15 tok/s = 2.5x; α = 21 / 28; τ = 30 / 9; prompt 2 differs only at a near-tie
+    assert s["spec"]["tokens_per_second"] == approx(15.0)
+    assert s["spec"]["speedup_vs_ar"] == approx(2.5)
+    assert s["spec"]["acceptance_rate"] == approx(0.75)
+    assert s["spec"]["mean_committed_per_step"] == approx(30 / 9)
+    assert s["spec"]["greedy_exact"] == approx(1.0)
+    code, prose = s["spec"]["categories"]["code"], s["spec"]["categories"]["prose"]
+    assert (code["tokens_per_second"], code["speedup_vs_ar"], code["acceptance_rate"],
+            code["mean_committed_per_step"]) == (approx(20.0), approx(2.0), approx(0.5), approx(2.5))
+    assert (prose["tokens_per_second"], prose["speedup_vs_ar"], prose["acceptance_rate"],
+            prose["mean_committed_per_step"]) == (approx(40 / 3), approx(8 / 3), approx(15 / 16), approx(4.0))
+    # hf-ar: 28 / 5 s; no counts; one of two prompts equal
+    hf = s["hf-ar"]
+    assert (hf["tokens_per_second"], hf["speedup_vs_ar"]) == (approx(5.6), approx(28 / 30))
+    assert hf["acceptance_rate"] is None and hf["mean_committed_per_step"] is None
+    assert hf["greedy_exact"] == approx(0.5)
+    assert hf["categories"]["code"]["greedy_exact"] == 1.0 and hf["categories"]["prose"]["greedy_exact"] == 0.0
+    assert hf["categories"]["prose"]["speedup_vs_ar"] == approx(4.8 / 5.0)
+    # a sampled method has no greedy verdict
+    assert s["spec:temperature=1"]["greedy_exact"] is None
+    assert s["spec:temperature=1"]["acceptance_rate"] == approx(24 / 24)
+
+
+def test_summary_without_ar_has_no_speedup_or_exactness():
+    s = summarize([r for r in RECORDS if r["method"] != "ar"], "ar", NEAR_TIES)
+    assert all(m["speedup_vs_ar"] is None and m["greedy_exact"] is None for m in s.values())
+    assert s["spec"]["tokens_per_second"] == pytest.approx(15.0)
+    assert summarize(RECORDS, None)["spec"]["speedup_vs_ar"] is None
+
+
+def test_exactness_check_catches_a_planted_mismatch():
+    assert find_mismatches(RECORDS, "ar", NEAR_TIES) == [(2, "hf-ar")]
+    assert find_mismatches(RECORDS, "ar", {}) == [(2, "spec"), (2, "hf-ar")]  # no near-tie verdict: a mismatch
+    with pytest.raises(ExactnessError) as caught:
+        check_exactness(RECORDS, "ar", NEAR_TIES)
+    assert caught.value.mismatches == [(2, "hf-ar")]
+    assert "question 2 / hf-ar" in str(caught.value)
+    check_exactness([r for r in RECORDS if r["method"] != "hf-ar"], "ar", NEAR_TIES)  # nothing to report
+
+
+def test_report_has_every_method_and_category():
+    report = render_report({"methods": summarize(RECORDS, "ar", NEAR_TIES), "settings": {"max_new_tokens": 128},
+                            "machine": {"cores": 2}})
+    for text in ("`spec`", "`hf-ar`", "code", "prose", "2.50×", "max_new_tokens", "cores"):
+        assert text in report
+
+
+# ----- method strings ------------------------------------------------------------------------------------
+
+
+def test_method_strings_parse():
+    spec = parse_method("spec:k=8;temperature=0.7;top-p=0.9")
+    assert (spec.label, spec.name, spec.options) == ("spec:k=8;temperature=0.7;top-p=0.9", "spec",
+                                                      {"k": 8, "temperature": 0.7, "top-p": 0.9})
+    sampling = parse_method("hf-ar:top-k=5").sampling(temperature=0.5, seed=3)
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed) == (0.5, 5, 1.0, 3)
+    assert parse_method("ar:seed=9").sampling(0.0, 1).seed == 9
+    assert [m.label for m in parse_methods("ar, spec:k=2,hf-assisted,hf-prompt-lookup")] == \
+        ["ar", "spec:k=2", "hf-assisted", "hf-prompt-lookup"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nope", "Unknown method 'nope'"),
+    ("ar:k=2", "Unknown option 'k' for method 'ar'"),
+    ("spec:depth=2", "Unknown option 'depth' for method 'spec'"),
+    ("spec:k=two", "k must be a whole number"),
+    ("spec:k", "key=value"),
+    ("spec:k=2;k=3", "given twice"),
+    ("ar,ar", "listed twice"),
+    (" , ", "No methods given"),
+])
+def test_bad_method_strings_are_clear_errors(text, message):
+    with pytest.raises(SpecdraftError, match=message.replace("(", r"\(")):
+        parse_methods(text)
+
+
+def test_bad_option_values_are_clear_errors():
+    with pytest.raises(SpecdraftError, match="k must be >= 1"):
+        parse_method("spec:k=0").params(16)
+    with pytest.raises(SpecdraftError, match="temperature must be >= 0"):
+        parse_method("spec:temperature=-1").params(16)
+
+
+# ----- prompts -----------------------------------------------------------------------------------------------
+
+
+def test_shipped_prompts_and_selection(tmp_path):
+    prompts = load_prompts()
+    assert len(prompts) == 12 and len({p.question_id for p in prompts}) == 12
+    assert [p.category for p in prompts].count("code") == 6 and [p.category for p in prompts].count("prose") == 6
+    chosen = select_prompts(prompts, ["prose"], 2)
+    assert chosen == [p for p in prompts if p.category == "prose"][:2]
+    assert len(select_prompts(prompts, None, 1)) == 2
+    with pytest.raises(SpecdraftError, match="Unknown category 'maths'.*code, prose"):
+        select_prompts(prompts, ["maths"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "a", "turns": ["x"]}\n{"question_id": 2, "category": "a"}\n')
+    with pytest.raises(SpecdraftError, match="line 2: turns"):
+        load_prompts(bad)
+
+
+# ----- runs on the tiny models -----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny_prompts(tmp_path):
+    """Short prompts (the tiny target holds 128 positions), two per category."""
+    path = tmp_path / "prompts.jsonl"
+    items = [(11, "code", "def add(a, b)"), (12, "code", "for i in range"), (21, "prose", "The quick brown fox"),
+             (22, "prose", "Speculative decoding drafts")]
+    path.write_text("".join(json.dumps({"question_id": q, "category": c, "turns": [t]}) + "\n" for q, c, t in items))
+    return path
+
+
+@pytest.fixture()
+def tiny_config(tiny_model_dirs, tiny_prompts, tmp_path):
+    def make(**changes):
+        base = BenchConfig(out=tmp_path / "out", methods="ar,spec:k=2", target=str(tiny_model_dirs["target"]),
+                           draft=str(tiny_model_dirs["draft"]), prompts=tiny_prompts, max_new_tokens=12,
+                           dtype="float32", threads=1, warmup_tokens=3)
+        return dataclasses.replace(base, **changes)
+    return make
+
+
+@pytest.fixture()
+def counted_runs(monkeypatch):
+    """Count the measured runs and the warm-ups (3 tokens) of each method."""
+    calls = []
+    for name, info in list(METHODS.items()):
+        def counting(models, ids, params, _run=info.run, _name=name):
+            calls.append((_name, "warmup" if params.max_new_tokens == 3 else "run"))
+            return _run(models, ids, params)
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(info, run=counting))
+    return calls
+
+
+def test_resumption_skips_finished_pairs(tiny_config, counted_runs):
+    first = run_bench(tiny_config(max_prompts=1))  # one prompt per category
+    assert sorted(counted_runs) == sorted([("ar", "warmup"), ("spec", "warmup")] + [("ar", "run"), ("spec", "run")] * 2)
+    counted_runs.clear()
+    second = run_bench(tiny_config())  # "interrupted" after the first prompts: only the rest runs
+    assert sorted(name for name, kind in counted_runs if kind == "run") == ["ar", "ar", "spec", "spec"]
+    counted_runs.clear()
+    third = run_bench(tiny_config())  # all done: nothing runs, not even a warm-up
+    assert counted_runs == []
+    lines = (first.out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and len({(json.loads(x)["question_id"], json.loads(x)["method"]) for x in lines}) == 8
+    assert third.records == second.records
+    assert third.summary["methods"]["spec:k=2"]["greedy_exact"] == 1.0
+    counted_runs.clear()
+    run_bench(tiny_config(max_new_tokens=10, max_prompts=1))  # other settings: run again, not reused
+    assert len([c for c in counted_runs if c[1] == "run"]) == 4
+
+
+def test_runner_exits_on_a_planted_mismatch(tiny_config, monkeypatch):
+    info = METHODS["spec"]
+
+    def wrong(models, ids, params):
+        output = info.run(models, ids, params)
+        if len(output.token_ids) > 3:  # (not the 3-token warm-up)
+            output.token_ids[3] = (output.token_ids[3] + 1) % models.target.vocab_size  # no near-tie in float32
+        return output
+    monkeypatch.setitem(METHODS, "spec", dataclasses.replace(info, run=wrong))
+    with pytest.raises(ExactnessError) as caught:
+        run_bench(tiny_config(max_prompts=1))
+    assert caught.value.mismatches == [(11, "spec:k=2"), (21, "spec:k=2")]
+    summary = json.loads((caught.value.result.out / "summary.json").read_text())
+    assert summary["methods"]["spec:k=2"]["greedy_exact"] == 0.0
+    assert [d["diverged_at"] for d in summary["divergences"]] == [3, 3]
+    assert not any(d["near_tie"] for d in summary["divergences"])
+
+
+def test_an_interrupted_line_is_skipped_and_mended(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"question_id": 1, "method": "ar"}\n{"question_id": 2, "meth')  # cut short mid-write
+    append_record(path, {"question_id": 3, "method": "ar"})
+    assert [r["question_id"] for r in read_records(path)] == [1, 3]
+
+
+def test_bench_cli_exits_1_on_a_mismatch(tiny_model_dirs, tiny_prompts, tmp_path, monkeypatch):
+    info = METHODS["hf-ar"]
+
+    def wrong(models, ids, params):
+        output = info.run(models, ids, params)
+        output.token_ids[-1] = (output.token_ids[-1] + 1) % models.target.vocab_size
+        return output
+    monkeypatch.setitem(METHODS, "hf-ar", dataclasses.replace(info, run=wrong))
+    result = CliRunner().invoke(app, [
+        "bench", "--target", str(tiny_model_dirs["target"]), "--prompts", str(tiny_prompts), "--methods", "ar,hf-ar",
+        "--max-prompts", "1", "--categories", "code", "--max-new-tokens", "8", "--dtype", "float32",
+        "--threads", "1", "--out", str(tmp_path / "o"),
+    ])
+    assert result.exit_code == 1, result.output
+    assert "question 11 / hf-ar" in result.stderr and "hf-ar" in result.stderr
+    assert (tmp_path / "o" / "report.md").is_file()
+
+
+# ----- the command line ---------------------------------------------------------------------------------------
+
+
+def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
+    out = tmp_path / "cli_out"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
+        "--prompts", str(tiny_prompts), "--methods", "ar,spec:k=2,hf-ar,hf-assisted", "--max-prompts", "1",
+        "--max-new-tokens", "16", "--dtype", "float32", "--threads", "1", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 8  # 2 categories x 1 prompt x 4 methods
+    for record in records:
+        assert {"question_id", "category", "method", "new_tokens", "wall_seconds", "steps", "drafted", "accepted",
+                "accepted_at", "token_ids", "prompt_tokens"} <= set(record)
+        assert record["new_tokens"] == len(record["token_ids"]) > 0
+    assert all(r["steps"] is None and r["accepted_at"] is None for r in records if r["method"].startswith("hf-"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) >= {"machine", "settings", "methods"}
+    assert {"cpu", "cores", "torch", "threads", "python"} <= set(summary["machine"])
+    assert list(summary["methods"]) == ["ar", "spec:k=2", "hf-ar", "hf-assisted"]
+    for figures in summary["methods"].values():
+        assert figures["greedy_exact"] == 1.0 and set(figures["categories"]) == {"code", "prose"}
+    assert "| `hf-assisted` |" in (out / "report.md").read_text()
+    assert "speedup" in result.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--turns", "2"], "not supported yet"),
+    (["--methods", "ar,beam"], "Unknown method 'beam'"),
+    (["--categories", "maths"], "Unknown category 'maths'"),
+])
+def test_bench_cli_clear_errors(tiny_model_dirs, tiny_prompts, tmp_path, extra, message):
+    result = CliRunner().invoke(app, ["bench", "--target", str(tiny_model_dirs["target"]), "--prompts",
+                                      str(tiny_prompts), "--out", str(tmp_path / "o"), *extra])
+    assert result.exit_code == 2
+    assert message in result.stderr
