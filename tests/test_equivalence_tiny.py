@@ -123,5 +123,5 @@ def test_int4_linear_matches_its_float_weights():
     x = torch.randn(3, 128)
     ref = linear(x)
     err = (Int4Linear(linear)(x) - ref).norm() / ref.norm()
-    assert err < 0.05  # 4-bit groups of 32: close, not equal
+    assert err < 0.1  # 4-bit groups of 32: close, not equal (a wrong packing gives ~1)
     assert err > 0  # and really quantized
