@@ -27,7 +27,7 @@ test-quick: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
 
 bench: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/bench_issue2.py --out bench_out
+	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -180,15 +180,16 @@ class SpeculativeDecoder:
                 else:
                     q = draft.q_draft.unsqueeze(0) if draft.q_draft is not None else None
                     verdict = verify_sampled(draft.tokens.unsqueeze(0), q, p_target.unsqueeze(0), generator)
-            # The one host sync of the step.
-            num_accepted, next_token = torch.stack([verdict.num_accepted[0], verdict.next_token[0]]).tolist()
+            # The one host sync of the step: [num_accepted, next_token, d1 .. dk].
+            decided = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1], draft.tokens]).tolist()
+            num_accepted, next_token = decided[0], decided[1]
             t2 = time.perf_counter()
 
             # 4. commit: both caches keep the accepted prefix
             target.truncate(length + num_accepted)
             if drafter is not None and k > 0:
                 drafter.commit(length, num_accepted)
-            committed = draft.tokens[:num_accepted].tolist() + [next_token]
+            committed = decided[2 : 2 + num_accepted] + [next_token]
             kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if num_accepted == k else RECOVERED)]
 
             # Stopping, possibly in the middle of the block: nothing after the stop is emitted.

@@ -4,6 +4,7 @@ prompts  Spec-Bench JSONL in, a selection out
 methods  the registry of methods (`ar`, `spec`, the transformers peers) and their option strings
 runner   runs them interleaved per prompt, resumable, into OUT/results.jsonl
 summary  records to figures (pure arithmetic) and the markdown report
+plots    the PNG plots beside summary.json
 """
 
 from specdraft.bench.methods import METHODS, MethodSpec, parse_method, parse_methods

@@ -15,7 +15,8 @@ prompt as token ids, so all of them see exactly the same input.
 
 For the transformers methods `k` means `num_assistant_tokens` (with a constant schedule and
 no confidence cut-off; unset, transformers' own defaults apply) or `prompt_lookup_num_tokens`
-(default 10); their steps, drafted and accepted counts are not reported (None).
+(default 10); their steps, drafted and accepted counts, draft and verify times and k are not
+reported (None).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class RunOutput:
     accepted: int | None = None
     accepted_at: list[int] | None = None  # accepted_at[i]: drafts accepted at position i
     drafted_at: list[int] | None = None  # drafted_at[i]: drafts that reached position i
+    draft_seconds: float | None = None  # time spent proposing (our loop only)
+    verify_seconds: float | None = None  # time spent in the target's verification passes (our loop only)
+    k: int | None = None  # the most draft tokens of any step (None when nothing was drafted)
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,8 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     wall = time.perf_counter() - started
     stats = completion.stats
     return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
-                     list(stats.accepted_at), list(stats.drafted_at))
+                     list(stats.accepted_at), list(stats.drafted_at), stats.draft_seconds, stats.verify_seconds,
+                     max(stats.k_per_step, default=0) or None)
 
 
 def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:

@@ -8,7 +8,7 @@ for prompt in prompts:                     # methods interleaved per prompt: dri
     for method in methods:
         run, append one record to OUT/results.jsonl, flush
 judge greedy divergences from ar with the near-tie rule (needs the target)
-write OUT/summary.json and OUT/report.md; raise ExactnessError if a greedy output differs
+write OUT/summary.json, the PNG plots and OUT/report.md; raise ExactnessError if a greedy output differs
 ```
 """
 
@@ -29,6 +29,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from specdraft.bench.methods import MethodSpec, Models, RunOutput, parse_methods
+from specdraft.bench.plots import write_plots
 from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
 from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
 from specdraft.errors import SpecdraftError
@@ -186,6 +187,9 @@ def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput,
         "accepted": output.accepted,
         "accepted_at": output.accepted_at,
         "drafted_at": output.drafted_at,
+        "draft_seconds": output.draft_seconds,
+        "verify_seconds": output.verify_seconds,
+        "k": output.k,
         "token_ids": output.token_ids,
         "prompt_tokens": len(ids),
         "temperature": temperature,
@@ -224,7 +228,7 @@ def judge_divergences(records: Sequence[dict], reference: str | None, target: Ca
 
 
 def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResult:
-    """Run the benchmark into `config.out` (resuming), write the summary and report, and return them.
+    """Run the benchmark into `config.out` (resuming), write the summary, plots and report, and return them.
 
     `console` (e.g. stderr) shows a progress bar; None runs quietly. Raises ExactnessError,
     after every file is written, when a greedy method's output differs from `ar` beyond a near-tie.
@@ -285,7 +289,8 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
             "divergences": divergences,
         }
         (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        (out / REPORT).write_text(render_report(summary), encoding="utf-8")
+        plots = write_plots(summary, records, out)
+        (out / REPORT).write_text(render_report(summary, plots), encoding="utf-8")
         result = BenchResult(out, summary, records, find_mismatches(records, reference, near_ties))
     finally:
         torch.set_num_threads(threads_before)

@@ -2,7 +2,9 @@
 
 A record is one (prompt, method) run as written to `results.jsonl`; the fields used here are
 `question_id`, `category`, `method`, `new_tokens`, `wall_seconds`, `steps`, `drafted`,
-`accepted`, `token_ids` and `temperature` (0 = greedy). Per method (and per category):
+`accepted`, `token_ids`, `temperature` (0 = greedy) and, for our own loop, `draft_seconds`,
+`verify_seconds` and `k` (records written before those existed count as None). Per method (and
+per category):
 
     tokens_per_second       Σ new_tokens / Σ wall_seconds
     speedup_vs_ar           tokens_per_second / the reference's (`ar`) tokens_per_second
@@ -10,6 +12,9 @@ A record is one (prompt, method) run as written to `results.jsonl`; the fields u
     mean_committed_per_step Σ new_tokens / Σ steps (τ)       (None if no steps were counted)
     greedy_exact            share of prompts whose token_ids equal the reference's, a
                             divergence at a near-tie counting as equal (greedy runs only)
+    cost_ratio (c)          (Σ draft_seconds / Σ drafted) / (Σ verify_seconds / Σ steps): one
+                            drafted token's time over one target step's (None if nothing drafted)
+    k                       the most draft tokens any step of the method drafted (None: none)
 
 The near-tie verdicts need the target model, so they come in from outside as
 `near_ties[(question_id, method)] -> bool`; everything else is a function of the records.
@@ -17,12 +22,14 @@ The near-tie verdicts need the target model, so they come in from outside as
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
-FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact")
+FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
+          "cost_ratio", "k")
 
 
 class ExactnessError(SpecdraftError):
@@ -57,6 +64,25 @@ def rates(records: Sequence[Mapping]) -> dict[str, float | None]:
         "acceptance_rate": _ratio(sum(r["accepted"] for r in drafted), sum(r["drafted"] for r in drafted)),
         "mean_committed_per_step": _ratio(sum(r["new_tokens"] for r in counted), sum(r["steps"] for r in counted)),
     }
+
+
+def cost_ratio(records: Sequence[Mapping]) -> float | None:
+    """c: (Σ draft_seconds / Σ drafted) / (Σ verify_seconds / Σ steps) over the records that carry all four.
+
+    None when nothing was drafted or no verification time was counted (plain decoding, the peers,
+    records from before these fields existed).
+    """
+    timed = [r for r in records if all(r.get(name) is not None
+                                       for name in ("draft_seconds", "verify_seconds", "drafted", "steps"))]
+    per_draft = _ratio(sum(r["draft_seconds"] for r in timed), sum(r["drafted"] for r in timed))
+    per_step = _ratio(sum(r["verify_seconds"] for r in timed), sum(r["steps"] for r in timed))
+    return per_draft / per_step if per_draft is not None and per_step else None
+
+
+def max_k(records: Sequence[Mapping]) -> int | None:
+    """The method's k: the largest `k` among the records (None when no record has one)."""
+    ks = [r["k"] for r in records if r.get("k") is not None]
+    return max(ks) if ks else None
 
 
 def _exact(record: Mapping, reference: Mapping, near_ties: Mapping[Key, bool]) -> bool:
@@ -95,6 +121,7 @@ def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
     figures["speedup_vs_ar"] = tps / reference_tps if tps is not None and reference_tps else None
     by_prompt = {r["question_id"]: r for r in reference_records}
     figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if reference_records else None
+    figures["cost_ratio"], figures["k"] = cost_ratio(records), max_k(records)
     return {name: figures[name] for name in FIELDS}
 
 
@@ -104,7 +131,7 @@ def summarize(
     near_ties: Mapping[Key, bool] | None = None,
     methods: Sequence[str] | None = None,
 ) -> dict[str, dict]:
-    """Per method: the five figures overall and per category (`{"categories": {cat: figures}}`).
+    """Per method: the figures of FIELDS overall and per category (`{"categories": {cat: figures}}`).
 
     `reference` is the label of the `ar` method (None or absent: no speedup, no greedy_exact);
     `methods` fixes the order of the result (default: first appearance in the records).
@@ -162,17 +189,21 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def render_report(summary: Mapping) -> str:
-    """`report.md`: speedup per method × category (as Spec-Bench's leaderboard), details, settings, machine."""
+def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
+    """`report.md`: speedup per method × category (as Spec-Bench's leaderboard), details, plots, settings, machine.
+
+    `plots` are the PNG file names written beside the report (listed as images).
+    """
     methods: Mapping[str, Mapping] = summary.get("methods", {})
     categories = list(dict.fromkeys(c for figures in methods.values() for c in figures["categories"]))
     lines = ["# specdraft bench", "", "## Speedup over ar by category", ""]
-    header = ["method", *categories, "overall", "τ", "α", "tokens/s", "greedy exact"]
+    header = ["method", *categories, "overall", "τ", "α", "c", "k", "tokens/s", "greedy exact"]
     rows = []
     for method, figures in methods.items():
         per_category = [_fmt(figures["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories]
         rows.append([f"`{method}`", *per_category, _fmt(figures["speedup_vs_ar"], ".2f", "×"),
                      _fmt(figures["mean_committed_per_step"]), _fmt(figures["acceptance_rate"]),
+                     _fmt(figures.get("cost_ratio"), ".3f"), _fmt(figures.get("k"), "d"),
                      _fmt(figures["tokens_per_second"], ".1f"), _fmt(figures["greedy_exact"], ".0%")])
     lines += _table(header, rows)
     lines += ["", "## Per method and category", ""]
@@ -181,10 +212,16 @@ def render_report(summary: Mapping) -> str:
         for category, cat in [*figures["categories"].items(), ("all", figures)]:
             rows.append([f"`{method}`", category, _fmt(cat["speedup_vs_ar"], ".2f", "×"),
                          _fmt(cat["mean_committed_per_step"]), _fmt(cat["acceptance_rate"]),
-                         _fmt(cat["tokens_per_second"], ".1f"), _fmt(cat["greedy_exact"], ".0%")])
-    lines += _table(["method", "category", "speedup", "τ", "α", "tokens/s", "greedy exact"], rows)
+                         _fmt(cat.get("cost_ratio"), ".3f"), _fmt(cat["tokens_per_second"], ".1f"),
+                         _fmt(cat["greedy_exact"], ".0%")])
+    lines += _table(["method", "category", "speedup", "τ", "α", "c", "tokens/s", "greedy exact"], rows)
     lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
-              "α: accepted / drafted; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
+              "α: accepted / drafted; c: one drafted token's time / one verification step's time; "
+              "k: most draft tokens per step; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{Path(name).stem.replace('_', ' ')}]({name})" for name in plots]
+        lines.append("")
     for title in ("settings", "machine"):
         lines += [f"## {title.capitalize()}", ""]
         lines += [f"- {key}: `{value}`" for key, value in summary.get(title, {}).items()]

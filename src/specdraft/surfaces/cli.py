@@ -227,6 +227,83 @@ def _bench_table(summary: dict) -> Table:
     return table
 
 
+@app.command()
+def theory(
+    alpha: str = typer.Option("0.5,0.6,0.7,0.8,0.9", "--alpha",
+                              help="Per-token acceptance α: one value or a comma list, each in [0, 1]."),
+    k: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Draft tokens per step: a comma list, each >= 1."),
+    c: float = typer.Option(0.1, "--c", help="Cost ratio: one drafted token's time / one target step's time (>= 0)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the speedup-versus-acceptance chart to this PNG."),
+) -> None:
+    """Expected τ and speedup for α, k and c (Leviathan et al.), the best k per α; the chart with --out."""
+    from specdraft.analysis.render import speedup_table, tau_table
+    from specdraft.analysis.theory import parse_list, theory_grid
+
+    try:
+        alphas, ks = parse_list(alpha, float, "--alpha"), parse_list(k, int, "--k")
+        grid = theory_grid(alphas, ks, c)
+    except SpecdraftError as error:
+        _fail(str(error))
+    console = Console()
+    console.print(tau_table(grid))
+    console.print(speedup_table(grid, c))
+    if out is not None:
+        from specdraft.analysis.charts import speedup_chart
+
+        try:
+            speedup_chart(ks, c, out, alphas)
+        except OSError as error:
+            _fail(f"Cannot write {out}: {error.strerror or error}.")
+        err.print(f"wrote {out}", highlight=False)
+
+
+@app.command()
+def diagnose(
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to compare with the target."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Spec-Bench JSONL (default: the shipped set)."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts",
+                                              help="At most N prompts per category, in file order."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, help="0: predicted α = top-1 agreement, Σmin(p,q) and TV at temperature "
+                                                "1; > 0: everything at this temperature, α = mean Σmin(p,q)."),
+    draft_quant: str = typer.Option("auto", "--draft-quant",
+                                    help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
+    measure: bool = typer.Option(True, "--measure/--no-measure",
+                                 help="Also run speculative decoding on each prompt for the measured α."),
+    k: int = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step of the measured run."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for diagnose.json and agreement.png."),
+) -> None:
+    """Teacher-force the target's greedy output through both models: per-position fit, predicted vs measured α."""
+    from specdraft.analysis.diagnose import DiagnoseConfig, run_diagnose, write_outputs
+    from specdraft.analysis.render import agreement_text, diagnose_table, prompt_line
+
+    def show(diagnosis) -> None:
+        err.print(prompt_line(diagnosis), highlight=False)
+        err.print(agreement_text(diagnosis.output.pieces, diagnosis.metrics.agreement), highlight=False)
+
+    try:
+        config = DiagnoseConfig(
+            target=target, draft=draft, prompts=prompts,
+            categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
+            max_prompts=max_prompts, max_new_tokens=max_new_tokens, temperature=temperature, draft_quant=draft_quant,
+            dtype=dtype, threads=threads, measure=measure, k=k,
+        )
+        result = run_diagnose(config, on_prompt=show)
+        written = write_outputs(result, out) if out is not None else []
+    except SpecdraftError as error:
+        _fail(str(error))
+    except OSError as error:
+        _fail(f"Cannot write to {out}: {error.strerror or error}.")
+    err.print(diagnose_table(result))
+    err.print("[green]draft's top-1 agrees[/] [red]draft's top-1 differs[/]", highlight=False)
+    if written:
+        err.print(f"wrote {', '.join(str(path) for path in written)}", highlight=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
