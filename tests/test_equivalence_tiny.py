@@ -20,12 +20,14 @@ def drafts(tiny_target):
     }
 
 
+@pytest.mark.parametrize("confidence", [0.0, 0.5])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 @pytest.mark.parametrize("draft_name", ["identical", "close", "far", "independent"])
-def test_greedy_spec_equals_ar(tiny_target, drafts, make_lm, k, draft_name):
+def test_greedy_spec_equals_ar(tiny_target, drafts, make_lm, k, draft_name, confidence):
     target = make_lm(tiny_target)
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[draft_name])), k=k)
+    drafter = ModelDrafter(make_lm(drafts[draft_name]), min_confidence=confidence)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=k)
     for prompt in PROMPTS:
         expected = ar.generate(prompt, max_new_tokens=40)
         got = spec.generate(prompt, max_new_tokens=40)
@@ -37,7 +39,7 @@ def test_greedy_spec_equals_ar(tiny_target, drafts, make_lm, k, draft_name):
 def test_acceptance_tracks_draft_quality(tiny_target, drafts, make_lm):
     rates = {}
     for name in ("identical", "close", "independent"):
-        spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[name])), k=4)
+        spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[name]), min_confidence=0.0), k=4)
         stats = spec.generate(PROMPTS[0], max_new_tokens=40).stats
         rates[name] = stats.acceptance_rate
         assert stats.mean_committed_per_step == pytest.approx(stats.new_tokens / stats.steps)
@@ -49,7 +51,7 @@ def test_acceptance_tracks_draft_quality(tiny_target, drafts, make_lm):
 
 def test_full_acceptance_commits_k_plus_one(tiny_target, drafts, make_lm):
     """An identical draft is always accepted: every step commits k + 1 (the last one is the bonus)."""
-    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"])), k=3)
+    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"]), min_confidence=0.0), k=3)
     events = list(spec.stream(PROMPTS[0], max_new_tokens=21))
     assert [len(e.token_ids) for e in events] == [4] * 5 + [1]
     assert events[0].kinds == ["accepted"] * 3 + ["bonus"]
@@ -94,7 +96,7 @@ def test_sampling_is_reproducible_and_seed_dependent(tiny_target, drafts, make_l
 
 def test_identical_draft_with_sampling_accepts_everything(tiny_target, drafts, make_lm):
     """p == q: every draft token is accepted with probability 1."""
-    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"])), k=4)
+    spec = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["identical"]), min_confidence=0.0), k=4)
     stats = spec.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_k=20, seed=5), 30).stats
     assert stats.acceptance_rate == 1.0
 
@@ -125,3 +127,22 @@ def test_int4_linear_matches_its_float_weights():
     err = (Int4Linear(linear)(x) - ref).norm() / ref.norm()
     assert err < 0.1  # 4-bit groups of 32: close, not equal (a wrong packing gives ~1)
     assert err > 0  # and really quantized
+
+
+def test_confidence_stop_shortens_drafts_and_stays_exact(tiny_target, drafts, make_lm):
+    """A draft unsure of its chain stops early: fewer tokens drafted per step, same output."""
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[0], max_new_tokens=40)
+    per_step = {}
+    for confidence in (0.0, 0.9):
+        drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=confidence)
+        got = SpeculativeDecoder(make_lm(tiny_target), drafter, k=6).generate(PROMPTS[0], max_new_tokens=40)
+        assert got.token_ids == expected.token_ids
+        per_step[confidence] = got.stats.drafted / got.stats.steps
+    assert per_step[0.0] > 5 and per_step[0.9] < per_step[0.0]
+
+
+def test_confidence_must_be_a_probability():
+    from specdraft.errors import SpecdraftError
+
+    with pytest.raises(SpecdraftError):
+        ModelDrafter(None, min_confidence=1.0)

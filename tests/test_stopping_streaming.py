@@ -12,7 +12,7 @@ PROMPT = [5, 9, 2, 11, 3]
 def _decoders(model, make_lm, tokenizer=None, k=4):
     """(ar, spec with an identical draft): the spec run commits k + 1 tokens per step."""
     ar = SpeculativeDecoder(make_lm(model, tokenizer))
-    spec = SpeculativeDecoder(make_lm(model, tokenizer), ModelDrafter(make_lm(perturbed(model, 0.0, 0))), k=k)
+    spec = SpeculativeDecoder(make_lm(model, tokenizer), ModelDrafter(make_lm(perturbed(model, 0.0, 0)), min_confidence=0.0), k=k)
     return ar, spec
 
 

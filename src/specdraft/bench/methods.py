@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from specdraft.drafters import ModelDrafter
+from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
 from specdraft.engine import DEFAULT_K, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -39,7 +40,7 @@ PROMPT_LOOKUP_K = 10  # transformers' usual prompt_lookup_num_tokens
 
 # Option keys (generate's option names without dashes) and how their values are read.
 OPTION_TYPES: dict[str, type] = {"k": int, "temperature": float, "top-k": int, "top-p": float, "seed": int,
-                                 "draft-quant": str}
+                                 "draft-quant": str, "draft-confidence": float}
 SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
 
 
@@ -66,6 +67,7 @@ class RunParams:
     max_new_tokens: int
     k: int | None = None  # draft tokens per step; None: the method's default (or not applicable)
     draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
+    draft_confidence: float = DEFAULT_MIN_CONFIDENCE  # ModelDrafter's early stop (spec only)
 
 
 @dataclass
@@ -124,7 +126,11 @@ class MethodSpec:
         quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
         if quant not in DRAFT_QUANTS:
             raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
-        return RunParams(self.sampling(temperature, seed), max_new_tokens, None if k is None else int(k), quant)
+        confidence = float(self.options.get("draft-confidence", DEFAULT_MIN_CONFIDENCE))
+        if not 0.0 <= confidence < 1.0:
+            raise SpecdraftError(f"draft-confidence must be in [0, 1) in {self.label!r}, got {confidence}.")
+        return RunParams(self.sampling(temperature, seed), max_new_tokens, None if k is None else int(k), quant,
+                         confidence)
 
 
 # ----- running one generation ---------------------------------------------------------------------
@@ -136,7 +142,7 @@ def _sync(device: torch.device) -> None:
 def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
     target = models.target
     if drafter:
-        drafter = ModelDrafter(models.draft_as(params.draft_quant))
+        drafter = ModelDrafter(models.draft_as(params.draft_quant), min_confidence=params.draft_confidence)
         decoder = SpeculativeDecoder(target, drafter, k=params.k or DEFAULT_K)
     else:
         decoder = SpeculativeDecoder(target)
@@ -261,7 +267,7 @@ def run_hf_prompt_lookup(models: Models, prompt_ids: list[int], params: RunParam
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
     "spec": MethodInfo("specdraft speculative decoding with the draft model (int4 on CPU by default)",
-                       ("k", "draft-quant") + SAMPLING_KEYS, True, run_spec),
+                       ("k", "draft-quant", "draft-confidence") + SAMPLING_KEYS, True, run_spec),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
                               ("k", "draft-quant") + SAMPLING_KEYS,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.errors import SpecdraftError
 
 
@@ -19,10 +19,10 @@ class DrafterInfo:
     needs_draft_model: bool
 
 
-def _build_model(draft_model=None, **_options) -> Drafter:
+def _build_model(draft_model=None, min_confidence: float = DEFAULT_MIN_CONFIDENCE, **_options) -> Drafter:
     if draft_model is None:
         raise SpecdraftError("The 'model' drafter needs a draft model: pass --draft NAME_OR_PATH.")
-    return ModelDrafter(draft_model)
+    return ModelDrafter(draft_model, min_confidence=min_confidence)
 
 
 DRAFTERS: dict[str, DrafterInfo] = {

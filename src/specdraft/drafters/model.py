@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import sample, warp
+
+
+# Stop drafting once the chain's estimated survival falls below this (measured: README).
+DEFAULT_MIN_CONFIDENCE = 0.35
 
 
 class ModelDrafter(Drafter):
@@ -14,12 +19,20 @@ class ModelDrafter(Drafter):
 
     The draft cache holds the committed sequence it has seen plus the draft tokens it fed;
     after each verdict it is cut back to what the target kept.
+
+    `min_confidence` ends a proposal early: once the product of the draft's own
+    probabilities for its tokens (its estimate that the whole chain survives) falls below
+    it, drafting more would mostly be wasted. The stop depends only on what the draft has
+    already drawn, so verification stays exact.
     """
 
     name = "model"
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
+        if not 0.0 <= min_confidence < 1.0:
+            raise SpecdraftError(f"min draft confidence must be in [0, 1), got {min_confidence}.")
         self.model = model
+        self.min_confidence = min_confidence
         self._fed_draft = 0  # draft tokens fed into the cache during the last proposal
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -31,22 +44,31 @@ class ModelDrafter(Drafter):
         feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, 1 or 2] committed tokens not yet seen
         seen = ctx.seen
         tokens, dists = [], []
+        chain_confidence = 1.0
         for i in range(k):
             logits = model.forward(feed, logits_to_keep=1).logits[0]  # [1, V]
             if seen is not None and tokens:  # the draft token just fed is part of the next prefix
                 seen = seen.index_fill(0, tokens[-1], True)
             if params.greedy and params.repetition_penalty == 1.0:
                 token = logits.argmax(-1)  # [1]
+                confidence = logits.float().softmax(-1).max() if self.min_confidence else None
             else:
                 rows = seen.unsqueeze(0) if seen is not None else None
                 probs = warp(logits, params, rows)  # [1, V]
                 token = probs.argmax(-1) if params.greedy else sample(probs, ctx.generator)
                 if not params.greedy:
                     dists.append(probs)
+                # Greedy warps to a point mass: its confidence is the unwarped top probability.
+                confidence = None if not self.min_confidence else (
+                    logits.float().softmax(-1).max() if params.greedy else probs[0, token[0]])
             tokens.append(token)
+            if confidence is not None:
+                chain_confidence *= float(confidence)
+                if chain_confidence < self.min_confidence:
+                    break
             if i < k - 1:
                 feed = token.view(1, 1)
-        self._fed_draft = max(k - 1, 0)
+        self._fed_draft = len(tokens) - 1
         draft_tokens = torch.cat(tokens) if tokens else ctx.sequence.new_empty(0)  # [k]
         q_draft = torch.cat(dists) if dists else None  # [k, V]
         return Draft.chain(draft_tokens, q_draft)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
 from specdraft.engine import DEFAULT_K
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
@@ -44,7 +45,10 @@ def generate(
     draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for the 'model' drafter."),
     method: Method = typer.Option(Method.spec, help="spec: speculative decoding; ar: plain decoding."),
     drafter: str = typer.Option("model", help="Drafter name (see the drafter registry)."),
-    k: int = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step."),
+    k: int = typer.Option(DEFAULT_K, "--k", help="Most draft tokens per step."),
+    draft_confidence: float = typer.Option(
+        DEFAULT_MIN_CONFIDENCE, "--draft-confidence",
+        help="Stop a draft once the draft's own estimate that the whole chain is accepted falls below this (0 = always k)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -68,7 +72,7 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_quant, temperature, top_k, top_p, min_p,
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_quant, temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
@@ -96,7 +100,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_q
         draft_lm = load_model(draft, dtype=dtype, device=device)
         check_compatible(target_lm, draft_lm)
         draft_lm = prepare_draft(draft_lm, draft_quant)
-        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm), k=k)
+        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm, min_confidence=draft_confidence), k=k)
     else:
         decoder = SpeculativeDecoder(target_lm)
 
