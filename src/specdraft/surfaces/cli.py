@@ -209,7 +209,7 @@ def bench(
         _fail(str(error))
     else:
         err.print(_bench_table(result.summary))
-        err.print(f"wrote {out / 'results.jsonl'}, {out / 'summary.json'}, {out / 'report.md'}", highlight=False)
+        err.print(f"wrote {out}/: results.jsonl, summary.json, report.md and the PNG plots", highlight=False)
 
 
 def _bench_table(summary: dict) -> Table:
