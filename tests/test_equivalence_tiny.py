@@ -146,3 +146,17 @@ def test_confidence_must_be_a_probability():
 
     with pytest.raises(SpecdraftError):
         ModelDrafter(None, min_confidence=1.0)
+
+
+def test_int4_linear_uses_the_dense_weight_for_wide_passes():
+    from torch import nn
+
+    from specdraft.models.quantize import DENSE_ABOVE_TOKENS, Int4Linear
+
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 32, bias=False)
+    quantized = Int4Linear(linear)
+    wide = torch.randn(DENSE_ABOVE_TOKENS + 1, 64)
+    assert torch.equal(quantized(wide), linear(wide))  # prefill: the exact dense weight
+    narrow = torch.randn(2, 64)
+    assert not torch.equal(quantized(narrow), linear(narrow))  # decode: the int4 kernel

@@ -23,11 +23,21 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+# Passes wider than this many tokens (a prefill) use the dense weight: the int4 kernel's cost
+# grows steeply with tokens on CPU, while a wide bf16 matmul is compute-bound and efficient.
+DENSE_ABOVE_TOKENS = 16
+
+
 class Int4Linear(nn.Module):
-    """`y = x W^T + b` with W stored as packed 4-bit groups (CPU kernel)."""
+    """`y = x W^T + b` with W stored as packed 4-bit groups (CPU kernel) for narrow passes.
+
+    The dense weight is kept for wide passes (prefill), where the int4 kernel is slow; both
+    paths compute the draft's proposal distribution, and verification is exact either way.
+    """
 
     def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
         super().__init__()
+        self.dense_weight = linear.weight  # [N, K], shared, not copied
         weight = linear.weight.detach().float()  # [N, K]
         n, k = weight.shape
         self.in_features, self.out_features, self.group_size = k, n, group_size
@@ -43,6 +53,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         shape = x.shape
+        if x.numel() // shape[-1] > DENSE_ABOVE_TOKENS:
+            return nn.functional.linear(x, self.dense_weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
         )  # [tokens, N]
