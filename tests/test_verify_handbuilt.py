@@ -407,6 +407,15 @@ TOP_P_PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
 TOP_P_LOGITS = TOP_P_PROBS.log().view(1, -1)
 
 
+def _assert_renormalised_subset(out, kept):
+    """`out` keeps exactly the tokens `kept`, with TOP_P_PROBS renormalised over them."""
+    assert set((out > 0).nonzero().flatten().tolist()) == kept
+    idx = torch.tensor(sorted(kept))
+    expected = torch.zeros(5)
+    expected[idx] = TOP_P_PROBS[idx] / TOP_P_PROBS[idx].sum()
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize(
     "top_p, kept",
     [
@@ -422,11 +431,7 @@ TOP_P_LOGITS = TOP_P_PROBS.log().view(1, -1)
 )
 def test_warp_top_p_keeps_smallest_prefix_reaching_top_p(top_p, kept):
     out = warp(TOP_P_LOGITS, SamplingParams(temperature=1.0, top_p=top_p))[0]
-    assert set((out > 0).nonzero().flatten().tolist()) == kept
-    idx = torch.tensor(sorted(kept))
-    expected = torch.zeros(5)
-    expected[idx] = TOP_P_PROBS[idx] / TOP_P_PROBS[idx].sum()
-    torch.testing.assert_close(out, expected)
+    _assert_renormalised_subset(out, kept)
 
 
 def test_warp_top_p_applies_after_temperature():
@@ -452,11 +457,7 @@ def test_warp_top_p_applies_after_temperature():
 )
 def test_warp_min_p(min_p, kept):
     out = warp(TOP_P_LOGITS, SamplingParams(temperature=1.0, min_p=min_p))[0]
-    assert set((out > 0).nonzero().flatten().tolist()) == kept
-    idx = torch.tensor(sorted(kept))
-    expected = torch.zeros(5)
-    expected[idx] = TOP_P_PROBS[idx] / TOP_P_PROBS[idx].sum()
-    torch.testing.assert_close(out, expected)
+    _assert_renormalised_subset(out, kept)
 
 
 def test_apply_repetition_penalty_only_touches_seen_tokens():

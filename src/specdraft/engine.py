@@ -67,7 +67,8 @@ class Completion:
     kinds: list[str] = field(default_factory=list)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued device work (CUDA), so a wall-clock reading covers it; a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -145,7 +146,7 @@ class SpeculativeDecoder:
         target.prefill(sequence[:-1].unsqueeze(0))
         if drafter is not None:
             drafter.begin(sequence)
-        _sync(device)
+        sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 
         generated: list[int] = []
@@ -161,7 +162,7 @@ class SpeculativeDecoder:
                 k = draft.k
             else:
                 draft = Draft.chain(sequence.new_empty(0))
-            _sync(device)
+            sync_device(device)
             t1 = time.perf_counter()
 
             # 2. score every draft position in one target pass: [last, d1 .. dk]

@@ -30,7 +30,7 @@ import torch
 
 from specdraft.drafters import ModelDrafter
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
-from specdraft.engine import DEFAULT_K, SpeculativeDecoder
+from specdraft.engine import DEFAULT_K, SpeculativeDecoder, sync_device
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import DRAFT_QUANTS, prepare_draft
@@ -134,11 +134,6 @@ class MethodSpec:
 
 
 # ----- running one generation ---------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
     target = models.target
     if drafter:
@@ -146,10 +141,10 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
         decoder = SpeculativeDecoder(target, drafter, k=params.k or DEFAULT_K)
     else:
         decoder = SpeculativeDecoder(target)
-    _sync(target.device)
+    sync_device(target.device)
     started = time.perf_counter()
     completion = decoder.generate(prompt_ids, params.sampling, params.max_new_tokens)
-    _sync(target.device)
+    sync_device(target.device)
     wall = time.perf_counter() - started
     stats = completion.stats
     return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
@@ -238,10 +233,10 @@ def _run_hf(models: Models, prompt_ids: list[int], params: RunParams, **extra) -
     if not params.sampling.greedy:
         torch.manual_seed(params.sampling.seed)  # transformers samples from the global generator
     with torch.inference_mode(), _quiet_transformers():
-        _sync(target.device)
+        sync_device(target.device)
         started = time.perf_counter()
         output = target.model.generate(input_ids, attention_mask=attention_mask, **kwargs, **extra)  # [1, L + n]
-        _sync(target.device)
+        sync_device(target.device)
         wall = time.perf_counter() - started
     new_ids = cut_at_eos(output[0, len(prompt_ids):].tolist(), target.eos_token_ids)
     return RunOutput(new_ids, wall)

@@ -104,6 +104,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
     else:
         decoder = SpeculativeDecoder(target_lm)
 
+    prompt_ids = encode_prompt(target_lm.tokenizer, prompt, chat=chat)  # once, for every sample
     out = Console(highlight=False, soft_wrap=True)
     completions, total = [], GenerationStats()
     for i in range(n):
@@ -112,7 +113,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
         tokens, pieces, finish = [], [], "length"
         if n > 1 and not as_json:
             out.print(f"[bold]--- sample {i + 1} of {n} ---[/]")
-        for event in decoder.stream(prompt, run_sampling, max_new_tokens, stop, chat, stats):
+        for event in decoder.stream(prompt_ids, run_sampling, max_new_tokens, stop, chat, stats):
             tokens += event.token_ids
             pieces.append(event.text)
             finish = event.finish_reason or finish
@@ -123,7 +124,6 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
         total = total.merge(stats) if i else stats
         if not as_json:
             out.print()
-    prompt_ids = encode_prompt(target_lm.tokenizer, prompt, chat=chat)
     summary = total.to_dict()
     if as_json:
         sys.stdout.write(json.dumps({"method": method.value, "prompt_token_ids": prompt_ids,
