@@ -124,7 +124,7 @@ def test_int4_linear_matches_its_float_weights():
     linear = nn.Linear(128, 64, bias=True)
     x = torch.randn(3, 128)
     ref = linear(x)
-    err = (Int4Linear(linear)(x) - ref).norm() / ref.norm()
+    err = (Int4Linear.quantize(linear)(x) - ref).norm() / ref.norm()
     assert err < 0.1  # 4-bit groups of 32: close, not equal (a wrong packing gives ~1)
     assert err > 0  # and really quantized
 
@@ -151,12 +151,12 @@ def test_confidence_must_be_a_probability():
 def test_int4_linear_uses_the_dense_weight_for_wide_passes():
     from torch import nn
 
-    from specdraft.models.quantize import DENSE_ABOVE_TOKENS, Int4Linear
+    from specdraft.models.quantize import PASS_WIDTH, Int4Linear
 
     torch.manual_seed(1)
     linear = nn.Linear(64, 32, bias=False)
-    quantized = Int4Linear(linear)
-    wide = torch.randn(DENSE_ABOVE_TOKENS + 1, 64)
+    quantized = Int4Linear.quantize(linear, keep_dense=True)
+    wide = torch.randn(PASS_WIDTH + 1, 64)
     assert torch.equal(quantized(wide), linear(wide))  # prefill: the exact dense weight
     narrow = torch.randn(2, 64)
     assert not torch.equal(quantized(narrow), linear(narrow))  # decode: the int4 kernel

@@ -50,7 +50,7 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Width of the logits (may exceed the tokenizer's length when the embedding is padded)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return int(self.model.get_output_embeddings().out_features)
 
     @property
     def max_context(self) -> int:
@@ -69,13 +69,13 @@ class CausalLM:
         return ids
 
     def num_parameters(self) -> int:
-        """Distinct parameters (a tied embedding and LM head count once)."""
+        """Distinct weights (a tied embedding and LM head count once; packed weights count as weights)."""
         seen, total = set(), 0
         for p in self.model.parameters():
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel()
-        return total
+        return total + sum(m.num_packed_weights() for m in self.model.modules() if hasattr(m, "num_packed_weights"))
 
     # ----- the cache ---------------------------------------------------------------------
     def reset(self) -> None:

@@ -55,14 +55,40 @@ def resolve_model_path(spec: str) -> tuple[str, Path]:
     raise AssertionError("unreachable")
 
 
-def _converted_dir(gguf_path: Path, dtype: torch.dtype) -> Path:
-    """Where the unpacked copy of a GGUF file is kept, keyed by the file's identity and the dtype."""
+def _converted_dir(gguf_path: Path, kind: str) -> Path:
+    """Where something made once from a GGUF file is kept, keyed by the file's identity and `kind`."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return registry.cache_dir() / "converted" / f"{gguf_path.stem}-{key}-{str(dtype).removeprefix('torch.')}"
+    return registry.cache_dir() / "converted" / f"{gguf_path.stem}-{key}-{kind}"
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
+def _keep(folder: Path, *savables) -> None:
+    """Save each (`save_pretrained`) into `folder` atomically; a failure costs only time later."""
+    partial = folder.with_name(folder.name + ".partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        for savable in savables:
+            savable.save_pretrained(str(partial))
+        os.replace(partial, folder)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"warning: could not keep {folder}: {error}", file=sys.stderr)
+
+
+def _gguf_config_and_tokenizer(path: Path):
+    """The config and tokenizer a GGUF file describes (read once, then kept in the cache)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    meta = _converted_dir(path, "meta")
+    if (meta / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(meta)), AutoTokenizer.from_pretrained(str(meta))
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    _keep(meta, config, tokenizer)
+    return config, tokenizer
+
+
+def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     """Model and tokenizer from a GGUF file, unpacked to `dtype` by transformers' GGUF loader.
 
     Unpacking takes most of a minute on 2 cores, so the result is kept once as safetensors
@@ -70,7 +96,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    converted = _converted_dir(path, dtype)
+    converted = _converted_dir(path, str(dtype).removeprefix("torch."))
     if (converted / "config.json").is_file():
         return (AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype),
                 AutoTokenizer.from_pretrained(str(converted)))
@@ -80,16 +106,26 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
     )
-    partial = converted.with_name(converted.name + ".partial")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(str(partial))
-        tokenizer.save_pretrained(str(partial))
-        os.replace(partial, converted)
-    except OSError as error:  # a full or read-only cache only costs time on the next load
-        shutil.rmtree(partial, ignore_errors=True)
-        print(f"warning: could not keep the unpacked copy in {converted}: {error}", file=sys.stderr)
+    _keep(converted, model, tokenizer)
     return model, tokenizer
+
+
+GGUF_WEIGHTS = ("auto", "packed", "unpacked")
+
+
+def _packed_possible(path: Path, device: torch.device) -> str | None:
+    """Why the packed GGUF path cannot run here, or None when it can."""
+    from specdraft.models.gguf_native import NATIVE_ARCHITECTURES
+    from specdraft.models.quantize import int4_kernel_available
+
+    if device.type != "cpu":
+        return "the packed kernels run on the CPU"
+    if not int4_kernel_available():
+        return "this PyTorch build has no CPU int4 kernel"
+    config, _ = _gguf_config_and_tokenizer(path)
+    if config.model_type not in NATIVE_ARCHITECTURES:
+        return f"packed loading supports {', '.join(NATIVE_ARCHITECTURES)}, not {config.model_type!r}"
+    return None
 
 
 def load_model(
@@ -97,24 +133,42 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
     verbose: bool = True,
+    gguf_weights: str = "auto",
+    requantize_rest: bool = False,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
-    GGUF weights are unpacked into `dtype` by transformers' GGUF loader; the tokenizer comes
-    from the file (or the folder).
+    GGUF weights (`gguf_weights`): `packed` runs the file's Q4_K blocks on the CPU int4
+    kernel and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
+    `dtype` with transformers' loader; `auto` is packed on the CPU for the architectures it
+    supports. `requantize_rest` (drafts only, lossy) puts the other linears in int4 too.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise SpecdraftError(f"Unknown GGUF weight mode {gguf_weights!r}; use one of {', '.join(GGUF_WEIGHTS)}.")
     kind, path = resolve_model_path(spec)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     started = time.perf_counter()
     hf_logging.set_verbosity_error()  # transformers' notices go nowhere; ours go to stderr
     hf_logging.disable_progress_bar()
+    form = str(torch_dtype).removeprefix("torch.")
     try:
         if kind == "gguf":
-            model, tokenizer = _load_gguf(path, torch_dtype)
+            obstacle = _packed_possible(path, torch_device) if gguf_weights != "unpacked" else "asked"
+            if obstacle is None:
+                from specdraft.models.gguf_native import build_native_model
+
+                config, tokenizer = _gguf_config_and_tokenizer(path)
+                model = build_native_model(path, config, torch_dtype, requantize_rest,
+                                           cache=_converted_dir(path, "meta"))
+                form = "packed int4" + ("" if requantize_rest else f" + {form}")
+            elif gguf_weights == "packed":
+                raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
+            else:
+                model, tokenizer = _load_gguf_unpacked(path, torch_dtype)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
@@ -127,7 +181,7 @@ def load_model(
     model.to(torch_device)
     lm = CausalLM(model, tokenizer, name=spec)
     if verbose:
-        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {torch_dtype}, {torch_device}) "
+        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
               f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return lm
 
@@ -169,6 +223,6 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False) -> C
 
     model = copying.deepcopy(draft.model) if copy else draft.model
     started = time.perf_counter()
-    swapped = quantize_int4(model)
+    swapped = quantize_int4(model, keep_dense=False)
     print(f"draft {draft.name}: {swapped} linears in int4 ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
     return CausalLM(model, draft.tokenizer, name=f"{draft.name}[int4]")

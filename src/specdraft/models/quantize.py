@@ -1,11 +1,13 @@
-"""Weight-only int4 linears for a cheaper draft (PyTorch's CPU int4 kernel).
+"""Weight-only int4 linears on PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
-Quantizing the draft changes only what it proposes, never what is emitted: verification
-uses the distribution the draft actually sampled from (`q_draft`), so a lossy draft stays
-exact. The target is never quantized here.
+Two ways in:
+- `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
+  the kernel's bf16 scale and offset), so the target computes what its file says;
+- `Int4Linear.quantize`: re-quantizing a float weight (lossy), for drafts only. A lossy
+  draft never changes what is emitted: verification uses what the draft sampled from.
 
-Each row of a weight is cut into groups of `group_size` input features; a group stores
-4-bit codes q in 0..15 with an affine map w ≈ (q - 8) · scale + zero (PyTorch's layout).
+A row is cut into groups of `group_size` input features; each group stores 4-bit codes
+q in 0..15 with w = (q − 8) · scale + zero (PyTorch's layout).
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 
 _INNER_K_TILES = 2
+_PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
+
+# The kernel's cost per token is lowest at a few tokens per call and grows steeply past
+# about 8 on 2 cores, so wider passes (a prefill) go through in slices of this many tokens,
+# or through the dense weight when one is kept.
+PASS_WIDTH = 8
 
 
 def int4_kernel_available() -> bool:
@@ -23,48 +31,87 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-# Passes wider than this many tokens (a prefill) use the dense weight: the int4 kernel's cost
-# grows steeply with tokens on CPU, while a wide bf16 matmul is compute-bound and efficient.
-DENSE_ABOVE_TOKENS = 16
-
-
 class Int4Linear(nn.Module):
-    """`y = x W^T + b` with W stored as packed 4-bit groups (CPU kernel) for narrow passes.
+    """`y = x W^T + b` with W stored as packed 4-bit groups for the CPU kernel.
 
-    The dense weight is kept for wide passes (prefill), where the int4 kernel is slow; both
-    paths compute the draft's proposal distribution, and verification is exact either way.
+    `dense_weight`, when kept, serves passes wider than `PASS_WIDTH` tokens (faster there,
+    at the cost of its memory); without it they run through the kernel in slices.
     """
 
-    def __init__(self, linear: nn.Linear, group_size: int = 32) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,  # [N, K] integers in 0..15
+        scale: torch.Tensor,  # [N, K / G]
+        minimum: torch.Tensor,  # [N, K / G], w = scale · codes − minimum
+        bias: torch.Tensor | None = None,  # [N]
+        dense_weight: torch.Tensor | None = None,  # [N, K]
+    ) -> None:
         super().__init__()
-        self.dense_weight = linear.weight  # [N, K], shared, not copied
+        if not int4_kernel_available():
+            raise SpecdraftError("This PyTorch build has no CPU int4 kernel; load the model unpacked.")
+        n, k = codes.shape
+        self.out_features, self.in_features = n, k
+        self.group_size = k // scale.shape[1]
+        zero = 8 * scale.float() - minimum.float()  # (q − 8) · scale + zero = scale · q − minimum
+        packed = [  # packed in row slices: the int32 copy the packer needs stays small
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i:i + _PACK_ROWS].to(torch.int32).contiguous(),
+                                                               _INNER_K_TILES)
+            for i in range(0, n, _PACK_ROWS)
+        ]
+        self.register_buffer("packed", torch.cat(packed) if len(packed) > 1 else packed[0])
+        scales_and_zeros = torch.stack([scale.float(), zero], dim=-1)  # [N, K/G, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.dense_weight = dense_weight
+
+    @classmethod
+    def from_affine(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "Int4Linear":
+        """From a file's own 4-bit groups (e.g. Q4_K): `w = scale · codes − minimum` per group."""
+        return cls(codes, scale, minimum, bias)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, group_size: int = 32, keep_dense: bool = False) -> "Int4Linear":
+        """Re-quantize a float linear to min/max 4-bit groups (lossy; for drafts)."""
         weight = linear.weight.detach().float()  # [N, K]
         n, k = weight.shape
-        self.in_features, self.out_features, self.group_size = k, n, group_size
         groups = weight.view(n, k // group_size, group_size)  # [N, K/G, G]
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp_min(1e-8)  # [N, K/G, 1]
-        codes = ((groups - low) / scale).round().clamp(0, 15).view(n, k).to(torch.int32)  # [N, K]
-        zero = low + 8 * scale
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES))
-        scales_and_zeros = torch.stack([scale.view(n, -1), zero.view(n, -1)], dim=-1)  # [N, K/G, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
+        scale = ((high - low) / 15).clamp_min(1e-8)
+        codes = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).view(n, k)
+        return cls(codes, scale, -low, linear.bias, linear.weight if keep_dense else None)
+
+    def num_packed_weights(self) -> int:
+        """How many weights the packed matrix holds."""
+        return 0 if self.dense_weight is not None else self.out_features * self.in_features
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this module computes with, `[N, K]` in float32 (for checks, not speed)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        columns = [self._kernel(eye[i:i + PASS_WIDTH]) for i in range(0, self.in_features, PASS_WIDTH)]
+        return torch.cat(columns).float().t().contiguous()
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, K] bf16 -> [tokens, N]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         shape = x.shape
-        if x.numel() // shape[-1] > DENSE_ABOVE_TOKENS:
-            return nn.functional.linear(x, self.dense_weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
-        )  # [tokens, N]
+        flat = x.reshape(-1, shape[-1])  # [tokens, K]
+        if flat.shape[0] > PASS_WIDTH and self.dense_weight is not None:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
+        flat = flat.to(torch.bfloat16)
+        if flat.shape[0] <= PASS_WIDTH:
+            out = self._kernel(flat)  # [tokens, N]
+        else:
+            out = torch.cat([self._kernel(flat[i:i + PASS_WIDTH]) for i in range(0, flat.shape[0], PASS_WIDTH)])
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_int4(model: nn.Module, group_size: int = 32) -> int:
-    """Swap every eligible `nn.Linear` of `model` (CPU, bf16) for an `Int4Linear`; returns how many."""
+def quantize_int4(model: nn.Module, group_size: int = 32, keep_dense: bool = False) -> int:
+    """Swap every eligible `nn.Linear` of `model` (CPU) for a re-quantized `Int4Linear`; returns how many."""
     if not int4_kernel_available():
         raise SpecdraftError("This PyTorch build has no CPU int4 kernel; use --draft-quant none.")
     if next(model.parameters()).device.type != "cpu":
@@ -73,8 +120,8 @@ def quantize_int4(model: nn.Module, group_size: int = 32) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.in_features % group_size == 0 and child.out_features % 8 == 0
+        if isinstance(child, nn.Linear) and child.in_features % group_size == 0 and child.out_features % 16 == 0
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, Int4Linear(child, group_size))
+        setattr(parent, name, Int4Linear.quantize(child, group_size, keep_dense))
     return len(swaps)

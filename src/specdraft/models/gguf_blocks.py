@@ -1,0 +1,83 @@
+"""GGUF block formats read as tensors: the affine parts of Q4_K, and plain dequantization.
+
+Q4_K stores a row in super-blocks of 256 weights (144 bytes): an fp16 `d` and `dmin`,
+twelve bytes holding eight 6-bit scales `sc` and eight 6-bit mins `m`, and 128 bytes of
+4-bit codes. Each sub-block j of 32 weights is affine:
+
+    w = (d · sc_j) · q − (dmin · m_j),   q in 0..15
+
+which is exactly the form of PyTorch's int4 weight-only kernel with group size 32
+(a scale and an offset per group). `q4k_affine` returns those parts without rounding;
+other block types are dequantized by the `gguf` library (the reference decoder).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+QK_K = 256  # weights per K-quant super-block
+Q4K_BLOCK_BYTES = 144
+Q4K_GROUP = 32  # weights per Q4_K sub-block (one scale and one min)
+
+
+def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and mins of a Q4_K matrix given as its raw bytes `[rows, blocks · 144]`.
+
+    Returns `codes [rows, K]` (uint8, 0..15), `scale [rows, K / 32]` and `minimum [rows, K / 32]`
+    (float32) with `w = scale · codes − minimum` per group of 32, K = blocks · 256.
+    """
+    data = torch.as_tensor(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % Q4K_BLOCK_BYTES:
+        raise ValueError(f"Q4_K data must be uint8 [rows, blocks * {Q4K_BLOCK_BYTES}], got {tuple(data.shape)} {data.dtype}")
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q4K_BLOCK_BYTES)  # [rows, nb, 144]
+    nb = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    packed = blocks[..., 4:16].to(torch.int32)  # [rows, nb, 12]
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]  # [rows, nb, 4] each
+    # Sub-blocks 0-3 keep 6 bits in bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7 put their low
+    # 4 bits in bytes 8-11 and their top 2 bits in the spare top bits of bytes 0-7.
+    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)  # [rows, nb, 8]
+    mn = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)  # [rows, nb, 8]
+    qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
+    # Each pair of sub-blocks shares 32 bytes: low nibbles are the first, high nibbles the second.
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
+    scale = (d * sc.float()).reshape(rows, nb * 8)  # [rows, K / 32]
+    minimum = (dmin * mn.float()).reshape(rows, nb * 8)  # [rows, K / 32]
+    return codes.reshape(rows, nb * QK_K), scale, minimum
+
+
+Q6K_BLOCK_BYTES = 210
+
+
+def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:
+    """A Q6_K matrix `[rows, blocks · 210]` (uint8) as float32 `[rows, blocks · 256]`.
+
+    A super-block holds 128 bytes of low nibbles, 64 bytes of 2-bit high parts, sixteen
+    int8 scales (one per 16 weights) and an fp16 `d`: w = d · scale_j · (q − 32), q in 0..63.
+    """
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % Q6K_BLOCK_BYTES:
+        raise ValueError(f"Q6_K data must be uint8 [rows, blocks * {Q6K_BLOCK_BYTES}], got {tuple(raw.shape)} {raw.dtype}")
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q6K_BLOCK_BYTES)  # [rows, nb, 210]
+    nb = blocks.shape[1]
+    low = blocks[..., :128].reshape(rows, nb, 2, 1, 64)  # [rows, nb, half, 1, 64]
+    low = torch.cat([low & 0x0F, low >> 4], dim=3).reshape(rows, nb, 8, 32)  # [rows, nb, 8, 32]
+    high = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32)  # [rows, nb, half, 1, 32]
+    high = torch.cat([(high >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=3).reshape(rows, nb, 8, 32)
+    q = (low | (high << 4)).to(torch.int16) - 32  # [rows, nb, 8, 32]
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [rows, nb, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    weights = q.view(rows, nb, 16, 16).float() * (d * scales).unsqueeze(-1)  # [rows, nb, 16, 16]
+    return weights.view(rows, nb * QK_K)
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GGUF tensor's values as float32 `[*shape]` (numpy order, outermost first), via `gguf`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    values = gguf_dequantize(np.asarray(raw), GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

@@ -1,0 +1,215 @@
+"""Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
+
+- Q4_K linears run on PyTorch's CPU int4 kernel with the file's own scales and mins
+  (`Int4Linear.from_affine`): the same function as the unpacked model up to the kernel's
+  bf16 rounding of each group's scale and offset.
+- Other linears (Q6_K, Q5_0, Q8_0, F16, ...) have no exact kernel here and are unpacked
+  to the model's dtype; with `requantize_rest` (drafts only) they are re-quantized to int4
+  instead, which is lossy but cheap and never changes what is emitted.
+- The token embedding stays in its file blocks and unpacks only the rows looked up.
+
+The model is built on the meta device and filled tensor by tensor, so memory never holds
+an unpacked copy of the whole file. Architectures: those in `TENSOR_NAMES` (Qwen2 family);
+others load unpacked through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack
+from specdraft.models.quantize import Int4Linear
+
+NATIVE_ARCHITECTURES = ("qwen2",)
+
+_LAYER_TENSORS = {  # GGUF name inside blk.N -> module path inside model.layers.N
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ROWS_PER_SLICE = 16384  # rows unpacked at a time, so no whole float32 copy of a big matrix exists
+
+
+def module_path(gguf_name: str) -> tuple[str, str]:
+    """`blk.3.attn_q.bias` -> (`model.layers.3.self_attn.q_proj`, `bias`)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}", parts[3]
+    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[parts[0]], parts[1]
+    raise SpecdraftError(f"Unexpected tensor {gguf_name!r} in the GGUF file; load it with --gguf-weights unpacked.")
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table kept in its GGUF blocks; a lookup unpacks only the rows it needs."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)  # [vocab, bytes per row] uint8
+        self.type_name, self.embedding_dim, self.out_dtype = type_name, dim, dtype
+        self.num_embeddings = raw.shape[0]
+
+    def num_packed_weights(self) -> int:
+        """How many weights the packed table holds."""
+        return self.num_embeddings * self.embedding_dim
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [n] -> [n, dim]
+        return unpack_rows(self.raw[ids], self.type_name, self.embedding_dim).to(self.out_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., dim]
+        return self.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+
+class FlatLinear(nn.Linear):
+    """`nn.Linear` that multiplies a 2-D contiguous view: a strided 3-D input (the last
+    positions of a pass, sliced for the LM head) otherwise takes a batched path that copies
+    the whole weight on every call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        out = super().forward(x.reshape(-1, x.shape[-1]).contiguous())  # [tokens, N]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def unpack_rows(raw: torch.Tensor, type_name: str, dim: int) -> torch.Tensor:
+    """Rows of a GGUF matrix `[rows, bytes per row]` (uint8) as float32 `[rows, dim]`."""
+    if type_name == "Q4_K":
+        codes, scale, minimum = q4k_affine(raw)
+        rows = codes.shape[0]
+        weights = codes.view(rows, -1, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)  # [rows, dim/32, 32]
+        return weights.view(rows, dim)
+    if type_name == "Q6_K":
+        return q6k_unpack(raw)
+    if type_name in ("F32", "F16", "BF16"):
+        return raw.contiguous().view(getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[type_name])
+                                     ).float().view(raw.shape[0], dim)
+    return dequantize(raw.numpy(), type_name, (raw.shape[0], dim))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a GGUF file: its type, shape (outermost first) and bytes."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int
+    n_bytes: int
+
+
+def tensor_index(path: Path, cache: Path | None = None) -> list[TensorEntry]:
+    """The file's tensors. Parsing the header with `gguf` takes seconds (its vocabulary is
+    metadata), so the index is kept as JSON in `cache` when given."""
+    kept = cache / "tensors.json" if cache is not None else None
+    if kept is not None and kept.is_file():
+        return [TensorEntry(e["name"], e["type_name"], tuple(e["shape"]), e["offset"], e["n_bytes"])
+                for e in json.loads(kept.read_text())]
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    entries = [TensorEntry(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)),
+                           int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    if kept is not None:
+        try:
+            kept.write_text(json.dumps([e.__dict__ for e in entries]))
+        except OSError:
+            pass  # only costs the parse next time
+    return entries
+
+
+class _TensorFile:
+    """Reads tensors' bytes with plain reads (no memory map, so nothing of the file stays resident)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "rb")
+
+    def rows(self, entry: TensorEntry, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows `start:stop` of a matrix as raw bytes `[rows, bytes per row]` (uint8)."""
+        total = entry.shape[0] if len(entry.shape) > 1 else 1
+        stop = total if stop is None else min(stop, total)
+        row_bytes = entry.n_bytes // total
+        out = torch.empty((stop - start, row_bytes), dtype=torch.uint8)
+        self.file.seek(entry.offset + start * row_bytes)
+        if self.file.readinto(out.numpy()) != out.numel():
+            raise SpecdraftError(f"The GGUF file ends inside tensor {entry.name!r}: it is truncated.")
+        return out
+
+    def unpacked(self, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+        """A whole tensor as `dtype`, unpacked slice by slice (a matrix is [out, in])."""
+        if len(entry.shape) == 1:
+            return unpack_rows(self.rows(entry), entry.type_name, entry.shape[0]).view(entry.shape).to(dtype)
+        out = torch.empty(entry.shape, dtype=dtype)
+        for i in range(0, entry.shape[0], _ROWS_PER_SLICE):
+            out[i:i + _ROWS_PER_SLICE] = unpack_rows(self.rows(entry, i, i + _ROWS_PER_SLICE), entry.type_name,
+                                                     entry.shape[1]).to(dtype)
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
+            pack: bool, requantize: bool) -> nn.Module:
+    """The module for one GGUF linear: packed int4 for Q4_K, else unpacked (or re-quantized)."""
+    out_features, in_features = weight.shape
+    if pack and weight.type_name == "Q4_K" and out_features % 16 == 0:
+        codes, scale, minimum = q4k_affine(source.rows(weight))
+        return Int4Linear.from_affine(codes, scale, minimum, bias)
+    with torch.device("meta"):
+        linear = FlatLinear(in_features, out_features, bias=bias is not None)
+    linear.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    if requantize and in_features % 32 == 0 and out_features % 16 == 0:
+        return Int4Linear.quantize(linear, keep_dense=False)
+    return linear
+
+
+def build_native_model(path: Path, config, dtype: torch.dtype, requantize_rest: bool = False,
+                       pack: bool = True, cache: Path | None = None) -> nn.Module:
+    """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
+
+    With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
+    checked against (float32 gives the file's exact values). `cache` keeps the tensor index.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if config.model_type not in NATIVE_ARCHITECTURES:
+        raise SpecdraftError(f"Packed GGUF loading supports {', '.join(NATIVE_ARCHITECTURES)}, not {config.model_type!r}.")
+    grouped: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    for entry in tensor_index(path, cache):
+        module, param = module_path(entry.name)
+        grouped[module][param] = entry
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if "lm_head" not in grouped:  # tied: the head is built from the embedding's blocks
+        grouped["lm_head"] = {"weight": grouped["model.embed_tokens"]["weight"]}
+    source = _TensorFile(path)
+    try:
+        for name, entries in grouped.items():
+            weight = entries["weight"]
+            if name == "model.embed_tokens":
+                module = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype)
+            elif name.endswith("norm"):
+                module = model.get_submodule(name)
+                module.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
+            else:
+                bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
+                module = _linear(source, weight, bias, dtype, pack, requantize_rest)
+            model.set_submodule(name, module)
+    finally:
+        source.close()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise SpecdraftError(f"The GGUF file {path.name} lacks tensors for {', '.join(missing[:5])}; "
+                             "load it with --gguf-weights unpacked.")
+    model.config.tie_word_embeddings = False  # head and embedding are separate modules now
+    return model.eval()
