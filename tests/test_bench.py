@@ -2,12 +2,16 @@
 
 import dataclasses
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from specdraft.bench import (METHODS, BenchConfig, ExactnessError, check_exactness, find_mismatches, load_prompts,
                              parse_method, parse_methods, render_report, run_bench, select_prompts, summarize)
+from specdraft.bench.methods import Models
 from specdraft.bench.runner import append_record, read_records
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.cli import app
@@ -279,3 +283,149 @@ def test_bench_cli_clear_errors(tiny_model_dirs, tiny_prompts, tmp_path, extra, 
                                       str(tiny_prompts), "--out", str(tmp_path / "o"), *extra])
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+# ----- the llama-cpp peer (no llama-cpp-python needed: its absence and a fake stand in) -----------------------
+
+
+def test_llama_cpp_method_strings():
+    plain = parse_method("llama-cpp")
+    assert (plain.name, plain.options, plain.info.own_numerics) == ("llama-cpp", {}, True)
+    sampled = parse_method("llama-cpp:temperature=0.7;seed=3")
+    assert sampled.options == {"temperature": 0.7, "seed": 3}
+    sampling = sampled.params(24).sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed) == (0.7, 0, 1.0, 3)
+    assert [m.label for m in parse_methods("ar,llama-cpp,llama-cpp:top-k=5;temperature=1")] == \
+        ["ar", "llama-cpp", "llama-cpp:top-k=5;temperature=1"]
+
+
+@pytest.mark.parametrize("text, key", [("llama-cpp:k=4", "k"), ("llama-cpp:draft-quant=int4", "draft-quant"),
+                                       ("llama-cpp:n-gpu-layers=1", "n-gpu-layers")])
+def test_llama_cpp_rejects_unknown_keys(text, key):
+    with pytest.raises(SpecdraftError, match=f"Unknown option '{key}' for method 'llama-cpp'.*temperature, top-k"):
+        parse_method(text)
+
+
+@pytest.fixture()
+def gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"  # never opened: the fake Llama or the import error comes first
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_llama_cpp_missing_package_is_a_clear_error(gguf_file, tiny_prompts, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
+    with pytest.raises(SpecdraftError, match=r"llama-cpp-python.*make peers"):
+        METHODS["llama-cpp"].check(str(gguf_file))
+    models = Models(SimpleNamespace(eos_token_ids={2}), target_spec=str(gguf_file))
+    with pytest.raises(SpecdraftError, match="make peers"):
+        METHODS["llama-cpp"].run(models, [1, 2, 3], parse_method("llama-cpp").params(4))
+    # the bench fails before loading any model (the .gguf here is not a model at all)
+    result = CliRunner().invoke(app, ["bench", "--target", str(gguf_file), "--prompts", str(tiny_prompts),
+                                      "--methods", "ar,llama-cpp", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "make peers" in result.stderr
+
+
+def test_llama_cpp_needs_a_gguf_target(tiny_model_dirs, tiny_config):
+    with pytest.raises(SpecdraftError, match=r"GGUF file.*is a folder.*--target"):
+        METHODS["llama-cpp"].check(str(tiny_model_dirs["target"]))
+    with pytest.raises(SpecdraftError, match="is a folder"):
+        run_bench(tiny_config(methods="ar,llama-cpp"))
+
+
+class FakeLlamaCpp:
+    """Stands in for the llama_cpp module: a Llama that replays a script of tokens, a recording sampler API."""
+
+    def __init__(self, script):
+        self.script, self.made, self.chain = script, [], []
+        outer = self
+
+        class Llama:
+            def __init__(self, path, **kwargs):
+                outer.made.append((path, kwargs))
+                self.kwargs, self.fed = kwargs, []
+
+            def n_ctx(self):
+                return self.kwargs["n_ctx"]
+
+            def reset(self):
+                self.fed = []
+
+            def eval(self, tokens):
+                self.fed.append(list(tokens))
+
+            @property
+            def ctx(self):
+                return self
+        self.Llama = Llama
+
+    def llama_sampler_chain_default_params(self):
+        return None
+
+    def llama_sampler_chain_init(self, params):
+        self.chain, self.step = [], 0
+        return "chain"
+
+    def llama_sampler_chain_add(self, chain, part):
+        self.chain.append(part)
+
+    def llama_sampler_free(self, chain):
+        self.chain.append("freed")
+
+    def llama_sampler_init_greedy(self):
+        return ("greedy",)
+
+    def llama_sampler_init_temp(self, t):
+        return ("temp", t)
+
+    def llama_sampler_init_top_k(self, k):
+        return ("top-k", k)
+
+    def llama_sampler_init_top_p(self, p, min_keep):
+        return ("top-p", p)
+
+    def llama_sampler_init_dist(self, seed):
+        return ("dist", seed)
+
+    def llama_sampler_sample(self, chain, ctx, idx):
+        self.step += 1
+        return self.script[self.step - 1]
+
+
+def test_llama_cpp_run_with_a_fake_llama(gguf_file, monkeypatch):
+    fake = FakeLlamaCpp(script=[5, 6, 2, 7, 8])  # 2 is an EOS id
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    models = Models(SimpleNamespace(eos_token_ids={2, 9}), target_spec=str(gguf_file))
+    run = METHODS["llama-cpp"].run
+    output = run(models, [1, 3, 4], parse_method("llama-cpp").params(10))
+    assert output.token_ids == [5, 6, 2] and output.wall_seconds >= 0 and output.steps is None  # stops at EOS
+    (path, kwargs), = fake.made
+    assert path == str(gguf_file) and kwargs["n_ctx"] >= 13 and kwargs["n_threads"] == torch.get_num_threads()
+    llama, _ = models.peers["llama-cpp"]
+    assert llama.fed == [[1, 3, 4], [5], [6]]  # our prompt ids, then each token but the last
+    assert fake.chain == [("greedy",), "freed"]
+    output = run(models, [1], parse_method("llama-cpp:temperature=0.7;top-k=5;top-p=0.9;seed=3").params(2))
+    assert output.token_ids == [5, 6] and len(fake.made) == 1  # the budget; the same Llama
+    assert fake.chain == [("temp", 0.7), ("top-k", 5), ("top-p", 0.9), ("dist", 3), "freed"]  # our warping order
+    run(models, list(range(2000)), parse_method("llama-cpp").params(4))
+    assert len(fake.made) == 2 and fake.made[1][1]["n_ctx"] >= 2004  # a longer prompt: a larger context
+
+
+def test_summary_reports_agreement_not_exactness_for_own_numerics():
+    peer = [rec(1, "code", "llama-cpp", 10, 0.5, SAME), rec(2, "prose", "llama-cpp", 6, 0.5, OTHER)]
+    records = [r for r in RECORDS if r["method"] == "ar"] + peer
+    s = summarize(records, "ar", {(2, "llama-cpp"): False}, own_numerics=["llama-cpp"])
+    figures = s["llama-cpp"]
+    assert figures["own_numerics"] and not s["ar"]["own_numerics"]
+    assert figures["greedy_exact"] is None and figures["categories"]["prose"]["greedy_exact"] is None
+    # prompt 1 identical (10 of 10); prompt 2 parts at token 3 of the longer 10 (ar's SAME vs OTHER's 6)
+    assert figures["agreement"] == pytest.approx((10 + 3) / (10 + 10))
+    assert summarize(records[:2] + [rec(2, "prose", "x", 6, 1.0, SAME[:6])])["x"]["agreement"] == 0.6  # a prefix
+    assert figures["categories"]["code"]["agreement"] == 1.0
+    assert s["ar"]["agreement"] == 1.0
+    assert find_mismatches(records, "ar", {}, own_numerics=["llama-cpp"]) == []
+    assert find_mismatches(records, "ar", {}) == [(2, "llama-cpp")]  # unmarked, the same output would fail
+    check_exactness(records, "ar", {}, own_numerics=["llama-cpp"])
+    report = render_report({"methods": s})
+    assert "| `llama-cpp` |" in report and "n/a" in report and "agreement" in report and "own numerics" in report
+    assert "agreement" not in render_report({"methods": summarize(RECORDS, "ar", NEAR_TIES)})

@@ -67,7 +67,7 @@ def test_streaming_view_prints_text_and_summary(tiny_args):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--k", 0], "--k must be >= 1"),
+    (["--k", 0], "--k (draft tokens per step) must be an integer >= 1"),
     (["--temperature", -1], "temperature must be >= 0"),
     (["--top-p", 0], "top-p must be in (0, 1]"),
     (["--top-p", 1.5], "top-p must be in (0, 1]"),

@@ -25,14 +25,14 @@ import torch
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.policy import AUTO, AutoK, FixedK, make_policy
 from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
 from specdraft.verify import verify_greedy, verify_sampled
 
-# Most draft tokens per step when none is given (a drafter may stop sooner): measured on the
-# bundled pair (README, benchmarks).
-DEFAULT_K = 10
+# Draft tokens per step when none is given: chosen each step by the cost model (policy.py).
+DEFAULT_K = AUTO
 
 # What happened to each emitted token.
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
@@ -76,16 +76,17 @@ def sync_device(device: torch.device) -> None:
 class SpeculativeDecoder:
     """Generates with `target`, drafting with `drafter` (None = plain autoregressive decoding).
 
-    `k` is the number of draft tokens per step. The decoder is not thread-safe: one request
-    at a time (the caches belong to it).
+    `k` is the number of draft tokens per step: an integer, `"auto"` (chosen each step by a
+    cost model of this machine, see `policy.AutoK`), or a policy object (e.g. an `AutoK`
+    shared by several decoders, so its measurements carry over). The decoder is not
+    thread-safe: one request at a time (the caches belong to it).
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None = None, k: int = DEFAULT_K) -> None:
-        if drafter is not None and (not isinstance(k, int) or k < 1):
-            raise SpecdraftError(f"k (draft tokens per step) must be an integer >= 1, got {k!r}.")
+    def __init__(self, target: CausalLM, drafter: Drafter | None = None,
+                 k: int | str | FixedK | AutoK = DEFAULT_K) -> None:
         self.target = target
         self.drafter = drafter
-        self.k = k if drafter is not None else 0
+        self.policy = k if isinstance(k, (FixedK, AutoK)) else make_policy(k) if drafter is not None else None
 
     @property
     def method(self) -> str:
@@ -146,6 +147,7 @@ class SpeculativeDecoder:
         target.prefill(sequence[:-1].unsqueeze(0))
         if drafter is not None:
             drafter.begin(sequence)
+            self.policy.prepare(target)  # an AutoK times the target's passes once (counted as prefill)
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 
@@ -153,7 +155,8 @@ class SpeculativeDecoder:
         while True:
             length = sequence.shape[0]
             remaining = max_new_tokens - len(generated)
-            k = max(0, min(self.k, remaining - 1, target.max_context - length - 1))
+            limit = max(0, min(remaining - 1, target.max_context - length - 1))
+            k = self.policy.choose(limit) if drafter is not None else 0
 
             # 1. propose
             t0 = time.perf_counter()
@@ -211,6 +214,8 @@ class SpeculativeDecoder:
                 finish = "length"
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
+            if drafter is not None:
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1)
             kept_accepted = min(num_accepted, len(committed))
             stats.record_step(k, kept_accepted)
             stats.new_tokens = len(generated)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import resource
+import sys
 from dataclasses import dataclass, field
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass
@@ -37,6 +45,11 @@ class GenerationStats:
     def mean_committed_per_step(self) -> float | None:
         """τ: tokens emitted per target step."""
         return self.new_tokens / self.steps if self.steps else None
+
+    @property
+    def mean_k(self) -> float | None:
+        """Mean draft tokens per step (what a fixed or `auto` k drafted)."""
+        return sum(self.k_per_step) / len(self.k_per_step) if self.k_per_step else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,4 +105,6 @@ class GenerationStats:
             "other_seconds": self.other_seconds,
             "accepted_at": list(self.accepted_at),
             "drafted_at": list(self.drafted_at),
+            "mean_k": self.mean_k,
+            "k_per_step": list(self.k_per_step),
         }

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafters import ModelDrafter
-from specdraft.engine import DEFAULT_K, RECOVERED, SpeculativeDecoder, StepEvent
+from specdraft.engine import RECOVERED, SpeculativeDecoder, StepEvent
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
@@ -44,6 +44,7 @@ from specdraft.sampling import SamplingParams, warp
 DIAGNOSE_JSON, AGREEMENT_PNG = "diagnose.json", "agreement.png"
 ROLLING_WINDOW = 8  # positions averaged per point of agreement.png
 CHUNK = 64  # output positions warped at once (bounds memory at large vocabularies)
+DIAGNOSE_K = 5  # draft tokens per step of the measured run (fixed, so measured α compares with predicted)
 METRIC_NAMES = ("agreement", "expected_acceptance", "total_variation", "logit_cosine", "hidden_cosine")
 
 
@@ -201,7 +202,7 @@ class MeasuredRun:
 
 
 def measure(target: CausalLM, draft: CausalLM, prompt_ids: Sequence[int], sampling: SamplingParams,
-            max_new_tokens: int, k: int = DEFAULT_K) -> MeasuredRun:
+            max_new_tokens: int, k: int = DIAGNOSE_K) -> MeasuredRun:
     """Run `SpeculativeDecoder(target, ModelDrafter(draft), k)` and count per-token acceptance step by step."""
     run = MeasuredRun()
     decoder = SpeculativeDecoder(target, ModelDrafter(draft), k=k)
@@ -246,7 +247,7 @@ def metric_params(temperature: float) -> SamplingParams:
 
 def diagnose_prompt(
     target: CausalLM, draft: CausalLM, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
-    temperature: float = 0.0, measure_k: int | None = DEFAULT_K, question_id: int | str = 0, category: str = "",
+    temperature: float = 0.0, measure_k: int | None = DIAGNOSE_K, question_id: int | str = 0, category: str = "",
 ) -> PromptDiagnosis:
     """Teacher-force the target's greedy output through both models, compare, and (with `measure_k`) run.
 
@@ -295,7 +296,7 @@ class DiagnoseConfig:
     dtype: str = "bfloat16"
     threads: int | None = None
     measure: bool = True
-    k: int = DEFAULT_K
+    k: int = DIAGNOSE_K
     chat: bool | None = None
 
 

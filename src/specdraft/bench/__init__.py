@@ -1,7 +1,8 @@
 """`specdraft bench`: methods side by side on the same prompts, weights and token budget.
 
 prompts  Spec-Bench JSONL in, a selection out
-methods  the registry of methods (`ar`, `spec`, the transformers peers) and their option strings
+methods  the registry of methods (`ar`, `spec`, the transformers peers, `llama-cpp`) and their option strings
+llama_cpp_peer  the `llama-cpp` peer: llama.cpp decoding the target's GGUF file (optional package)
 runner   runs them interleaved per prompt, resumable, into OUT/results.jsonl
 summary  records to figures (pure arithmetic) and the markdown report
 plots    the PNG plots beside summary.json

@@ -2,8 +2,9 @@
 
 A method is written `NAME` or `NAME:key=value;key=value`, the keys being `specdraft generate`'s
 option names without their dashes (`spec:k=8`, `hf-ar:temperature=0.7;seed=3`); its label in
-every output is the whole string. Every method runs on the same loaded weights and takes a
-prompt as token ids, so all of them see exactly the same input.
+every output is the whole string. Every method runs on the same loaded weights (`llama-cpp`
+on the same GGUF file, loaded by llama.cpp) and takes a prompt as token ids, so all of them
+see exactly the same input.
 
 | name               | what runs                                                          |
 | ------------------ | ------------------------------------------------------------------ |
@@ -12,11 +13,16 @@ prompt as token ids, so all of them see exactly the same input.
 | `hf-ar`            | transformers `generate` (greedy, or sampling with the same warping) |
 | `hf-assisted`      | transformers assisted generation with the same draft model          |
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
+| `llama-cpp`        | llama.cpp (llama-cpp-python) plain decoding of the target's GGUF    |
 
 For the transformers methods `k` means `num_assistant_tokens` (with a constant schedule and
 no confidence cut-off; unset, transformers' own defaults apply) or `prompt_lookup_num_tokens`
 (default 10); their steps, drafted and accepted counts, draft and verify times and k are not
 reported (None).
+
+`llama-cpp` (see `bench.llama_cpp_peer`) needs a GGUF target and llama-cpp-python (`make
+peers`); it runs with its own numerics, so it is marked `own_numerics`: its greedy output is
+reported as agreement with `ar`, not judged for exactness.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class Models:
     target: CausalLM
     draft: CausalLM | None = None
     prepared: dict[str, CausalLM] = field(default_factory=dict)
+    target_spec: str | None = None  # what the user named as the target (for peers that load its file)
+    peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
     def draft_as(self, quant: str) -> CausalLM:
         """The draft with `quant` applied (a copy: other methods keep the loaded weights)."""
@@ -88,12 +96,20 @@ class RunOutput:
 
 @dataclass(frozen=True)
 class MethodInfo:
-    """A registered method: a one-line description, the option keys it takes, and how it runs."""
+    """A registered method: a one-line description, the option keys it takes, and how it runs.
+
+    `check(target_spec)`, when set, raises SpecdraftError before any model loads if the method
+    cannot run (a missing optional package, a target of the wrong kind). `own_numerics`: the
+    method computes the target with other kernels than ours, so its greedy output is compared
+    with `ar` for agreement but not held to exactness.
+    """
 
     description: str
     keys: tuple[str, ...]
     needs_draft: bool
     run: Callable[[Models, list[int], RunParams], RunOutput]
+    check: Callable[[str], None] | None = None
+    own_numerics: bool = False
 
 
 @dataclass
@@ -259,6 +275,20 @@ def run_hf_prompt_lookup(models: Models, prompt_ids: list[int], params: RunParam
     return _run_hf(models, prompt_ids, params, prompt_lookup_num_tokens=params.k or PROMPT_LOOKUP_K)
 
 
+def run_llama_cpp(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+    """llama.cpp's plain decoding of the target's GGUF file (see bench.llama_cpp_peer; imported on use)."""
+    from specdraft.bench import llama_cpp_peer
+
+    return llama_cpp_peer.run_llama_cpp(models, prompt_ids, params)
+
+
+def check_llama_cpp(target_spec: str) -> None:
+    """Raise SpecdraftError unless the target is a GGUF file and llama-cpp-python imports."""
+    from specdraft.bench import llama_cpp_peer
+
+    llama_cpp_peer.check(target_spec)
+
+
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
     "spec": MethodInfo("specdraft speculative decoding with the draft model (int4 on CPU by default)",
@@ -269,6 +299,8 @@ METHODS: dict[str, MethodInfo] = {
                               True, run_hf_assisted),
     "hf-prompt-lookup": MethodInfo("transformers prompt lookup decoding", ("k",) + SAMPLING_KEYS, False,
                                    run_hf_prompt_lookup),
+    "llama-cpp": MethodInfo("llama.cpp plain decoding of the target's GGUF file (needs `make peers`)", SAMPLING_KEYS,
+                            False, run_llama_cpp, check=check_llama_cpp, own_numerics=True),
 }
 
 

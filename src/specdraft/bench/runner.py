@@ -1,6 +1,7 @@
 """Run every method on every prompt, interleaved, append each result as it lands, then summarise.
 
 ```
+check each method can run (a peer's optional package, a GGUF target) before loading anything
 load the target (and the draft, when a method needs it) once
 skip (prompt, method) pairs OUT/results.jsonl already holds under the same settings
 warm up each method that still has work (a short generation, not recorded)
@@ -10,6 +11,9 @@ for prompt in prompts:                     # methods interleaved per prompt: dri
 judge greedy divergences from ar with the near-tie rule (needs the target)
 write OUT/summary.json, the PNG plots and OUT/report.md; raise ExactnessError if a greedy output differs
 ```
+
+Methods with their own numerics (`MethodInfo.own_numerics`: the `llama-cpp` peer) are
+reported for agreement with `ar`, never as exactness mismatches (see `bench.summary`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -98,6 +103,10 @@ def machine_info(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    for package in ("transformers", "llama_cpp"):  # the libraries the methods ran on (llama_cpp: if used)
+        version = getattr(sys.modules.get(package), "__version__", None)
+        if version is not None:
+            info[package] = version
     return info
 
 
@@ -155,7 +164,7 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
     if any(spec.info.needs_draft for spec in methods):
         draft = load_model(config.draft, dtype=config.dtype, device=target.device)
         check_compatible(target, draft)
-    return Models(target, draft)
+    return Models(target, draft, target_spec=config.target)
 
 
 def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> dict[Hashable, list[int]]:
@@ -245,6 +254,10 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     params = {spec.label: spec.params(config.max_new_tokens, config.temperature, config.seed) for spec in methods}
     prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
     prompts = select_prompts(load_prompts(prompts_path), config.categories, config.max_prompts)
+    for info in {spec.name: spec.info for spec in methods}.values():
+        if info.check is not None:
+            info.check(config.target)
+    own_numerics = [spec.label for spec in methods if spec.info.own_numerics]
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -285,13 +298,13 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         summary = {
             "machine": machine_info(models.target.device),
             "settings": settings,
-            "methods": summarize(records, reference, near_ties, [s.label for s in methods]),
+            "methods": summarize(records, reference, near_ties, [s.label for s in methods], own_numerics),
             "divergences": divergences,
         }
         (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         plots = write_plots(summary, records, out)
         (out / REPORT).write_text(render_report(summary, plots), encoding="utf-8")
-        result = BenchResult(out, summary, records, find_mismatches(records, reference, near_ties))
+        result = BenchResult(out, summary, records, find_mismatches(records, reference, near_ties, own_numerics))
     finally:
         torch.set_num_threads(threads_before)
     if result.mismatches:

@@ -11,13 +11,24 @@ per category):
     acceptance_rate (α)     Σ accepted / Σ drafted           (None if nothing was drafted)
     mean_committed_per_step Σ new_tokens / Σ steps (τ)       (None if no steps were counted)
     greedy_exact            share of prompts whose token_ids equal the reference's, a
-                            divergence at a near-tie counting as equal (greedy runs only)
+                            divergence at a near-tie counting as equal (greedy runs only;
+                            None for a method with its own numerics, see below)
+    agreement               Σ tokens before the first difference from the reference's run of
+                            the same prompt / Σ the longer run's tokens (greedy runs only;
+                            1 = identical outputs, no near-tie allowance)
     cost_ratio (c)          (Σ draft_seconds / Σ drafted) / (Σ verify_seconds / Σ steps): one
                             drafted token's time over one target step's (None if nothing drafted)
     k                       the most draft tokens any step of the method drafted (None: none)
 
 The near-tie verdicts need the target model, so they come in from outside as
 `near_ties[(question_id, method)] -> bool`; everything else is a function of the records.
+
+A method with its own numerics (a peer that computes the target with other kernels, such as
+`llama-cpp`; labels given as `own_numerics`) makes no claim to reproduce our greedy output
+token for token, and the near-tie rule, calibrated for our kernels, does not bound how far
+its logits stray. Its `greedy_exact` is None (the report says n/a), it is never an
+exactness mismatch, and `agreement` says how closely it tracked `ar`. Its summary entry
+carries `own_numerics: true`.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
 FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
-          "cost_ratio", "k")
+          "agreement", "cost_ratio", "k")
 
 
 class ExactnessError(SpecdraftError):
@@ -106,6 +117,30 @@ def greedy_exact(records: Sequence[Mapping], reference: Mapping[Hashable, Mappin
     return sum(_exact(r, ref, near_ties) for r, ref in pairs) / len(pairs)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(records: Sequence[Mapping], reference: Mapping[Hashable, Mapping]) -> float | None:
+    """Σ tokens before the first difference from the reference run / Σ the longer run's tokens (greedy only).
+
+    Prompts without a greedy reference run are left out; a sampled run among `records` gives None.
+    """
+    if not all(is_greedy(r) for r in records):
+        return None
+    pairs = [(r["token_ids"], reference[r["question_id"]]["token_ids"]) for r in records
+             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])]
+    longest = sum(max(len(a), len(b)) for a, b in pairs)
+    if not pairs or not longest:
+        return None
+    return sum(_common_prefix(a, b) for a, b in pairs) / longest
+
+
 def _group(records: Iterable[Mapping], field: str) -> dict[Hashable, list[Mapping]]:
     groups: dict[Hashable, list[Mapping]] = {}
     for record in records:
@@ -114,13 +149,15 @@ def _group(records: Iterable[Mapping], field: str) -> dict[Hashable, list[Mappin
 
 
 def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
-             near_ties: Mapping[Key, bool]) -> dict[str, float | None]:
+             near_ties: Mapping[Key, bool], own_numerics: bool = False) -> dict[str, float | None]:
     figures = rates(records)
     reference_tps = rates(reference_records)["tokens_per_second"] if reference_records else None
     tps = figures["tokens_per_second"]
     figures["speedup_vs_ar"] = tps / reference_tps if tps is not None and reference_tps else None
     by_prompt = {r["question_id"]: r for r in reference_records}
-    figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if reference_records else None
+    judged = reference_records and not own_numerics
+    figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if judged else None
+    figures["agreement"] = agreement(records, by_prompt) if reference_records else None
     figures["cost_ratio"], figures["k"] = cost_ratio(records), max_k(records)
     return {name: figures[name] for name in FIELDS}
 
@@ -130,13 +167,16 @@ def summarize(
     reference: str | None = "ar",
     near_ties: Mapping[Key, bool] | None = None,
     methods: Sequence[str] | None = None,
+    own_numerics: Iterable[str] = (),
 ) -> dict[str, dict]:
     """Per method: the figures of FIELDS overall and per category (`{"categories": {cat: figures}}`).
 
     `reference` is the label of the `ar` method (None or absent: no speedup, no greedy_exact);
-    `methods` fixes the order of the result (default: first appearance in the records).
+    `methods` fixes the order of the result (default: first appearance in the records);
+    `own_numerics` are the labels of methods not held to exactness (their entries say so).
     """
     near_ties = near_ties or {}
+    own_numerics = set(own_numerics)
     by_method = _group(records, "method")
     reference_records = by_method.get(reference, []) if reference else []
     reference_by_category = _group(reference_records, "category")
@@ -145,9 +185,11 @@ def summarize(
         own = by_method.get(method, [])
         if not own:
             continue
-        figures = _figures(own, reference_records, near_ties)
+        peer = method in own_numerics
+        figures = _figures(own, reference_records, near_ties, peer)
+        figures["own_numerics"] = peer
         figures["categories"] = {
-            category: _figures(group, reference_by_category.get(category, []), near_ties)
+            category: _figures(group, reference_by_category.get(category, []), near_ties, peer)
             for category, group in _group(own, "category").items()
         }
         summary[method] = figures
@@ -158,23 +200,28 @@ def find_mismatches(
     records: Sequence[Mapping],
     reference: str | None = "ar",
     near_ties: Mapping[Key, bool] | None = None,
+    own_numerics: Iterable[str] = (),
 ) -> list[Key]:
-    """(question_id, method) of every greedy run whose tokens differ from the greedy reference's, not at a near-tie."""
+    """(question_id, method) of every greedy run whose tokens differ from the greedy reference's, not at a near-tie.
+
+    Methods in `own_numerics` are not held to exactness and never listed.
+    """
     near_ties = near_ties or {}
+    own_numerics = set(own_numerics)
     if not reference:
         return []
     by_prompt = {r["question_id"]: r for r in records if r["method"] == reference and is_greedy(r)}
     return [
         (r["question_id"], r["method"]) for r in records
-        if r["method"] != reference and is_greedy(r) and r["question_id"] in by_prompt
-        and not _exact(r, by_prompt[r["question_id"]], near_ties)
+        if r["method"] != reference and r["method"] not in own_numerics and is_greedy(r)
+        and r["question_id"] in by_prompt and not _exact(r, by_prompt[r["question_id"]], near_ties)
     ]
 
 
 def check_exactness(records: Sequence[Mapping], reference: str | None = "ar",
-                    near_ties: Mapping[Key, bool] | None = None) -> None:
+                    near_ties: Mapping[Key, bool] | None = None, own_numerics: Iterable[str] = ()) -> None:
     """Raise ExactnessError listing every greedy run that differs from the reference beyond a near-tie."""
-    mismatches = find_mismatches(records, reference, near_ties)
+    mismatches = find_mismatches(records, reference, near_ties, own_numerics)
     if mismatches:
         raise ExactnessError(mismatches)
 
@@ -189,35 +236,52 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def exact_cell(figures: Mapping, own_numerics: bool) -> str:
+    """The greedy-exact cell of a method (or category): n/a for a method not held to exactness."""
+    return "n/a" if own_numerics else _fmt(figures.get("greedy_exact"), ".0%")
+
+
 def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
     """`report.md`: speedup per method × category (as Spec-Bench's leaderboard), details, plots, settings, machine.
 
-    `plots` are the PNG file names written beside the report (listed as images).
+    `plots` are the PNG file names written beside the report (listed as images). With a method
+    of its own numerics (a peer such as `llama-cpp`) the tables gain an "agreement" column.
     """
     methods: Mapping[str, Mapping] = summary.get("methods", {})
     categories = list(dict.fromkeys(c for figures in methods.values() for c in figures["categories"]))
+    peers = [m for m, figures in methods.items() if figures.get("own_numerics")]
+    agree = ["agreement"] if peers else []
     lines = ["# specdraft bench", "", "## Speedup over ar by category", ""]
-    header = ["method", *categories, "overall", "τ", "α", "c", "k", "tokens/s", "greedy exact"]
+    header = ["method", *categories, "overall", "τ", "α", "c", "k", "tokens/s", "greedy exact", *agree]
     rows = []
     for method, figures in methods.items():
+        peer = bool(figures.get("own_numerics"))
         per_category = [_fmt(figures["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories]
         rows.append([f"`{method}`", *per_category, _fmt(figures["speedup_vs_ar"], ".2f", "×"),
                      _fmt(figures["mean_committed_per_step"]), _fmt(figures["acceptance_rate"]),
                      _fmt(figures.get("cost_ratio"), ".3f"), _fmt(figures.get("k"), "d"),
-                     _fmt(figures["tokens_per_second"], ".1f"), _fmt(figures["greedy_exact"], ".0%")])
+                     _fmt(figures["tokens_per_second"], ".1f"), exact_cell(figures, peer),
+                     *([_fmt(figures.get("agreement"), ".0%")] if peers else [])])
     lines += _table(header, rows)
     lines += ["", "## Per method and category", ""]
     rows = []
     for method, figures in methods.items():
+        peer = bool(figures.get("own_numerics"))
         for category, cat in [*figures["categories"].items(), ("all", figures)]:
             rows.append([f"`{method}`", category, _fmt(cat["speedup_vs_ar"], ".2f", "×"),
                          _fmt(cat["mean_committed_per_step"]), _fmt(cat["acceptance_rate"]),
                          _fmt(cat.get("cost_ratio"), ".3f"), _fmt(cat["tokens_per_second"], ".1f"),
-                         _fmt(cat["greedy_exact"], ".0%")])
-    lines += _table(["method", "category", "speedup", "τ", "α", "c", "tokens/s", "greedy exact"], rows)
+                         exact_cell(cat, peer), *([_fmt(cat.get("agreement"), ".0%")] if peers else [])])
+    lines += _table(["method", "category", "speedup", "τ", "α", "c", "tokens/s", "greedy exact", *agree], rows)
     lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
               "α: accepted / drafted; c: one drafted token's time / one verification step's time; "
               "k: most draft tokens per step; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
+    if peers:
+        listed = ", ".join(f"`{m}`" for m in peers)
+        lines += [f"{listed}: the same model computed by other kernels (own numerics), so its greedy output may "
+                  "part from `ar` wherever the top two logits are close; that is not an exactness failure, and "
+                  "greedy exact is n/a. agreement: tokens before the first difference from `ar` / tokens of the "
+                  "longer output, over the greedy prompts (no near-tie allowance).", ""]
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{Path(name).stem.replace('_', ' ')}]({name})" for name in plots]

@@ -1,11 +1,13 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
-- Q4_K linears run on PyTorch's CPU int4 kernel with the file's own scales and mins
-  (`Int4Linear.from_affine`): the same function as the unpacked model up to the kernel's
-  bf16 rounding of each group's scale and offset.
-- Other linears (Q6_K, Q5_0, Q8_0, F16, ...) have no exact kernel here and are unpacked
-  to the model's dtype; with `requantize_rest` (drafts only) they are re-quantized to int4
-  instead, which is lossy but cheap and never changes what is emitted.
+- Q4_K and Q6_K linears multiply straight from the file's blocks on our AVX-512 BF16
+  kernels (`kernels/gguf_matmul.c`) where they build and run. Elsewhere Q4_K runs on
+  PyTorch's CPU int4 kernel with the file's own scales and mins (`Int4Linear.from_affine`,
+  exact up to the kernel's bf16 rounding of each group's scale and offset) and Q6_K is
+  unpacked.
+- Other linears (Q5_0, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
+  dtype; with `requantize_rest` (drafts only) they are re-quantized to int4 instead, which
+  is lossy but cheap and never changes what is emitted.
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
 
 The model is built on the meta device and filled tensor by tensor, so memory never holds
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.kernels import gguf_matmul
 from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack
 from specdraft.models.quantize import Int4Linear
 
@@ -113,7 +116,10 @@ def tensor_index(path: Path, cache: Path | None = None) -> list[TensorEntry]:
                 for e in json.loads(kept.read_text())]
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except ValueError as error:  # gguf maps the file: a cut one fails while shaping its last tensors
+        raise SpecdraftError(f"Could not read the GGUF file {path.name} ({error}): it is truncated or corrupt.") from error
     entries = [TensorEntry(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)),
                            int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
     if kept is not None:
@@ -159,6 +165,8 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
             pack: bool, requantize: bool) -> nn.Module:
     """The module for one GGUF linear: packed int4 for Q4_K, else unpacked (or re-quantized)."""
     out_features, in_features = weight.shape
+    if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
+        return gguf_matmul.BlockLinear(source.rows(weight), weight.type_name, in_features, bias)
     if pack and weight.type_name == "Q4_K" and out_features % 16 == 0:
         codes, scale, minimum = q4k_affine(source.rows(weight))
         return Int4Linear.from_affine(codes, scale, minimum, bias)

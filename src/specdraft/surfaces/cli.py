@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
+from specdraft.analysis.diagnose import DIAGNOSE_K
 from specdraft.engine import DEFAULT_K
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
@@ -45,7 +46,8 @@ def generate(
     draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for the 'model' drafter."),
     method: Method = typer.Option(Method.spec, help="spec: speculative decoding; ar: plain decoding."),
     drafter: str = typer.Option("model", help="Drafter name (see the drafter registry)."),
-    k: int = typer.Option(DEFAULT_K, "--k", help="Most draft tokens per step."),
+    k: str = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step: an integer, or auto (a cost model of this "
+                                                "machine picks k each step, 0 when speculation would not pay)."),
     draft_confidence: float = typer.Option(
         DEFAULT_MIN_CONFIDENCE, "--draft-confidence",
         help="Stop a draft once the draft's own estimate that the whole chain is accepted falls below this (0 = always k)."),
@@ -76,6 +78,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
+    from specdraft.policy import make_policy
+    from specdraft.stats import peak_memory_bytes
     from specdraft.drafters import make_drafter
     from specdraft.sampling import SamplingParams
     from specdraft.stats import GenerationStats
@@ -90,17 +94,18 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
             raise SpecdraftError(f"Cannot read --prompt-file {prompt_file}: {error.strerror}.") from None
     if prompt is None or not prompt.strip():
         raise SpecdraftError("The prompt is empty; give some text (or --prompt-file with text in it).")
-    if method == Method.spec and k < 1:
-        raise SpecdraftError(f"--k must be >= 1, got {k}.")
+    policy = make_policy(k) if method == Method.spec else None  # a bad --k fails before any loading
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
+    draft_lm = None
+    if method == Method.spec:  # the draft first: its unpacking peak passes before the target is in memory
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device), draft_quant)
     target_lm = load_model(target, dtype=dtype, device=device)
-    if method == Method.spec:
-        draft_lm = load_model(draft, dtype=dtype, device=device)
+    if draft_lm is not None:
         check_compatible(target_lm, draft_lm)
-        draft_lm = prepare_draft(draft_lm, draft_quant)
-        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm, min_confidence=draft_confidence), k=k)
+        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm, min_confidence=draft_confidence),
+                                     k=policy)
     else:
         decoder = SpeculativeDecoder(target_lm)
 
@@ -125,16 +130,20 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
         if not as_json:
             out.print()
     summary = total.to_dict()
+    peak_gb = peak_memory_bytes() / 1e9
     if as_json:
         sys.stdout.write(json.dumps({"method": method.value, "prompt_token_ids": prompt_ids,
-                                     "completions": completions, "stats": summary}) + "\n")
+                                     "completions": completions, "stats": summary,
+                                     "peak_memory_gb": round(peak_gb, 3)}) + "\n")
         return
     alpha = "-" if total.acceptance_rate is None else f"{total.acceptance_rate:.2f}"
     tau = "-" if total.mean_committed_per_step is None else f"{total.mean_committed_per_step:.2f}"
+    mean_k = "-" if total.mean_k is None else f"{total.mean_k:.1f}"
     err.print(
         f"[bold]{method.value}[/] {total.new_tokens} tokens in {total.wall_seconds:.2f}s = "
-        f"[bold]{total.tokens_per_second:.1f} tok/s[/]  α={alpha}  τ={tau}  steps={total.steps}  "
-        f"(draft {total.draft_seconds:.2f}s, verify {total.verify_seconds:.2f}s, prefill {total.prefill_seconds:.2f}s)",
+        f"[bold]{total.tokens_per_second:.1f} tok/s[/]  α={alpha}  τ={tau}  mean k={mean_k}  steps={total.steps}  "
+        f"(draft {total.draft_seconds:.2f}s, verify {total.verify_seconds:.2f}s, prefill {total.prefill_seconds:.2f}s)"
+        f"  peak memory {peak_gb:.2f} GB",
         highlight=False,
     )
     if method == Method.spec:
@@ -177,7 +186,8 @@ def bench(
     turns: int = typer.Option(1, "--turns", help="1: the first turn of each question (2: not supported yet)."),
     methods: str = typer.Option("ar,spec", "--methods",
                                 help="Comma list of NAME or NAME:key=value;key=value, NAME one of ar, spec, hf-ar, "
-                                     "hf-assisted, hf-prompt-lookup; keys: k, temperature, top-k, top-p, seed."),
+                                     "hf-assisted, hf-prompt-lookup, llama-cpp (needs `make peers`); "
+                                     "keys: k, temperature, top-k, top-p, seed."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
     draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for spec and hf-assisted."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
@@ -187,7 +197,8 @@ def bench(
                                         help="Apply the chat template (default: if the model has one)."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads",
+                                          help="torch threads, and llama-cpp's (default: torch's)."),
     out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
     """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
@@ -220,13 +231,16 @@ def _bench_table(summary: dict) -> Table:
     methods = summary["methods"]
     categories = list(dict.fromkeys(c for figures in methods.values() for c in figures["categories"]))
     categories = categories if len(categories) <= 4 else []
+    peers = any(f.get("own_numerics") for f in methods.values())  # then an agreement column (see bench.summary)
     table = Table(title="specdraft bench")
     table.add_column("method", overflow="fold")
-    for column in ("tok/s", "speedup", "τ", "α", "exact", *categories):
+    for column in ("tok/s", "speedup", "τ", "α", "exact", *(["agree"] if peers else []), *categories):
         table.add_column(column, justify="right", no_wrap=True)
     for label, f in methods.items():
+        exact = "n/a" if f.get("own_numerics") else fmt(f["greedy_exact"], ".0%")
         table.add_row(label, fmt(f["tokens_per_second"], ".1f"), fmt(f["speedup_vs_ar"], ".2f", "×"),
-                      fmt(f["mean_committed_per_step"]), fmt(f["acceptance_rate"]), fmt(f["greedy_exact"], ".0%"),
+                      fmt(f["mean_committed_per_step"]), fmt(f["acceptance_rate"]), exact,
+                      *([fmt(f.get("agreement"), ".0%")] if peers else []),
                       *(fmt(f["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories))
     return table
 
@@ -278,7 +292,7 @@ def diagnose(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
     measure: bool = typer.Option(True, "--measure/--no-measure",
                                  help="Also run speculative decoding on each prompt for the measured α."),
-    k: int = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step of the measured run."),
+    k: int = typer.Option(DIAGNOSE_K, "--k", help="Draft tokens per step of the measured run."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for diagnose.json and agreement.png."),
 ) -> None:
     """Teacher-force the target's greedy output through both models: per-position fit, predicted vs measured α."""

@@ -1,0 +1,1 @@
+"""Small native kernels for block formats PyTorch has no kernel for (built on first use)."""

@@ -1,0 +1,114 @@
+"""Linears that multiply straight from GGUF Q4_K / Q6_K blocks (`gguf_matmul.c`).
+
+The C file is compiled with the system C compiler on first use and kept in the cache
+folder. It needs AVX-512 with BF16 dot products; where it cannot build or run,
+`available()` is False and the loader falls back (Q4_K to PyTorch's int4 kernel, Q6_K
+unpacked to bf16): the same function, slower and larger.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_SOURCE = Path(__file__).with_name("gguf_matmul.c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma", "-fopenmp",
+          "-shared", "-fPIC"]
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built or run here."""
+    if os.environ.get("SPECDRAFT_NO_NATIVE_KERNELS") or not _REQUIRED_CPU_FLAGS <= _cpu_flags():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    from specdraft.models.registry import cache_dir
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    built = cache_dir() / "kernels" / f"gguf_matmul-{key}.so"
+    if not built.is_file():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        partial = built.with_suffix(f".{os.getpid()}.partial")
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"note: the GGUF block kernels did not build ({result.stderr.strip()[:300]}); "
+                  "falling back to PyTorch kernels", file=sys.stderr)
+            return None
+        os.replace(partial, built)
+    library = ctypes.CDLL(str(built))
+    for name in ("q4k_matmul", "q6k_matmul"):
+        function = getattr(library, name)
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                             ctypes.c_int64]
+        function.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the block kernels run on this machine."""
+    return _library() is not None
+
+
+def block_matmul(raw: torch.Tensor, type_name: str, x: torch.Tensor) -> torch.Tensor:
+    """`x @ W^T` for W in GGUF blocks `raw [N, K / 256 · bytes]`; x `[tokens, K]` -> float32 `[tokens, N]`.
+
+    x is rounded to bf16 (as a bf16 model's activations are); the products and sums are float32.
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError("the GGUF block kernels are not available on this machine")
+    x = x.to(torch.bfloat16).contiguous()
+    tokens, k = x.shape
+    n = raw.shape[0]
+    if raw.dtype != torch.uint8 or k % 256 or raw.shape[1] != k // 256 * BLOCK_BYTES[type_name] or not raw.is_contiguous():
+        raise ValueError(f"{type_name} weight must be contiguous uint8 [N, {k // 256 * BLOCK_BYTES[type_name]}] "
+                         f"for {k} inputs, got {tuple(raw.shape)} {raw.dtype}")
+    out = torch.empty((tokens, n), dtype=torch.float32)
+    kernel = library.q4k_matmul if type_name == "Q4_K" else library.q6k_matmul
+    kernel(raw.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, tokens)
+    return out
+
+
+class BlockLinear(nn.Module):
+    """`y = x W^T + b` with W kept in its GGUF blocks (Q4_K: 0.56 bytes a weight, Q6_K: 0.82; bf16: 2)."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if type_name not in BLOCK_BYTES:
+            raise ValueError(f"no block kernel for {type_name}")
+        self.register_buffer("raw", raw.contiguous())  # [N, K / 256 * bytes per block] uint8
+        self.type_name = type_name
+        self.out_features, self.in_features = raw.shape[0], in_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def num_packed_weights(self) -> int:
+        """How many weights the packed matrix holds."""
+        return self.out_features * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        out = block_matmul(self.raw, self.type_name, x.reshape(-1, self.in_features))  # [tokens, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

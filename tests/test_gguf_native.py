@@ -1,0 +1,466 @@
+"""Packed GGUF loading: block decoders against the `gguf` reference, the int4 linear, and a
+tiny Qwen2 GGUF file written here, built packed and unpacked, and decoded speculatively."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from torch import nn
+from transformers import Qwen2Config
+
+from conftest import tiny_config, tiny_model
+from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
+from specdraft.kernels import gguf_matmul
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
+                                          q6k_unpack)
+from specdraft.models.gguf_native import (FlatLinear, PackedEmbedding, build_native_model, module_path,
+                                          tensor_index, unpack_rows)
+from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available
+
+pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
+
+Q4K, Q6K, Q8_0 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0
+
+# The tiny GGUF model: K-quants need in_features % 256 == 0.
+HIDDEN, INTERMEDIATE, VOCAB, LAYERS, HEADS, KV_HEADS = 256, 512, 512, 2, 4, 2
+KV_DIM = HIDDEN // HEADS * KV_HEADS
+
+
+# ----- raw blocks ----------------------------------------------------------------------------
+def fp16_bytes(values: np.ndarray) -> np.ndarray:  # [...] float -> [..., 2] uint8
+    return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8).reshape(*values.shape, 2)
+
+
+def pack_q4k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per super-block `[..., 8]` as Q4_K's twelve bytes `[..., 12]`
+    (llama.cpp's get_scale_min_k4, inverted)."""
+    out = np.empty((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    out[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    return out
+
+
+def random_q4k(rows: int, blocks: int, rng: np.random.Generator, d_range=(1e-3, 1e-2)) -> np.ndarray:
+    """Random Q4_K bytes `[rows, blocks · 144]` with finite fp16 d and dmin."""
+    raw = rng.integers(0, 256, (rows, blocks, Q4K_BLOCK_BYTES), dtype=np.uint8)  # [rows, nb, 144]
+    raw[..., 0:2] = fp16_bytes(rng.uniform(*d_range, (rows, blocks)))  # d
+    raw[..., 2:4] = fp16_bytes(rng.uniform(*d_range, (rows, blocks)))  # dmin
+    return raw.reshape(rows, blocks * Q4K_BLOCK_BYTES)
+
+
+def random_q6k(rows: int, blocks: int, rng: np.random.Generator, d_range=(1e-3, 1e-2)) -> np.ndarray:
+    """Random Q6_K bytes `[rows, blocks · 210]` with a finite fp16 d."""
+    raw = rng.integers(0, 256, (rows, blocks, Q6K_BLOCK_BYTES), dtype=np.uint8)  # [rows, nb, 210]
+    raw[..., 208:210] = fp16_bytes(rng.uniform(*d_range, (rows, blocks)))  # d
+    return raw.reshape(rows, blocks * Q6K_BLOCK_BYTES)
+
+
+def encode_q4k(w: np.ndarray) -> np.ndarray:
+    """A float matrix `[rows, K]` as Q4_K bytes `[rows, K / 256 · 144]`: a plain min/max
+    encoder (valid, not llama.cpp's optimal one), so a test model has sensible weights."""
+    rows, k = w.shape
+    nb = k // QK_K
+    groups = w.reshape(rows, nb, 8, 32).astype(np.float32)  # [rows, nb, sub, 32]
+    low = np.minimum(groups.min(-1), 0.0)  # [rows, nb, 8]; Q4_K mins are subtracted, so low <= 0
+    scale = np.maximum(groups.max(-1) - low, 1e-6) / 15  # [rows, nb, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)  # [rows, nb]
+    dmin = (np.maximum((-low).max(-1), 1e-6) / 63).astype(np.float16)  # [rows, nb]
+    sc = np.clip(np.round(scale / d[..., None]), 1, 63).astype(np.uint8)  # [rows, nb, 8]
+    mn = np.clip(np.round(-low / dmin[..., None]), 0, 63).astype(np.uint8)  # [rows, nb, 8]
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]  # [rows, nb, 8, 1]
+    offset = (dmin.astype(np.float32)[..., None] * mn)[..., None]  # [rows, nb, 8, 1]
+    q = np.clip(np.round((groups + offset) / step), 0, 15).astype(np.uint8)  # [rows, nb, 8, 32]
+    qs = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # [rows, nb, 4, 32]: sub-blocks 2p (low) and 2p+1 (high)
+    raw = np.concatenate([fp16_bytes(d), fp16_bytes(dmin), pack_q4k_scales(sc, mn), qs.reshape(rows, nb, 128)], -1)
+    return raw.reshape(rows, nb * Q4K_BLOCK_BYTES)
+
+
+def gguf_values(raw: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
+    """gguf's reference dequantization of raw blocks, as float32."""
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, kind), dtype=np.float32))
+
+
+# ----- the tiny GGUF file ----------------------------------------------------------------------
+def layer_plan(i: int) -> dict[str, tuple[str, tuple[int, int]]]:
+    """GGUF tensor -> (type, [out, in]) for layer i: Q4_K, Q6_K, Q8_0 and F16 mixed."""
+    return {
+        f"blk.{i}.attn_q.weight": ("Q4_K", (HIDDEN, HIDDEN)),
+        f"blk.{i}.attn_k.weight": ("Q8_0", (KV_DIM, HIDDEN)),
+        f"blk.{i}.attn_v.weight": ("Q6_K", (KV_DIM, HIDDEN)),
+        f"blk.{i}.attn_output.weight": ("Q4_K" if i == 0 else "F16", (HIDDEN, HIDDEN)),
+        f"blk.{i}.ffn_gate.weight": ("Q4_K", (INTERMEDIATE, HIDDEN)),
+        f"blk.{i}.ffn_up.weight": ("Q8_0", (INTERMEDIATE, HIDDEN)),
+        f"blk.{i}.ffn_down.weight": ("Q4_K", (HIDDEN, INTERMEDIATE)),
+    }
+
+
+def write_tiny_gguf(path, seed: int = 0, tied: bool = False) -> dict[str, str]:
+    """A 2-layer Qwen2 GGUF at `path`; returns tensor name -> type name."""
+    rng = np.random.default_rng(seed)
+    plan = {"token_embd.weight": ("Q4_K", (VOCAB, HIDDEN))}
+    for i in range(LAYERS):
+        plan.update(layer_plan(i))
+    if not tied:
+        plan["output.weight"] = ("Q6_K", (VOCAB, HIDDEN))
+    writer = GGUFWriter(str(path), "qwen2")
+    for name, (kind, (rows, cols)) in plan.items():
+        if kind == "Q4_K":
+            writer.add_tensor(name, encode_q4k(rng.normal(0, 0.05, (rows, cols))), raw_dtype=Q4K)
+        elif kind == "Q6_K":  # output: larger d, so logits have clear maxima
+            d_range = (1e-3, 2e-3) if name == "output.weight" else (1e-4, 2e-4)
+            writer.add_tensor(name, random_q6k(rows, cols // QK_K, rng, d_range), raw_dtype=Q6K)
+        elif kind == "Q8_0":
+            writer.add_tensor(name, gguf_quantize(rng.normal(0, 0.05, (rows, cols)).astype(np.float32), Q8_0),
+                              raw_dtype=Q8_0)
+        else:  # F16
+            writer.add_tensor(name, rng.normal(0, 0.05, (rows, cols)).astype(np.float16))
+    norms = [f"blk.{i}.{n}.weight" for i in range(LAYERS) for n in ("attn_norm", "ffn_norm")] + ["output_norm.weight"]
+    for name in norms:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    biases = [(f"blk.{i}.{proj}.bias", width) for i in range(LAYERS)
+              for proj, width in (("attn_q", HIDDEN), ("attn_k", KV_DIM), ("attn_v", KV_DIM))]
+    for name, width in biases:
+        writer.add_tensor(name, (0.1 * rng.standard_normal(width)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {name: kind for name, (kind, _) in plan.items()} | {name: "F32" for name in norms + [n for n, _ in biases]}
+
+
+def linear_weights(kinds: dict[str, str]) -> dict[str, str]:
+    """The linears' weights among a file's tensors (not the embedding, norms or biases): name -> type."""
+    return {name: kind for name, kind in kinds.items()
+            if name.endswith(".weight") and "norm" not in name and not name.startswith("token_embd")}
+
+
+def gguf_config(tied: bool = False) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=tied,
+    )
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """The tiny model as a GGUF file with its own head, and a tied one (no output.weight)."""
+    root = tmp_path_factory.mktemp("gguf")
+    files = {}
+    for tied in (False, True):
+        path = root / ("tied.gguf" if tied else "model.gguf")
+        files[tied] = (path, write_tiny_gguf(path, seed=0, tied=tied))
+    return files
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def token_batches(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, n), generator=generator) for n in (1, 7, 19)]  # [1, T]
+
+
+BACKENDS = ("fallback", "native")  # PyTorch's int4 kernel (+ unpacked Q6_K), or our block kernels
+
+
+def build(path, config, dtype, backend: str, **kwargs):
+    """`build_native_model`, with the block kernels switched off for the fallback backend."""
+    with pytest.MonkeyPatch.context() as patch:
+        if backend == "fallback":
+            patch.setattr(gguf_matmul, "available", lambda: False)
+        return build_native_model(path, config, dtype, **kwargs)
+
+
+def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
+    """The module a GGUF linear of `type_name` should become (the loader's documented policy)."""
+    if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
+        return gguf_matmul.BlockLinear
+    return Int4Linear if type_name == "Q4_K" or requantize else FlatLinear
+
+
+@pytest.fixture(scope="module")
+def models(gguf_files):
+    """`get(backend, tied, dtype, **kwargs)`: a model built from the tiny file, built once."""
+    built = {}
+
+    def get(backend: str = "fallback", tied: bool = False, dtype=torch.bfloat16, **kwargs):
+        if backend == "native" and not gguf_matmul.available():
+            pytest.skip("the GGUF block kernels do not run here")
+        key = (backend, tied, dtype, tuple(sorted(kwargs.items())))
+        if key not in built:
+            path = gguf_files[tied][0]
+            built[key] = build(path, gguf_config(tied), dtype, backend, **kwargs)
+        return built[key]
+    return get
+
+
+def reference_model(models, tied: bool = False):
+    """Every weight unpacked to float32: the file's exact values."""
+    return models("fallback", tied, torch.float32, pack=False)
+
+
+# ----- 1. block decoders ---------------------------------------------------------------------------
+def test_block_sizes_match_gguf():
+    """Q4_K is d, dmin, 12 scale bytes and 128 code bytes (144); Q6_K is 128 + 64 + 16 + 2 (210)."""
+    assert GGML_QUANT_SIZES[Q4K] == (QK_K, Q4K_BLOCK_BYTES) == (256, 2 + 2 + 12 + 128)
+    assert GGML_QUANT_SIZES[Q6K] == (QK_K, Q6K_BLOCK_BYTES) == (256, 128 + 64 + 16 + 2)
+
+
+def test_q4k_hand_built_block():
+    """A Q4_K block with known d, dmin, 6-bit scales/mins (high bits used) and codes decodes to d·sc·q − dmin·m."""
+    sc = np.array([3, 10, 17, 24, 31, 45, 52, 63], np.uint8)
+    mn = np.array([60, 55, 50, 5, 40, 35, 18, 1], np.uint8)
+    q = (np.arange(256) * 7 % 16).astype(np.uint8).reshape(8, 32)  # [sub, 32]
+    block = np.concatenate([fp16_bytes(np.array(2.0)), fp16_bytes(np.array(0.5)), pack_q4k_scales(sc, mn),
+                            (q[0::2] | (q[1::2] << 4)).reshape(128)])[None]  # [1, 144]
+    expected = torch.from_numpy((2.0 * sc[:, None] * q - 0.5 * mn[:, None]).astype(np.float32).reshape(1, 256))
+    codes, scale, minimum = q4k_affine(block)
+    assert torch.equal(codes, torch.from_numpy(q.reshape(1, 256)))
+    assert torch.equal(scale, torch.from_numpy(2.0 * sc[None].astype(np.float32)))
+    assert torch.equal(minimum, torch.from_numpy(0.5 * mn[None].astype(np.float32)))
+    assert torch.equal(gguf_values(block, Q4K), expected)
+
+
+def test_q4k_affine_equals_gguf_reference():
+    """Random Q4_K rows (3 super-blocks each): scale · codes − minimum is gguf's dequantization, bit for bit."""
+    raw = random_q4k(rows=5, blocks=3, rng=np.random.default_rng(1))  # [5, 432]
+    codes, scale, minimum = q4k_affine(raw)  # [5, 768] uint8, [5, 24], [5, 24]
+    assert codes.dtype == torch.uint8 and codes.shape == (5, 768) and int(codes.max()) <= 15
+    assert scale.shape == minimum.shape == (5, 24) and scale.dtype == torch.float32
+    weights = (codes.view(5, 24, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(5, 768)
+    assert torch.equal(weights, gguf_values(raw, Q4K))
+    assert torch.equal(unpack_rows(torch.from_numpy(raw), "Q4_K", 768), weights)
+
+
+def test_q6k_unpack_equals_gguf_reference():
+    """Random Q6_K rows (2 super-blocks each) decode exactly as gguf's reference does."""
+    raw = random_q6k(rows=4, blocks=2, rng=np.random.default_rng(2))  # [4, 420]
+    got = q6k_unpack(torch.from_numpy(raw))  # [4, 512]
+    assert got.shape == (4, 512) and got.dtype == torch.float32
+    assert torch.equal(got, gguf_values(raw, Q6K))
+
+
+def test_dequantize_wraps_gguf_reference():
+    """`dequantize` gives gguf's values in the logical shape, for a type decoded only by gguf (Q8_0)."""
+    values = np.random.default_rng(3).normal(size=(6, 64)).astype(np.float32)
+    raw = gguf_quantize(values, Q8_0)  # [6, 68]
+    got = dequantize(raw, "Q8_0", (6, 64))
+    assert got.shape == (6, 64) and torch.equal(got, gguf_values(raw, Q8_0))
+    assert torch.allclose(got, torch.from_numpy(values), atol=0.05)
+
+
+def test_corrupted_scale_byte_changes_its_row_only():
+    """Negative control: flipping bits of one scale byte changes the decoded row it lies in, nothing else."""
+    rng = np.random.default_rng(4)
+    cases = (("Q4_K", random_q4k(3, 2, rng), 4), ("Q6_K", random_q6k(3, 2, rng), 192))  # first scale byte
+    for kind, raw, scale_byte in cases:
+        bad = raw.copy()
+        bad[1, scale_byte] ^= 0x05
+        good_rows = unpack_rows(torch.from_numpy(raw), kind, 512)  # [3, 512]
+        bad_rows = unpack_rows(torch.from_numpy(bad), kind, 512)  # [3, 512]
+        assert not torch.equal(good_rows[1], bad_rows[1])
+        assert torch.equal(good_rows[[0, 2]], bad_rows[[0, 2]])
+
+
+# ----- 2. Int4Linear -------------------------------------------------------------------------------
+def affine_parts(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random codes `[n, k]` (0..15), scale and minimum `[n, k / 32]`, bias `[n]`."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = 1e-3 + 9e-3 * torch.rand(n, k // 32, generator=generator)
+    minimum = 0.1 * torch.rand(n, k // 32, generator=generator) - 0.03
+    bias = torch.randn(n, generator=generator)
+    return codes, scale, minimum, bias
+
+
+def affine_weight(codes, scale, minimum) -> torch.Tensor:  # -> [n, k] float32, w = scale · codes − minimum
+    n = codes.shape[0]
+    return (codes.view(n, -1, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(n, -1)
+
+
+def test_int4_dequantized_weight_is_the_affine_weight():
+    """from_affine computes scale·codes − minimum, up to bf16 rounding of scale, zero and the result."""
+    codes, scale, minimum, bias = affine_parts(48, 128, seed=0)  # N multiple of 16, K of 32
+    linear = Int4Linear.from_affine(codes, scale, minimum, bias)
+    want = affine_weight(codes, scale, minimum)  # [48, 128]
+    got = linear.dequantized_weight()  # [48, 128]
+    assert got.shape == want.shape and linear.group_size == 32
+    # (q − 8)·bf16(scale) + bf16(zero), rounded to bf16: each rounding costs at most 2^-8 relative.
+    zero = 8 * scale - minimum  # [48, 4]
+    bound = 2 ** -8 * (8 * scale + zero.abs() + want.abs().view(48, 4, 32).amax(-1)) + 1e-7  # [48, 4]
+    assert ((got - want).abs().view(48, 4, 32) <= bound.unsqueeze(-1)).all()
+    assert not torch.equal(Int4Linear.from_affine(codes ^ 1, scale, minimum).dequantized_weight(), got)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, PASS_WIDTH + 5])
+def test_int4_forward_matches_float(tokens):
+    """forward(x) is x W^T + b within bf16 error, for a narrow, a small and a sliced wide pass."""
+    codes, scale, minimum, bias = affine_parts(64, 256, seed=1)
+    linear = Int4Linear.from_affine(codes, scale, minimum, bias)
+    x = torch.randn(1, tokens, 256, generator=torch.Generator().manual_seed(tokens))  # [1, T, K]
+    got = linear(x)  # [1, T, N]
+    want = x @ affine_weight(codes, scale, minimum).t() + bias  # [1, T, N]
+    assert got.shape == (1, tokens, 64) and got.dtype == x.dtype
+    assert relative_error(got, want) < 1e-2
+
+
+def test_int4_wide_pass_equals_its_slices():
+    """A pass wider than PASS_WIDTH equals its PASS_WIDTH-token slices run one by one, exactly."""
+    linear = Int4Linear.from_affine(*affine_parts(32, 64, seed=2))
+    x = torch.randn(2 * PASS_WIDTH + 3, 64, generator=torch.Generator().manual_seed(2))  # [T, K]
+    slices = [linear(x[i:i + PASS_WIDTH]) for i in range(0, x.shape[0], PASS_WIDTH)]  # [<= PASS_WIDTH, N] each
+    assert torch.equal(linear(x), torch.cat(slices))
+
+
+def test_int4_kept_dense_weight_serves_wide_passes():
+    """quantize(keep_dense=True): wide passes use the dense weight exactly, narrow ones the lossy kernel.
+    (bf16, as drafts run: the module keeps its bias in bf16, so a float32 one would be rounded.)"""
+    torch.manual_seed(3)
+    dense = nn.Linear(64, 32).to(torch.bfloat16)
+    linear = Int4Linear.quantize(dense, keep_dense=True)
+    wide, narrow = torch.randn(PASS_WIDTH + 1, 64).bfloat16(), torch.randn(2, 64).bfloat16()  # [T, K]
+    assert torch.equal(linear(wide), dense(wide).detach())
+    assert relative_error(linear(narrow), dense(narrow).detach()) < 0.15  # 4-bit min/max groups: ~7%
+    assert not torch.equal(linear(narrow), dense(narrow).detach())
+
+
+# ----- 3. the tiny GGUF model ------------------------------------------------------------------------
+def test_module_path_names():
+    """GGUF names map to transformers module paths; an unknown name is a SpecdraftError."""
+    assert module_path("blk.3.attn_q.bias") == ("model.layers.3.self_attn.q_proj", "bias")
+    assert module_path("blk.0.ffn_norm.weight") == ("model.layers.0.post_attention_layernorm", "weight")
+    assert module_path("token_embd.weight") == ("model.embed_tokens", "weight")
+    assert module_path("output.weight") == ("lm_head", "weight")
+    for name in ("blk.0.attn_qkv.weight", "rope_freqs.weight", "blk.0.attn_q.weight.extra"):
+        with pytest.raises(SpecdraftError, match="Unexpected tensor"):
+            module_path(name)
+
+
+def test_tensor_index_is_kept(gguf_files, tmp_path, monkeypatch):
+    """tensor_index writes tensors.json, and a second call reads it back equal without parsing the file."""
+    path, kinds = gguf_files[False]
+    first = tensor_index(path, tmp_path)
+    assert (tmp_path / "tensors.json").is_file()
+    assert {e.name: e.type_name for e in first} == kinds
+    assert next(e for e in first if e.name == "blk.0.ffn_down.weight").shape == (HIDDEN, INTERMEDIATE)
+    assert all(e.offset + e.n_bytes <= path.stat().st_size for e in first)
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the file was parsed again")
+    monkeypatch.setattr("gguf.GGUFReader", no_parse)
+    assert tensor_index(path, tmp_path) == first
+
+
+def test_unpacked_weights_are_the_files_values(gguf_files, models):
+    """pack=False float32 holds exactly gguf's dequantization of every tensor (embedding rows included)."""
+    from gguf import GGUFReader
+
+    model = reference_model(models)
+    for tensor in GGUFReader(str(gguf_files[False][0])).tensors:
+        want = torch.from_numpy(np.array(gguf_dequantize(tensor.data, tensor.tensor_type), np.float32))
+        module_name, param = module_path(tensor.name)
+        module = model.get_submodule(module_name)
+        if isinstance(module, PackedEmbedding):
+            got = module(torch.arange(VOCAB))  # [vocab, hidden]
+        else:
+            got = getattr(module, param)
+        assert got.dtype == torch.float32 and torch.equal(got, want.view(got.shape)), tensor.name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_modules_follow_the_tensor_types(gguf_files, models, backend):
+    """Q4_K (and Q6_K with block kernels) stay packed, the rest are FlatLinear; the embedding stays packed."""
+    model, kinds = models(backend), gguf_files[False][1]
+    assert isinstance(model.model.embed_tokens, PackedEmbedding)
+    for name, kind in linear_weights(kinds).items():
+        assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend), name
+    reference = reference_model(models)
+    assert all(type(m) is FlatLinear for n, m in reference.named_modules() if n.endswith(("proj", "lm_head")))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_logits_match_reference(models, backend, tied):
+    """The packed bf16 model's logits are the float32 reference's within bf16 error (own head or tied)."""
+    packed, reference = models(backend, tied), reference_model(models, tied)
+    with torch.inference_mode():
+        for ids in token_batches():  # [1, T]
+            got, want = packed(ids).logits, reference(ids).logits  # [1, T, V]
+            assert got.shape == want.shape == (1, ids.shape[1], VOCAB)
+            assert relative_error(got, want) < 2e-2
+
+
+def test_tied_head_is_built_from_the_embedding(models):
+    """A file without output.weight gets an lm_head holding token_embd's values, separate from the embedding."""
+    reference = reference_model(models, tied=True)
+    embedding = reference.model.embed_tokens(torch.arange(VOCAB))  # [vocab, hidden]
+    assert torch.equal(reference.lm_head.weight, embedding)
+    assert not torch.equal(reference_model(models).lm_head.weight, reference.lm_head.weight)
+    assert reference.config.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requantize_rest(gguf_files, models, backend):
+    """requantize_rest puts every other linear in int4 too: lossy, yet mostly the same argmax."""
+    model, kinds = models(backend, requantize_rest=True), gguf_files[False][1]
+    for name, kind in linear_weights(kinds).items():
+        assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend, requantize=True), name
+    reference = reference_model(models)
+    agree = []
+    with torch.inference_mode():
+        for ids in token_batches(seed=1):  # [1, T]
+            agree += (model(ids).logits.argmax(-1) == reference(ids).logits.argmax(-1)).flatten().tolist()
+    assert sum(agree) >= 0.5 * len(agree)  # ~0.7 seen; unrelated weights would agree ~1/512
+
+
+def test_truncated_file_is_reported(gguf_files, tmp_path):
+    """A file cut short raises SpecdraftError naming truncation, with or without a kept tensor index."""
+    path = gguf_files[False][0]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    cache = tmp_path / "index"
+    cache.mkdir()
+    tensor_index(path, cache)  # the whole file's index, kept: the reads find the missing bytes
+    for kept in (cache, None):
+        with pytest.raises(SpecdraftError, match="truncated"):
+            build_native_model(cut, gguf_config(), torch.bfloat16, cache=kept)
+
+
+def test_flat_linear_takes_strided_inputs():
+    """FlatLinear gives nn.Linear's result on a strided 3-D slice (the LM head's last positions)."""
+    torch.manual_seed(4)
+    flat = FlatLinear(32, 48)
+    x = torch.randn(2, 5, 32)[:, -2:]  # [2, 2, K], not contiguous
+    assert flat(x).shape == (2, 2, 48)
+    assert torch.allclose(flat(x), nn.functional.linear(x, flat.weight, flat.bias), atol=1e-6)
+
+
+# ----- 4. speculative decoding on the packed model -----------------------------------------------------
+PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
+    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens."""
+    packed = models(backend)
+    drafts = {"close": reference_model(models), "unrelated": tiny_model(tiny_config(vocab_size=VOCAB), seed=5)}
+    plain = SpeculativeDecoder(CausalLM(packed))
+    accepted = {}
+    for name, draft in drafts.items():
+        spec = SpeculativeDecoder(CausalLM(packed), ModelDrafter(CausalLM(draft), min_confidence=0.0), k=3)
+        accepted[name] = 0
+        for prompt in PROMPTS:
+            want = plain.generate(prompt, max_new_tokens=20)
+            got = spec.generate(prompt, max_new_tokens=20)
+            assert got.token_ids == want.token_ids, (name, prompt)
+            assert got.stats.new_tokens == 20 and got.stats.drafted > 0
+            accepted[name] += got.stats.accepted
+    assert accepted["close"] > accepted["unrelated"]

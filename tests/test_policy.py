@@ -1,0 +1,104 @@
+"""The k policy: a fixed k, and `auto` (cost model + online acceptance) — choices and exactness."""
+
+import pytest
+
+from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
+from specdraft.errors import SpecdraftError
+from specdraft.policy import AutoK, FixedK, make_policy
+from conftest import perturbed
+
+PROMPT = [5, 17, 42, 8, 59, 3]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target):
+    return {"close": perturbed(tiny_target, noise=0.3, seed=1), "far": perturbed(tiny_target, noise=1.0, seed=2)}
+
+
+def calibrated(verify_ms: list[float], draft_ms: float, alpha: float, max_k: int = 6) -> AutoK:
+    """An AutoK with given pass costs (index = tokens per pass) and a settled acceptance estimate."""
+    policy = AutoK(max_k=max_k)
+    policy.verify_seconds = [None] + [ms / 1000 for ms in verify_ms]
+    policy.draft_seconds_per_token = draft_ms / 1000
+    policy.hits = [alpha * 1000] * max_k
+    policy.tries = [1000.0] * max_k
+    return policy
+
+
+def test_make_policy_reads_auto_and_integers():
+    assert isinstance(make_policy("auto"), AutoK) and isinstance(make_policy(" AUTO "), AutoK)
+    assert make_policy("4").k == 4 and make_policy(3).k == 3
+    for bad in ("0", "-2", "many", 0, 2.5, True):
+        with pytest.raises(SpecdraftError, match="must be an integer >= 1 or 'auto'"):
+            make_policy(bad)
+
+
+def test_fixed_k_respects_the_limit():
+    assert FixedK(5).choose(10) == 5 and FixedK(5).choose(2) == 2 and FixedK(5).choose(0) == 0
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    policy = calibrated([100] * 7, 10, alpha=0.5)
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125, rel=1e-3)
+
+
+def test_flat_verify_cost_and_good_acceptance_draft_long():
+    policy = calibrated([100, 101, 102, 103, 104, 105, 106], draft_ms=2, alpha=0.9)
+    assert policy.choose(10) == 6
+
+
+def test_steep_verify_cost_limits_k():
+    """A pass that gets dear past 4 tokens (the CPU int4 kernel) keeps k at 3."""
+    policy = calibrated([100, 105, 110, 115, 250, 260, 270], draft_ms=10, alpha=0.8)
+    assert policy.choose(10) == 3
+
+
+def test_poor_acceptance_falls_back_to_plain_decoding_and_probes():
+    policy = calibrated([100, 120, 140, 160, 180, 200, 220], draft_ms=30, alpha=0.1)
+    choices = [policy.choose(10) for _ in range(policy.probe_every)]
+    assert choices[:-1] == [0] * (policy.probe_every - 1)
+    assert choices[-1] == 2  # a probe, so the estimate can recover
+    assert policy.choose(1) == 0
+
+
+def test_observe_moves_the_estimates():
+    policy = calibrated([100] * 7, 10, alpha=0.5)
+    policy.hits, policy.tries = [0.0] * 6, [0.0] * 6
+    for _ in range(30):
+        policy.observe(4, 4, draft_seconds=0.04, verify_seconds=0.1)  # all accepted
+    assert policy.alpha(0) > 0.9 and policy.alpha(3) > 0.9
+    assert policy.alpha(5) == pytest.approx(policy.prior_alpha)  # never verified: the prior
+    for _ in range(60):
+        policy.observe(4, 0, draft_seconds=0.04, verify_seconds=0.1)  # first token rejected
+    assert policy.alpha(0) < 0.2
+    policy.observe(3, 1, draft_seconds=0.3, verify_seconds=0.5)
+    assert policy.verify_seconds[4] == pytest.approx(0.1 + policy.smoothing * 0.4)
+    assert policy.draft_seconds_per_token > 0.01
+
+
+def test_auto_k_is_exact_and_measures_the_target(tiny_target, drafts, make_lm):
+    """`auto` only changes speed: greedy output equals plain decoding; the pass widths got timed."""
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPT, max_new_tokens=40)
+    for name in ("close", "far"):
+        policy = AutoK(max_k=4)
+        decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts[name])), k=policy)
+        got = decoder.generate(PROMPT, max_new_tokens=40)
+        assert got.token_ids == expected.token_ids
+        assert all(v is not None and v > 0 for v in policy.verify_seconds[1:])
+        assert len(got.stats.k_per_step) == got.stats.steps and max(got.stats.k_per_step) <= 4
+        assert got.stats.to_dict()["mean_k"] == pytest.approx(got.stats.mean_k)
+
+
+def test_auto_k_samples_reproducibly(tiny_target, drafts, make_lm):
+    """Sampling with `auto`: k is chosen from the past only, before the step draws anything, so each
+    step's verification stays exact; a seed reproduces the run when the costs are given."""
+    params = SamplingParams(temperature=0.8, seed=11)
+    runs = []
+    for _ in range(2):
+        policy = calibrated([10, 11, 12, 13, 14], draft_ms=1, alpha=0.7, max_k=4)
+        policy.observe = lambda *args: None  # frozen costs: wall-clock noise must not change k here
+        decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=policy)
+        runs.append(decoder.generate(PROMPT, params, max_new_tokens=30))
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 30
+    assert runs[0].stats.k_per_step == runs[1].stats.k_per_step and 0 < max(runs[0].stats.k_per_step) <= 4
