@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a Python function that merges two sorted lists into one sorted list, with a docstring.
 
-.PHONY: setup demo test test-quick bench clean
+.PHONY: setup demo test test-quick bench peers clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,13 @@ test-quick: setup
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default
+
+# Optional: llama-cpp-python for the `llama-cpp` bench peer, built from source (about 5 minutes on 2
+# cores). AMX is off: a default (GGML_NATIVE) build dies with SIGILL (`tilezero`) on this project's
+# CPU. Not part of setup, so `make test` and CI never build it. If an earlier build is installed,
+# `$(PY) -m pip uninstall -y llama-cpp-python` first (pip would call it already satisfied).
+peers: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(PY) -m pip install --no-deps llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV) build *.egg-info

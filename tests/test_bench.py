@@ -113,7 +113,7 @@ def test_method_strings_parse():
     ("nope", "Unknown method 'nope'"),
     ("ar:k=2", "Unknown option 'k' for method 'ar'"),
     ("spec:depth=2", "Unknown option 'depth' for method 'spec'"),
-    ("spec:k=two", "k must be a whole number"),
+    ("spec:k=two", "k must be auto or a whole number"),
     ("spec:k", "key=value"),
     ("spec:k=2;k=3", "given twice"),
     ("ar,ar", "listed twice"),
@@ -429,3 +429,21 @@ def test_summary_reports_agreement_not_exactness_for_own_numerics():
     report = render_report({"methods": s})
     assert "| `llama-cpp` |" in report and "n/a" in report and "agreement" in report and "own numerics" in report
     assert "agreement" not in render_report({"methods": summarize(RECORDS, "ar", NEAR_TIES)})
+
+
+def test_k_auto_is_for_spec_only():
+    assert parse_method("spec:k=auto").params(16).k == "auto"
+    assert parse_method("spec:k=AUTO").params(16).k == "auto"
+    assert parse_method("spec:k=4").params(16).k == 4
+    with pytest.raises(SpecdraftError, match="k=auto is for spec only"):
+        parse_method("hf-assisted:k=auto").params(16)
+
+
+def test_mean_k_and_the_k_histogram_come_from_the_steps():
+    from specdraft.bench.summary import k_histogram, mean_k
+
+    records = [{"steps": 4, "drafted": 6, "k_per_step": [0, 2, 2, 2]}, {"steps": 2, "drafted": 6, "k_per_step": [3, 3]},
+               {"steps": None, "drafted": None, "k_per_step": None}]  # a peer: no steps
+    assert mean_k(records) == pytest.approx(12 / 6)
+    assert k_histogram(records) == {0: 1, 2: 3, 3: 2}
+    assert mean_k(records[2:]) is None and k_histogram(records[2:]) == {}

@@ -20,7 +20,7 @@ from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
                                           q6k_unpack)
 from specdraft.models.gguf_native import (FlatLinear, PackedEmbedding, build_native_model, module_path,
                                           tensor_index, unpack_rows)
-from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available
+from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available, quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
 
@@ -168,11 +168,11 @@ def token_batches(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (1, n), generator=generator) for n in (1, 7, 19)]  # [1, T]
 
 
-BACKENDS = ("fallback", "native")  # PyTorch's int4 kernel (+ unpacked Q6_K), or our block kernels
+BACKENDS = ("fallback", "native")  # Q6_K unpacked, or on our block kernel (Q4_K: the int4 kernel in both)
 
 
 def build(path, config, dtype, backend: str, **kwargs):
-    """`build_native_model`, with the block kernels switched off for the fallback backend."""
+    """`build_native_model`, with the Q6_K block kernel switched off for the fallback backend."""
     with pytest.MonkeyPatch.context() as patch:
         if backend == "fallback":
             patch.setattr(gguf_matmul, "available", lambda: False)
@@ -181,9 +181,11 @@ def build(path, config, dtype, backend: str, **kwargs):
 
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
     """The module a GGUF linear of `type_name` should become (the loader's documented policy)."""
+    if type_name == "Q4_K":
+        return Int4Linear
     if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
         return gguf_matmul.BlockLinear
-    return Int4Linear if type_name == "Q4_K" or requantize else FlatLinear
+    return Int4Linear if requantize else FlatLinear
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +195,7 @@ def models(gguf_files):
 
     def get(backend: str = "fallback", tied: bool = False, dtype=torch.bfloat16, **kwargs):
         if backend == "native" and not gguf_matmul.available():
-            pytest.skip("the GGUF block kernels do not run here")
+            pytest.skip("the Q6_K block kernel does not run here")
         key = (backend, tied, dtype, tuple(sorted(kwargs.items())))
         if key not in built:
             path = gguf_files[tied][0]
@@ -377,7 +379,7 @@ def test_unpacked_weights_are_the_files_values(gguf_files, models):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_modules_follow_the_tensor_types(gguf_files, models, backend):
-    """Q4_K (and Q6_K with block kernels) stay packed, the rest are FlatLinear; the embedding stays packed."""
+    """Q4_K (and Q6_K with the block kernel) stay packed, the rest are FlatLinear; the embedding stays packed."""
     model, kinds = models(backend), gguf_files[False][1]
     assert isinstance(model.model.embed_tokens, PackedEmbedding)
     for name, kind in linear_weights(kinds).items():
@@ -408,9 +410,11 @@ def test_tied_head_is_built_from_the_embedding(models):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_requantize_rest(gguf_files, models, backend):
-    """requantize_rest puts every other linear in int4 too: lossy, yet mostly the same argmax."""
-    model, kinds = models(backend, requantize_rest=True), gguf_files[False][1]
+def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
+    """A draft's int4 pass (`quantize_int4`) re-quantizes the unpacked linears too: lossy, yet mostly the same argmax."""
+    kinds = gguf_files[False][1]
+    model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend)
+    assert quantize_int4(model) > 0
     for name, kind in linear_weights(kinds).items():
         assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend, requantize=True), name
     reference = reference_model(models)

@@ -37,6 +37,7 @@ import torch
 from specdraft.drafters import ModelDrafter
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
 from specdraft.engine import DEFAULT_K, SpeculativeDecoder, sync_device
+from specdraft.policy import AUTO, AutoK
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import DRAFT_QUANTS, prepare_draft
@@ -45,7 +46,12 @@ from specdraft.sampling import SamplingParams
 PROMPT_LOOKUP_K = 10  # transformers' usual prompt_lookup_num_tokens
 
 # Option keys (generate's option names without dashes) and how their values are read.
-OPTION_TYPES: dict[str, type] = {"k": int, "temperature": float, "top-k": int, "top-p": float, "seed": int,
+def k_value(text: str) -> int | str:
+    """A method's k: `auto` or a whole number."""
+    return AUTO if text.strip().lower() == AUTO else int(text)
+
+
+OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
                                  "draft-quant": str, "draft-confidence": float}
 SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
 
@@ -57,6 +63,7 @@ class Models:
     target: CausalLM
     draft: CausalLM | None = None
     prepared: dict[str, CausalLM] = field(default_factory=dict)
+    policies: dict[tuple, AutoK] = field(default_factory=dict)  # `k=auto` policies, kept across prompts
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
@@ -73,7 +80,7 @@ class RunParams:
 
     sampling: SamplingParams
     max_new_tokens: int
-    k: int | None = None  # draft tokens per step; None: the method's default (or not applicable)
+    k: int | str | None = None  # draft tokens per step (or "auto"); None: the method's default
     draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
     draft_confidence: float = DEFAULT_MIN_CONFIDENCE  # ModelDrafter's early stop (spec only)
 
@@ -92,6 +99,7 @@ class RunOutput:
     draft_seconds: float | None = None  # time spent proposing (our loop only)
     verify_seconds: float | None = None  # time spent in the target's verification passes (our loop only)
     k: int | None = None  # the most draft tokens of any step (None when nothing was drafted)
+    k_per_step: list[int] | None = None  # draft tokens of each step (our loop only)
 
 
 @dataclass(frozen=True)
@@ -137,16 +145,17 @@ class MethodSpec:
     def params(self, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> RunParams:
         """Everything a run of this method needs besides the prompt (validated)."""
         k = self.options.get("k")
-        if k is not None and k < 1:
-            raise SpecdraftError(f"k must be >= 1 in method {self.label!r}, got {k}.")
+        if k == AUTO and self.name != "spec":
+            raise SpecdraftError(f"k=auto is for spec only; give {self.name} a whole number in {self.label!r}.")
+        if k is not None and k != AUTO and k < 1:
+            raise SpecdraftError(f"k must be >= 1 or auto in method {self.label!r}, got {k}.")
         quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
         if quant not in DRAFT_QUANTS:
             raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
         confidence = float(self.options.get("draft-confidence", DEFAULT_MIN_CONFIDENCE))
         if not 0.0 <= confidence < 1.0:
             raise SpecdraftError(f"draft-confidence must be in [0, 1) in {self.label!r}, got {confidence}.")
-        return RunParams(self.sampling(temperature, seed), max_new_tokens, None if k is None else int(k), quant,
-                         confidence)
+        return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, confidence)
 
 
 # ----- running one generation ---------------------------------------------------------------------
@@ -154,7 +163,10 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     target = models.target
     if drafter:
         drafter = ModelDrafter(models.draft_as(params.draft_quant), min_confidence=params.draft_confidence)
-        decoder = SpeculativeDecoder(target, drafter, k=params.k or DEFAULT_K)
+        k = params.k or DEFAULT_K
+        if k == AUTO:  # one policy per draft setting: its measurements carry over from prompt to prompt
+            k = models.policies.setdefault((params.draft_quant, params.draft_confidence), AutoK())
+        decoder = SpeculativeDecoder(target, drafter, k=k)
     else:
         decoder = SpeculativeDecoder(target)
     sync_device(target.device)
@@ -165,7 +177,7 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     stats = completion.stats
     return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
                      list(stats.accepted_at), list(stats.drafted_at), stats.draft_seconds, stats.verify_seconds,
-                     max(stats.k_per_step, default=0) or None)
+                     max(stats.k_per_step, default=0) or None, list(stats.k_per_step))
 
 
 def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
@@ -310,7 +322,7 @@ def _read_value(key: str, value: str, label: str) -> int | float:
     try:
         return kind(value)
     except ValueError:
-        what = "a whole number" if kind is int else "a number"
+        what = {int: "a whole number", k_value: "auto or a whole number"}.get(kind, "a number")
         raise SpecdraftError(f"{key} must be {what} in method {label!r}, got {value!r}.") from None
 
 

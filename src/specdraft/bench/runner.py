@@ -67,6 +67,7 @@ class BenchConfig:
     threads: int | None = None  # None: torch's default
     chat: bool | None = None  # None: the chat template when the tokenizer has one
     warmup_tokens: int = 8
+    gguf_weights: str = "auto"  # see models.loading.load_model
 
 
 @dataclass
@@ -159,10 +160,11 @@ def append_record(path: Path, record: dict) -> None:
 
 # ----- the steps of a run --------------------------------------------------------------------------------
 def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
-    target = load_model(config.target, dtype=config.dtype, device=None if config.device == "auto" else config.device)
+    target = load_model(config.target, dtype=config.dtype, device=None if config.device == "auto" else config.device,
+                        gguf_weights=config.gguf_weights)
     draft = None
     if any(spec.info.needs_draft for spec in methods):
-        draft = load_model(config.draft, dtype=config.dtype, device=target.device)
+        draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
         check_compatible(target, draft)
     return Models(target, draft, target_spec=config.target)
 
@@ -199,6 +201,7 @@ def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput,
         "draft_seconds": output.draft_seconds,
         "verify_seconds": output.verify_seconds,
         "k": output.k,
+        "k_per_step": output.k_per_step,
         "token_ids": output.token_ids,
         "prompt_tokens": len(ids),
         "temperature": temperature,

@@ -40,7 +40,7 @@ from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
 FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
-          "agreement", "cost_ratio", "k")
+          "agreement", "cost_ratio", "k", "mean_k")
 
 
 class ExactnessError(SpecdraftError):
@@ -88,6 +88,21 @@ def cost_ratio(records: Sequence[Mapping]) -> float | None:
     per_draft = _ratio(sum(r["draft_seconds"] for r in timed), sum(r["drafted"] for r in timed))
     per_step = _ratio(sum(r["verify_seconds"] for r in timed), sum(r["steps"] for r in timed))
     return per_draft / per_step if per_draft is not None and per_step else None
+
+
+def mean_k(records: Sequence[Mapping]) -> float | None:
+    """Draft tokens per step over the records that count steps (what a fixed or `auto` k drafted)."""
+    counted = [r for r in records if r.get("steps") and r.get("drafted") is not None]
+    return _ratio(sum(r["drafted"] for r in counted), sum(r["steps"] for r in counted))
+
+
+def k_histogram(records: Sequence[Mapping]) -> dict[int, int]:
+    """How many steps drafted each k, over the records that list their steps' k."""
+    counts: dict[int, int] = {}
+    for record in records:
+        for k in record.get("k_per_step") or ():
+            counts[k] = counts.get(k, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def max_k(records: Sequence[Mapping]) -> int | None:
@@ -158,7 +173,7 @@ def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
     judged = reference_records and not own_numerics
     figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if judged else None
     figures["agreement"] = agreement(records, by_prompt) if reference_records else None
-    figures["cost_ratio"], figures["k"] = cost_ratio(records), max_k(records)
+    figures["cost_ratio"], figures["k"], figures["mean_k"] = cost_ratio(records), max_k(records), mean_k(records)
     return {name: figures[name] for name in FIELDS}
 
 
@@ -188,6 +203,7 @@ def summarize(
         peer = method in own_numerics
         figures = _figures(own, reference_records, near_ties, peer)
         figures["own_numerics"] = peer
+        figures["k_histogram"] = k_histogram(own)
         figures["categories"] = {
             category: _figures(group, reference_by_category.get(category, []), near_ties, peer)
             for category, group in _group(own, "category").items()
@@ -252,7 +268,7 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
     peers = [m for m, figures in methods.items() if figures.get("own_numerics")]
     agree = ["agreement"] if peers else []
     lines = ["# specdraft bench", "", "## Speedup over ar by category", ""]
-    header = ["method", *categories, "overall", "τ", "α", "c", "k", "tokens/s", "greedy exact", *agree]
+    header = ["method", *categories, "overall", "τ", "α", "c", "k", "mean k", "tokens/s", "greedy exact", *agree]
     rows = []
     for method, figures in methods.items():
         peer = bool(figures.get("own_numerics"))
@@ -260,7 +276,8 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         rows.append([f"`{method}`", *per_category, _fmt(figures["speedup_vs_ar"], ".2f", "×"),
                      _fmt(figures["mean_committed_per_step"]), _fmt(figures["acceptance_rate"]),
                      _fmt(figures.get("cost_ratio"), ".3f"), _fmt(figures.get("k"), "d"),
-                     _fmt(figures["tokens_per_second"], ".1f"), exact_cell(figures, peer),
+                     _fmt(figures.get("mean_k"), ".2f"), _fmt(figures["tokens_per_second"], ".1f"),
+                     exact_cell(figures, peer),
                      *([_fmt(figures.get("agreement"), ".0%")] if peers else [])])
     lines += _table(header, rows)
     lines += ["", "## Per method and category", ""]
@@ -270,12 +287,21 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         for category, cat in [*figures["categories"].items(), ("all", figures)]:
             rows.append([f"`{method}`", category, _fmt(cat["speedup_vs_ar"], ".2f", "×"),
                          _fmt(cat["mean_committed_per_step"]), _fmt(cat["acceptance_rate"]),
-                         _fmt(cat.get("cost_ratio"), ".3f"), _fmt(cat["tokens_per_second"], ".1f"),
+                         _fmt(cat.get("cost_ratio"), ".3f"), _fmt(cat.get("mean_k"), ".2f"),
+                         _fmt(cat["tokens_per_second"], ".1f"),
                          exact_cell(cat, peer), *([_fmt(cat.get("agreement"), ".0%")] if peers else [])])
-    lines += _table(["method", "category", "speedup", "τ", "α", "c", "tokens/s", "greedy exact", *agree], rows)
+    lines += _table(["method", "category", "speedup", "τ", "α", "c", "mean k", "tokens/s", "greedy exact", *agree],
+                    rows)
+    histograms = {m: f["k_histogram"] for m, f in methods.items() if f.get("k_histogram")}
+    if histograms:
+        lines += ["", "## Draft tokens chosen per step", "",
+                  "Steps that drafted each k (with `k=auto` the cost model chooses per step; 0 = a plain step).", ""]
+        ks = sorted({int(k) for h in histograms.values() for k in h})
+        lines += _table(["method", *[f"k={k}" for k in ks]],
+                        [[f"`{m}`", *[str(h.get(k, h.get(str(k), 0))) for k in ks]] for m, h in histograms.items()])
     lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
               "α: accepted / drafted; c: one drafted token's time / one verification step's time; "
-              "k: most draft tokens per step; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
+              "k: most draft tokens per step; mean k: draft tokens per step on average; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
     if peers:
         listed = ", ".join(f"`{m}`" for m in peers)
         lines += [f"{listed}: the same model computed by other kernels (own numerics), so its greedy output may "

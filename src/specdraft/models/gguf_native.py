@@ -1,13 +1,13 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
-- Q4_K and Q6_K linears multiply straight from the file's blocks on our AVX-512 BF16
-  kernels (`kernels/gguf_matmul.c`) where they build and run. Elsewhere Q4_K runs on
-  PyTorch's CPU int4 kernel with the file's own scales and mins (`Int4Linear.from_affine`,
-  exact up to the kernel's bf16 rounding of each group's scale and offset) and Q6_K is
-  unpacked.
+- Q4_K linears run on PyTorch's CPU int4 kernel with the file's own scales and mins
+  (`Int4Linear.from_affine`): exact up to the kernel's bf16 rounding of each group's scale
+  and offset.
+- Q6_K linears multiply straight from the file's blocks on our AVX-512 BF16 kernel
+  (`kernels/gguf_matmul.c`) where it builds and runs; elsewhere they are unpacked.
 - Other linears (Q5_0, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
-  dtype; with `requantize_rest` (drafts only) they are re-quantized to int4 instead, which
-  is lossy but cheap and never changes what is emitted.
+  dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
+  and it never changes what is emitted).
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
 
 The model is built on the meta device and filled tensor by tensor, so memory never holds
@@ -28,7 +28,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
 from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack
-from specdraft.models.quantize import Int4Linear
+from specdraft.models.quantize import Int4Linear, int4_kernel_available
 
 NATIVE_ARCHITECTURES = ("qwen2",)
 
@@ -162,26 +162,24 @@ class _TensorFile:
 
 
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
-            pack: bool, requantize: bool) -> nn.Module:
-    """The module for one GGUF linear: packed int4 for Q4_K, else unpacked (or re-quantized)."""
+            pack: bool) -> nn.Module:
+    """The module for one GGUF linear: packed for Q4_K and Q6_K (where their kernels run), else unpacked."""
     out_features, in_features = weight.shape
-    if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
-        return gguf_matmul.BlockLinear(source.rows(weight), weight.type_name, in_features, bias)
-    if pack and weight.type_name == "Q4_K" and out_features % 16 == 0:
+    if pack and weight.type_name == "Q4_K" and out_features % 16 == 0 and int4_kernel_available():
         codes, scale, minimum = q4k_affine(source.rows(weight))
         return Int4Linear.from_affine(codes, scale, minimum, bias)
+    if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
+        return gguf_matmul.BlockLinear(source.rows(weight), weight.type_name, in_features, bias)
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
     linear.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    if requantize and in_features % 32 == 0 and out_features % 16 == 0:
-        return Int4Linear.quantize(linear, keep_dense=False)
     return linear
 
 
-def build_native_model(path: Path, config, dtype: torch.dtype, requantize_rest: bool = False,
-                       pack: bool = True, cache: Path | None = None) -> nn.Module:
+def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True,
+                       cache: Path | None = None) -> nn.Module:
     """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
@@ -210,7 +208,7 @@ def build_native_model(path: Path, config, dtype: torch.dtype, requantize_rest: 
                 module.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
             else:
                 bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
-                module = _linear(source, weight, bias, dtype, pack, requantize_rest)
+                module = _linear(source, weight, bias, dtype, pack)
             model.set_submodule(name, module)
     finally:
         source.close()

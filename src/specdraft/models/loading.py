@@ -134,14 +134,13 @@ def load_model(
     device: str | torch.device | None = None,
     verbose: bool = True,
     gguf_weights: str = "auto",
-    requantize_rest: bool = False,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
     GGUF weights (`gguf_weights`): `packed` runs the file's Q4_K blocks on the CPU int4
     kernel and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
     `dtype` with transformers' loader; `auto` is packed on the CPU for the architectures it
-    supports. `requantize_rest` (drafts only, lossy) puts the other linears in int4 too.
+    supports.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,9 +161,8 @@ def load_model(
                 from specdraft.models.gguf_native import build_native_model
 
                 config, tokenizer = _gguf_config_and_tokenizer(path)
-                model = build_native_model(path, config, torch_dtype, requantize_rest,
-                                           cache=_converted_dir(path, "meta"))
-                form = "packed int4" + ("" if requantize_rest else f" + {form}")
+                model = build_native_model(path, config, torch_dtype, cache=_converted_dir(path, "meta"))
+                form = f"GGUF blocks packed + {form}"
             elif gguf_weights == "packed":
                 raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
             else:

@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.kernels.gguf_matmul import DENSE_FROM_TOKENS, int4pack_transposed
 
 _INNER_K_TILES = 2
 _PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
 
 # The kernel's cost per token is lowest at a few tokens per call and grows steeply past
-# about 8 on 2 cores, so wider passes (a prefill) go through in slices of this many tokens,
-# or through the dense weight when one is kept.
+# about 8 on 2 cores, so wider passes go through in slices of this many tokens, or through
+# the dense weight when one is kept; from DENSE_FROM_TOKENS (a prefill) the packed weight
+# is unpacked to bf16 for one dense GEMM where our kernel runs.
 PASS_WIDTH = 8
 
 
@@ -101,7 +103,13 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
         flat = flat.to(torch.bfloat16)
-        if flat.shape[0] <= PASS_WIDTH:
+        transposed = None  # W^T [K, N] bf16 for a wide pass, where our unpacking kernel runs
+        if flat.shape[0] >= DENSE_FROM_TOKENS:
+            transposed = int4pack_transposed(self.packed, self.scales_and_zeros, self.out_features,
+                                             self.in_features, self.group_size)
+        if transposed is not None:
+            out = flat @ transposed  # [tokens, N]
+        elif flat.shape[0] <= PASS_WIDTH:
             out = self._kernel(flat)  # [tokens, N]
         else:
             out = torch.cat([self._kernel(flat[i:i + PASS_WIDTH]) for i in range(0, flat.shape[0], PASS_WIDTH)])

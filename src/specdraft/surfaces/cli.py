@@ -65,6 +65,9 @@ def generate(
     n: int = typer.Option(1, "--n", min=1, help="Independent samples."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    gguf_weights: str = typer.Option("auto", "--gguf-weights",
+                                     help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
+                                          "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
     """Generate from a prompt, streaming tokens coloured by what happened to each."""
@@ -75,7 +78,7 @@ def generate(
 
 
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_quant, temperature, top_k, top_p, min_p,
-              repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, as_json) -> None:
+              repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.policy import make_policy
@@ -100,8 +103,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
 
     draft_lm = None
     if method == Method.spec:  # the draft first: its unpacking peak passes before the target is in memory
-        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device), draft_quant)
-    target_lm = load_model(target, dtype=dtype, device=device)
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant)
+    target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
     if draft_lm is not None:
         check_compatible(target_lm, draft_lm)
         decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm, min_confidence=draft_confidence),
@@ -199,6 +202,9 @@ def bench(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     threads: Optional[int] = typer.Option(None, "--threads",
                                           help="torch threads, and llama-cpp's (default: torch's)."),
+    gguf_weights: str = typer.Option("auto", "--gguf-weights",
+                                     help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
+                                          "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU)."),
     out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
     """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
@@ -209,7 +215,7 @@ def bench(
             out=out, methods=methods, target=target, draft=draft, prompts=prompts,
             categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
             max_prompts=max_prompts, turns=turns, max_new_tokens=max_new_tokens, temperature=temperature,
-            seed=seed, dtype=dtype, device=device, threads=threads, chat=chat,
+            seed=seed, dtype=dtype, device=device, threads=threads, chat=chat, gguf_weights=gguf_weights,
         )
         result = run_bench(config, console=err)
     except ExactnessError as error:
