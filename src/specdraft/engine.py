@@ -147,7 +147,6 @@ class SpeculativeDecoder:
         target.prefill(sequence[:-1].unsqueeze(0))
         if drafter is not None:
             drafter.begin(sequence)
-            self.policy.prepare(target)  # an AutoK times the target's passes once (counted as prefill)
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 

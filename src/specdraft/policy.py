@@ -4,10 +4,11 @@
 
     rate(k) = E[tokens | k] / (c_draft · k + V(k + 1)),   E[tokens | k] = 1 + Σ_{i≤k} Π_{j≤i} α_j
 
-where V(t) is the target's measured time for a pass over t tokens (calibrated once at the
-first request, then refined online), c_draft the measured draft time per token, and α_j
-the online estimate that draft position j is accepted given the ones before it were
-(decayed counts with a prior). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
+where V(t) is the target's measured time for a pass over t tokens (an optimistic prior
+for widths not tried yet, then smoothed measurements: nothing is timed up front),
+c_draft the measured draft time per token, and α_j the online estimate that draft
+position j is accepted given the ones before it were (decayed counts, shrunk toward the
+pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not pay (poor acceptance, high temperature, a dear draft); every
 `probe_every` plain steps one short draft is tried so the estimate can recover.
 The choice never affects what is emitted, only how fast.
@@ -15,14 +16,14 @@ The choice never affects what is emitted, only how fast.
 
 from __future__ import annotations
 
-import time
-
-import torch
-
 from specdraft.errors import SpecdraftError
 
 AUTO = "auto"
-MAX_AUTO_K = 10
+MAX_AUTO_K = 8
+FIRST_K = 3  # the first step's k, before anything is measured
+# Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
+# a width that turns out dearer is measured when tried and then priced as it is).
+PRIOR_SLOPE = 0.08
 
 
 class FixedK:
@@ -32,9 +33,6 @@ class FixedK:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise SpecdraftError(f"--k (draft tokens per step) must be an integer >= 1 or 'auto', got {k!r}.")
         self.k = k
-
-    def prepare(self, target) -> None:
-        """Nothing to measure."""
 
     def choose(self, limit: int) -> int:
         return min(self.k, limit)
@@ -56,34 +54,20 @@ class AutoK:
         self.hits = [0.0] * max_k  # decayed count of acceptances at draft position i (0-based)
         self.tries = [0.0] * max_k  # decayed count of times position i was verified
         self.plain_streak = 0
+        self.last_k = 0  # the previous step's k: after a plain step the draft first catches up
 
     # ----- measuring --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prepare(self, target) -> None:
-        """Time one target pass at each width 1..max_k+1 (once), on the current cache, then cut it back."""
-        if all(v is not None for v in self.verify_seconds[1:]):
-            return
-        from specdraft.engine import sync_device
-
-        length = target.cache_len
-        tokens = torch.zeros((1, self.max_k + 1), dtype=torch.long, device=target.device)
-        target.forward(tokens[:, :1])  # warm-up
-        target.truncate(length)
-        for width in range(1, self.max_k + 2):
-            started = time.perf_counter()
-            target.forward(tokens[:, :width], logits_to_keep=width)
-            sync_device(target.device)
-            self.verify_seconds[width] = time.perf_counter() - started
-            target.truncate(length)
-
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """Learn from one step: `k` tokens drafted, `accepted` of them kept, and what it cost."""
         self._smooth_verify(k + 1, verify_seconds)
+        caught_up, self.last_k = self.last_k == 0, k
         if k == 0:
             return
-        per_token = draft_seconds / k
-        old = self.draft_seconds_per_token
-        self.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
+        if not caught_up or self.draft_seconds_per_token is None:
+            # After plain steps the draft's first pass also reads the tokens it missed: not a draft cost.
+            per_token = draft_seconds / k
+            old = self.draft_seconds_per_token
+            self.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
         self.hits = [h * self.decay for h in self.hits]
         self.tries = [t * self.decay for t in self.tries]
         for i in range(min(accepted + 1, k)):  # positions up to the first rejection were verified
@@ -98,9 +82,14 @@ class AutoK:
         self.verify_seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     # ----- choosing ---------------------------------------------------------------------------
+    def pooled_alpha(self) -> float:
+        """Acceptance over all positions (with the prior): what an unobserved position is assumed to have."""
+        return (sum(self.hits) + self.prior_alpha * self.prior_weight) / (sum(self.tries) + self.prior_weight)
+
     def alpha(self, position: int) -> float:
-        """Estimated chance that draft position `position` (0-based) is accepted, given the ones before were."""
-        return (self.hits[position] + self.prior_alpha * self.prior_weight) / (self.tries[position] + self.prior_weight)
+        """Estimated chance that draft position `position` (0-based) is accepted, given the ones before were:
+        its own counts, shrunk toward the pooled estimate (so positions rarely drafted are not stuck at the prior)."""
+        return (self.hits[position] + self.pooled_alpha() * self.prior_weight) / (self.tries[position] + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed by a step that drafts k]: accepted drafts plus the target's own token."""
@@ -110,18 +99,28 @@ class AutoK:
             total += survive
         return total
 
+    def verify_estimate(self, width: int) -> float | None:
+        """Seconds of a target pass over `width` tokens: measured, or else the optimistic prior
+        V(1) · (1 + PRIOR_SLOPE · (width − 1)) scaled from the measured widths (None before any)."""
+        if self.verify_seconds[width] is not None:
+            return self.verify_seconds[width]
+        scales = [v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in enumerate(self.verify_seconds) if v is not None]
+        return min(scales) * (1 + PRIOR_SLOPE * (width - 1)) if scales else None
+
     def step_seconds(self, k: int) -> float | None:
-        """Estimated seconds of a step that drafts k, or None before the widths are measured."""
-        verify = self.verify_seconds[k + 1]
+        """Estimated seconds of a step that drafts k, or None before anything is measured."""
+        verify = self.verify_estimate(k + 1)
         if verify is None:
             return None
         draft = self.draft_seconds_per_token
         if draft is None:  # before the first draft: guess a third of a plain target step per token
-            draft = (self.verify_seconds[1] or verify) / 3
+            draft = self.verify_estimate(1) / 3
         return draft * k + verify
 
     def choose(self, limit: int) -> int:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second."""
+        if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
+            return min(FIRST_K, limit)
         best_k, best_rate = 0, 0.0
         for k in range(0, min(limit, self.max_k) + 1):
             seconds = self.step_seconds(k)

@@ -33,6 +33,16 @@ def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes `[N, K]` (uint8), scale and minimum `[N, K / G]` of min/max 4-bit groups, w ≈ scale · codes − minimum."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group_size, group_size)  # [N, K/G, G]
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    codes = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8).view(n, k)
+    return codes, scale, -low
+
+
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with W stored as packed 4-bit groups for the CPU kernel.
 
@@ -74,14 +84,11 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: nn.Linear, group_size: int = 32, keep_dense: bool = False) -> "Int4Linear":
-        """Re-quantize a float linear to min/max 4-bit groups (lossy; for drafts)."""
-        weight = linear.weight.detach().float()  # [N, K]
-        n, k = weight.shape
-        groups = weight.view(n, k // group_size, group_size)  # [N, K/G, G]
-        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
-        scale = ((high - low) / 15).clamp_min(1e-8)
-        codes = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).view(n, k)
-        return cls(codes, scale, -low, linear.bias, linear.weight if keep_dense else None)
+        """Re-quantize a float linear to min/max 4-bit groups (lossy; for drafts), a slice of rows at a time."""
+        parts = [_minmax_groups(linear.weight.detach()[i:i + _PACK_ROWS], group_size)
+                 for i in range(0, linear.out_features, _PACK_ROWS)]
+        codes, scale, minimum = (torch.cat([part[j] for part in parts]) for j in range(3))
+        return cls(codes, scale, minimum, linear.bias, linear.weight if keep_dense else None)
 
     def num_packed_weights(self) -> int:
         """How many weights the packed matrix holds."""
@@ -125,11 +132,11 @@ def quantize_int4(model: nn.Module, group_size: int = 32, keep_dense: bool = Fal
     if next(model.parameters()).device.type != "cpu":
         raise SpecdraftError("--draft-quant int4 runs on the CPU kernel; use --draft-quant none on a GPU.")
     swaps = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear) and child.in_features % group_size == 0 and child.out_features % 16 == 0
     ]
-    for parent, name, child in swaps:
-        setattr(parent, name, Int4Linear.quantize(child, group_size, keep_dense))
+    for parent, name in swaps:  # one at a time, so each float weight is freed as soon as it is replaced
+        setattr(parent, name, Int4Linear.quantize(getattr(parent, name), group_size, keep_dense))
     return len(swaps)
