@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -17,6 +18,15 @@ from specdraft.models.causal_lm import CausalLM
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed while loading back to the OS (glibc keeps it otherwise, so the process
+    would stay as large as its loading peak); a no-op where glibc's malloc_trim is missing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -177,6 +187,7 @@ def load_model(
     finally:
         hf_logging.set_verbosity_warning()
     model.to(torch_device)
+    release_freed_memory()
     lm = CausalLM(model, tokenizer, name=spec)
     if verbose:
         print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
@@ -222,5 +233,6 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False) -> C
     model = copying.deepcopy(draft.model) if copy else draft.model
     started = time.perf_counter()
     swapped = quantize_int4(model, keep_dense=False)
+    release_freed_memory()
     print(f"draft {draft.name}: {swapped} linears in int4 ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
     return CausalLM(model, draft.tokenizer, name=f"{draft.name}[int4]")
