@@ -160,3 +160,22 @@ def test_int4_linear_uses_the_dense_weight_for_wide_passes():
     assert torch.equal(quantized(wide), linear(wide))  # prefill: the exact dense weight
     narrow = torch.randn(2, 64)
     assert not torch.equal(quantized(narrow), linear(narrow))  # decode: the int4 kernel
+
+
+def test_narrowed_draft_vocab_stays_exact(tiny_target, drafts, make_lm):
+    """A draft head over part of the vocabulary only proposes from it; greedy output is the target's."""
+    from specdraft.models.draft_head import SubsetHead
+    from specdraft.models.loading import prepare_draft
+
+    draft = make_lm(drafts["close"])
+    narrowed = prepare_draft(draft, "none", copy=True, vocab=40)
+    head = narrowed.model.get_output_embeddings()
+    assert isinstance(head, SubsetHead) and narrowed.vocab_size == draft.vocab_size
+    logits = narrowed.forward(torch.tensor([PROMPTS[0]]), logits_to_keep=1).logits[0, -1]  # [V]
+    assert torch.isinf(logits[40:]).all() and torch.isfinite(logits[:40]).all()
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[0], max_new_tokens=40)
+    got = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(narrowed), k=4).generate(PROMPTS[0], max_new_tokens=40)
+    assert got.token_ids == expected.token_ids
+    sampled = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(prepare_draft(draft, "int4", copy=True, vocab=40)), k=4)
+    out = sampled.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=3), max_new_tokens=30)
+    assert len(out.token_ids) == 30 and out.stats.drafted > 0

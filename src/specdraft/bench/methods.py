@@ -67,11 +67,12 @@ class Models:
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
-    def draft_as(self, quant: str) -> CausalLM:
-        """The draft with `quant` applied (a copy: other methods keep the loaded weights)."""
-        if quant not in self.prepared:
-            self.prepared[quant] = prepare_draft(self.draft, quant, copy=True)
-        return self.prepared[quant]
+    def draft_as(self, quant: str, vocab: int = 0) -> CausalLM:
+        """The draft with `quant` and `vocab` applied (a copy: other methods keep the loaded weights)."""
+        key = f"{quant}/{vocab}"
+        if key not in self.prepared:
+            self.prepared[key] = prepare_draft(self.draft, quant, copy=True, vocab=vocab)
+        return self.prepared[key]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class RunParams:
     k: int | str | None = None  # draft tokens per step (or "auto"); None: the method's default
     draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
     draft_confidence: float = DEFAULT_MIN_CONFIDENCE  # ModelDrafter's early stop (spec only)
+    draft_vocab: int = 0  # tokens the draft's head scores (0 = all; see models.draft_head)
 
 
 @dataclass
@@ -155,17 +157,21 @@ class MethodSpec:
         confidence = float(self.options.get("draft-confidence", DEFAULT_MIN_CONFIDENCE))
         if not 0.0 <= confidence < 1.0:
             raise SpecdraftError(f"draft-confidence must be in [0, 1) in {self.label!r}, got {confidence}.")
-        return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, confidence)
+        vocab = int(self.options.get("draft-vocab", 0))
+        if vocab < 0:
+            raise SpecdraftError(f"draft-vocab must be >= 0 in {self.label!r}, got {vocab}.")
+        return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, confidence, vocab)
 
 
 # ----- running one generation ---------------------------------------------------------------------
 def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
     target = models.target
     if drafter:
-        drafter = ModelDrafter(models.draft_as(params.draft_quant), min_confidence=params.draft_confidence)
+        drafter = ModelDrafter(models.draft_as(params.draft_quant, params.draft_vocab),
+                               min_confidence=params.draft_confidence)
         k = params.k or DEFAULT_K
         if k == AUTO:  # one policy per draft setting: its measurements carry over from prompt to prompt
-            k = models.policies.setdefault((params.draft_quant, params.draft_confidence), AutoK())
+            k = models.policies.setdefault((params.draft_quant, params.draft_confidence, params.draft_vocab), AutoK())
         decoder = SpeculativeDecoder(target, drafter, k=k)
     else:
         decoder = SpeculativeDecoder(target)
@@ -304,7 +310,7 @@ def check_llama_cpp(target_spec: str) -> None:
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
     "spec": MethodInfo("specdraft speculative decoding with the draft model (int4 on CPU by default)",
-                       ("k", "draft-quant", "draft-confidence") + SAMPLING_KEYS, True, run_spec),
+                       ("k", "draft-quant", "draft-confidence", "draft-vocab") + SAMPLING_KEYS, True, run_spec),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
                               ("k", "draft-quant") + SAMPLING_KEYS,

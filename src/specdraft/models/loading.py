@@ -213,26 +213,32 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 DRAFT_QUANTS = ("auto", "int4", "none")
 
 
-def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False) -> CausalLM:
-    """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it.
+def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int = 0) -> CausalLM:
+    """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it;
+    `vocab` > 0 gives it a head over that many common tokens (see `draft_head`).
 
-    `auto` is int4 on the CPU where the kernel exists, else none. A quantized draft only
-    proposes differently; output stays exact because q_draft is what it sampled from.
-    With `copy`, the given model is left as it was (e.g. for a peer that uses it unquantized).
+    `auto` is int4 on the CPU where the kernel exists, else none. A quantized or narrowed
+    draft only proposes differently; output stays exact because q_draft is what it sampled
+    from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
+    from specdraft.models.draft_head import restrict_draft_vocab
     from specdraft.models.quantize import int4_kernel_available, quantize_int4
 
     if quant not in DRAFT_QUANTS:
         raise SpecdraftError(f"Unknown draft quantization {quant!r}; use one of {', '.join(DRAFT_QUANTS)}.")
     if quant == "auto":
         quant = "int4" if draft.device.type == "cpu" and int4_kernel_available() else "none"
-    if quant == "none":
+    if quant == "none" and not vocab:
         return draft
     import copy as copying
 
     model = copying.deepcopy(draft.model) if copy else draft.model
+    prepared = CausalLM(model, draft.tokenizer, name=draft.name)
     started = time.perf_counter()
-    swapped = quantize_int4(model, keep_dense=False)
+    scored = restrict_draft_vocab(prepared, vocab)
+    swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
     release_freed_memory()
-    print(f"draft {draft.name}: {swapped} linears in int4 ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
-    return CausalLM(model, draft.tokenizer, name=f"{draft.name}[int4]")
+    print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens "
+          f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)
+    tags = [tag for tag in (quant if quant == "int4" else "", f"vocab {scored}" if vocab else "") if tag]
+    return CausalLM(model, draft.tokenizer, name=f"{draft.name}[{', '.join(tags)}]")

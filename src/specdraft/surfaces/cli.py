@@ -53,6 +53,8 @@ def generate(
         help="Stop a draft once the draft's own estimate that the whole chain is accepted falls below this (0 = always k)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0,
+                                    help="Score only this many common tokens in the draft's LM head (0 = all). Output stays exact."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),
@@ -77,7 +79,8 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_quant, temperature, top_k, top_p, min_p,
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_quant, draft_vocab,
+              temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
@@ -103,7 +106,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
 
     draft_lm = None
     if method == Method.spec:  # the draft first: its unpacking peak passes before the target is in memory
-        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant)
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant,
+                                 vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
     if draft_lm is not None:
         check_compatible(target_lm, draft_lm)
