@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,13 +21,31 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def release_freed_memory() -> None:
-    """Hand memory freed while loading back to the OS (glibc keeps it otherwise, so the process
-    would stay as large as its loading peak); a no-op where glibc's malloc_trim is missing."""
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@contextlib.contextmanager
+def compact_heap():
+    """Load or convert weights without leaving the process at its loading peak.
+
+    Inside, blocks from 4 MiB up are mapped on their own (glibc's threshold otherwise rises
+    after large blocks are freed, and the loaders' slices of up to 32 MiB then fragment the
+    heap: seen, a peak 1.4 GB above the live size while re-quantizing the draft's head).
+    After, freed memory goes back to the OS and the threshold is set to 32 MiB, so decoding's
+    short-lived buffers (up to a layer's unpacked weight in a prefill) are reused, not
+    re-mapped. A no-op without glibc.
+    """
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 4 << 20)
     except (OSError, AttributeError):
-        pass
+        libc = None
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.malloc_trim(0)
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -153,7 +172,6 @@ def load_model(
     supports.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if gguf_weights not in GGUF_WEIGHTS:
@@ -164,6 +182,21 @@ def load_model(
     hf_logging.set_verbosity_error()  # transformers' notices go nowhere; ours go to stderr
     hf_logging.disable_progress_bar()
     form = str(torch_dtype).removeprefix("torch.")
+    with compact_heap():
+        model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights, form)
+    lm = CausalLM(model, tokenizer, name=spec)
+    if verbose:
+        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
+              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return lm
+
+
+def _load(spec: str, kind: str, path: Path, torch_dtype: torch.dtype, torch_device: torch.device, gguf_weights: str,
+          form: str):
+    """Model, tokenizer and a description of the weights' form, placed on `torch_device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     try:
         if kind == "gguf":
             obstacle = _packed_possible(path, torch_device) if gguf_weights != "unpacked" else "asked"
@@ -186,13 +219,7 @@ def load_model(
         raise SpecdraftError(f"Could not load {spec!r} as a causal LM: {error}") from error
     finally:
         hf_logging.set_verbosity_warning()
-    model.to(torch_device)
-    release_freed_memory()
-    lm = CausalLM(model, tokenizer, name=spec)
-    if verbose:
-        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
-              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    return lm
+    return model.to(torch_device), tokenizer, form
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
@@ -235,9 +262,9 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     model = copying.deepcopy(draft.model) if copy else draft.model
     prepared = CausalLM(model, draft.tokenizer, name=draft.name)
     started = time.perf_counter()
-    scored = restrict_draft_vocab(prepared, vocab)
-    swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
-    release_freed_memory()
+    with compact_heap():
+        scored = restrict_draft_vocab(prepared, vocab)
+        swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
     print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens "
           f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)
     tags = [tag for tag in (quant if quant == "int4" else "", f"vocab {scored}" if vocab else "") if tag]
