@@ -447,3 +447,19 @@ def test_mean_k_and_the_k_histogram_come_from_the_steps():
     assert mean_k(records) == pytest.approx(12 / 6)
     assert k_histogram(records) == {0: 1, 2: 3, 3: 2}
     assert mean_k(records[2:]) is None and k_histogram(records[2:]) == {}
+
+
+def test_several_prompt_files_join_with_their_names(tmp_path):
+    from specdraft.bench.prompts import load_prompt_files
+
+    a, b = tmp_path / "spec.jsonl", tmp_path / "mine.jsonl"
+    a.write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n')
+    b.write_text('{"question_id": 1, "category": "code", "turns": ["y"]}\n')
+    joined = load_prompt_files([a, b])
+    assert [(p.question_id, p.category) for p in joined] == [("spec:1", "qa"), ("mine:1", "code")]
+    assert load_prompt_files([a])[0].question_id == 1
+    b2 = tmp_path / "other" / "spec.jsonl"
+    b2.parent.mkdir()
+    b2.write_text(b.read_text())
+    with pytest.raises(SpecdraftError, match="distinct names"):
+        load_prompt_files([a, b2])

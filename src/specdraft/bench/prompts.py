@@ -72,6 +72,20 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     return prompts
 
 
+def load_prompt_files(paths: Sequence[str | Path] | None) -> list[Prompt]:
+    """The prompts of several files in order (none given: the shipped set). With more than one
+    file, each question_id becomes `"<file stem>:<id>"`, so ids stay unique across files."""
+    if not paths:
+        return load_prompts(None)
+    if len(paths) == 1:
+        return load_prompts(paths[0])
+    stems = [Path(p).stem for p in paths]
+    if len(set(stems)) < len(stems):
+        raise SpecdraftError(f"Prompt files need distinct names to tell their questions apart; got {', '.join(stems)}.")
+    return [Prompt(f"{stem}:{p.question_id}", p.category, p.turns)
+            for stem, path in zip(stems, paths) for p in load_prompts(path)]
+
+
 def select_prompts(
     prompts: Sequence[Prompt],
     categories: Sequence[str] | None = None,

@@ -35,7 +35,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 
 from specdraft.bench.methods import MethodSpec, Models, RunOutput, parse_methods
 from specdraft.bench.plots import write_plots
-from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
+from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompt_files, select_prompts
 from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
 from specdraft.errors import SpecdraftError
 from specdraft.exactness import compare_greedy
@@ -55,7 +55,7 @@ class BenchConfig:
     methods: Sequence[MethodSpec] | str = "ar,spec"
     target: str = registry.DEFAULT_TARGET
     draft: str = registry.DEFAULT_DRAFT
-    prompts: Path | None = None  # None: the shipped prompt set
+    prompts: Path | Sequence[Path] | None = None  # None: the shipped prompt set; several files are joined
     categories: Sequence[str] | None = None
     max_prompts: int | None = None  # per category, in file order
     turns: int = 1
@@ -111,14 +111,14 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def run_settings(config: BenchConfig, models: Models, prompts_path: Path, methods: Sequence[MethodSpec]) -> dict:
+def run_settings(config: BenchConfig, models: Models, prompts_paths: Sequence[Path], methods: Sequence[MethodSpec]) -> dict:
     """The settings of a run as summary.json reports them (dtype, device and threads as resolved)."""
     return {
         "target": config.target, "draft": config.draft if models.draft is not None else None,
         "dtype": str(models.target.dtype).removeprefix("torch."), "device": str(models.target.device),
         "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "seed": config.seed,
         "turns": config.turns, "threads": torch.get_num_threads(), "chat": config.chat,
-        "prompts": str(prompts_path), "categories": list(config.categories or []),
+        "prompts": ", ".join(str(p) for p in prompts_paths), "categories": list(config.categories or []),
         "max_prompts": config.max_prompts, "methods": [spec.label for spec in methods],
         "warmup_tokens": config.warmup_tokens,
     }
@@ -255,8 +255,9 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     if config.threads is not None and config.threads < 1:
         raise SpecdraftError(f"--threads must be >= 1, got {config.threads}.")
     params = {spec.label: spec.params(config.max_new_tokens, config.temperature, config.seed) for spec in methods}
-    prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
-    prompts = select_prompts(load_prompts(prompts_path), config.categories, config.max_prompts)
+    paths = [config.prompts] if isinstance(config.prompts, (str, Path)) else list(config.prompts or [])
+    prompts_paths = [Path(p) for p in paths] or [default_prompts_path()]
+    prompts = select_prompts(load_prompt_files(paths), config.categories, config.max_prompts)
     for info in {spec.name: spec.info for spec in methods}.values():
         if info.check is not None:
             info.check(config.target)
@@ -269,7 +270,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         torch.set_num_threads(config.threads)
     try:
         models = _load_models(config, methods)
-        settings = run_settings(config, models, prompts_path, methods)
+        settings = run_settings(config, models, prompts_paths, methods)
         sids = {spec.label: settings_id(settings, spec.info.needs_draft) for spec in methods}
         prompt_ids = _encode(prompts, models, config)
 

@@ -186,7 +186,8 @@ def drafters() -> None:
 
 @app.command()
 def bench(
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Spec-Bench JSONL (default: the shipped set)."),
+    prompts: Optional[list[Path]] = typer.Option(
+        None, "--prompts", help="Spec-Bench JSONL (default: the shipped set); repeat to join files in one run."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts",
                                               help="At most N prompts per category, in file order."),
