@@ -54,12 +54,35 @@ def test_steep_verify_cost_limits_k():
     assert policy.choose(10) == 3
 
 
-def test_poor_acceptance_falls_back_to_plain_decoding_and_probes():
+def test_poor_acceptance_falls_back_to_plain_decoding_and_probes_less_often():
     policy = calibrated([100, 120, 140, 160, 180, 200, 220], draft_ms=30, alpha=0.1)
-    choices = [policy.choose(10) for _ in range(policy.probe_every)]
-    assert choices[:-1] == [0] * (policy.probe_every - 1)
-    assert choices[-1] == 2  # a probe, so the estimate can recover
-    assert policy.choose(1) == 0
+    waits = []
+    for _ in range(4):
+        choices = []
+        while not choices or choices[-1] == 0:
+            choices.append(policy.choose(10))
+            policy.observe(choices[-1], 0, draft_seconds=0.03 * choices[-1], verify_seconds=0.1)  # probes fail
+        assert choices[-1] == 2  # a probe, so the estimate can recover
+        waits.append(len(choices))
+    assert waits == [9, 17, 33, 65]  # 8 plain steps, then 16, 32, 64 (the cap)
+    policy.begin_request()  # a new prompt probes soon again
+    assert policy.probe_interval == policy.probe_every
+
+
+def test_a_new_request_keeps_costs_and_little_of_the_acceptance():
+    policy = calibrated([100] * 7, 10, alpha=0.9)
+    before = policy.tries[0]
+    policy.begin_request()
+    assert policy.tries[0] == pytest.approx(before * policy.carry_over)
+    assert policy.alpha(0) == pytest.approx(0.9, abs=0.01)  # still the same estimate, on fewer counts
+    assert policy.verify_seconds[1] == pytest.approx(0.1)
+
+
+def test_speculation_must_beat_plain_by_the_margin():
+    """Marginal gains (within unmodelled overheads) are not worth drafting for."""
+    policy = calibrated([100, 100, 100, 100, 100, 100, 100], draft_ms=40, alpha=0.45)
+    assert policy.expected_tokens(1) / 0.14 > 1 / 0.1  # a 3% gain on paper...
+    assert policy.choose(10) == 0  # ...is below the 5% margin
 
 
 def test_observe_moves_the_estimates():

@@ -45,6 +45,20 @@ def test_greedy_spec_equals_ar(pair, prompt):
     assert spec.stats.steps < ar.stats.steps
 
 
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_auto_k_with_int4_draft_equals_ar(pair, prompt):
+    """The default configuration (int4 draft, k chosen by the cost model) is exact too."""
+    from specdraft.models.loading import prepare_draft
+
+    target, draft = pair
+    ids = encode_prompt(target.tokenizer, prompt)
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=64)
+    spec = SpeculativeDecoder(target, ModelDrafter(prepare_draft(draft, "int4", copy=True))).generate(ids, max_new_tokens=64)
+    verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
+    assert verdict.acceptable, verdict
+    assert spec.stats.mean_k is not None and spec.stats.steps < ar.stats.steps
+
+
 def test_sampled_run_is_reproducible_and_stops(pair):
     target, draft = pair
     decoder = SpeculativeDecoder(target, ModelDrafter(draft), k=3)

@@ -1,8 +1,6 @@
 """Bundled-model assembly: parts concatenated in order, sha256 verified, cached once."""
 
 import hashlib
-import sys
-import types
 
 import pytest
 

@@ -147,6 +147,7 @@ class SpeculativeDecoder:
         target.prefill(sequence[:-1].unsqueeze(0))
         if drafter is not None:
             drafter.begin(sequence)
+            self.policy.begin_request()
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 

@@ -9,8 +9,10 @@ for widths not tried yet, then smoothed measurements: nothing is timed up front)
 c_draft the measured draft time per token, and α_j the online estimate that draft
 position j is accepted given the ones before it were (decayed counts, shrunk toward the
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
-speculation would not pay (poor acceptance, high temperature, a dear draft); every
-`probe_every` plain steps one short draft is tried so the estimate can recover.
+speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
+draft); after `probe_every` plain steps one short draft is tried so the estimate can
+recover, and each failed probe doubles the wait (up to `max_probe_every`). A new request
+keeps the measured costs and a quarter of the acceptance counts.
 The choice never affects what is emitted, only how fast.
 """
 
@@ -21,6 +23,7 @@ from specdraft.errors import SpecdraftError
 AUTO = "auto"
 MAX_AUTO_K = 8
 FIRST_K = 3  # the first step's k, before anything is measured
+PROBE_K = 2  # the k of a probe during plain decoding
 # Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
@@ -34,6 +37,9 @@ class FixedK:
             raise SpecdraftError(f"--k (draft tokens per step) must be an integer >= 1 or 'auto', got {k!r}.")
         self.k = k
 
+    def begin_request(self) -> None:
+        """Nothing to reset."""
+
     def choose(self, limit: int) -> int:
         return min(self.k, limit)
 
@@ -45,10 +51,16 @@ class AutoK:
     """Choose k per step from measured costs and online acceptance estimates (module doc)."""
 
     def __init__(self, max_k: int = MAX_AUTO_K, prior_alpha: float = 0.6, prior_weight: float = 2.0,
-                 decay: float = 0.97, probe_every: int = 12, smoothing: float = 0.2) -> None:
+                 decay: float = 0.97, probe_every: int = 8, max_probe_every: int = 64, smoothing: float = 0.2,
+                 margin: float = 1.05, carry_over: float = 0.25) -> None:
         self.max_k = max_k
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
-        self.decay, self.probe_every, self.smoothing = decay, probe_every, smoothing
+        self.decay, self.smoothing = decay, smoothing
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.probe_interval = probe_every  # plain steps before the next probe; doubles after each failed one
+        self.probing = False
+        self.margin = margin  # speculate only when it promises this much over a plain step (unmodelled costs)
+        self.carry_over = carry_over  # share of the acceptance counts a new request starts with
         self.verify_seconds: list[float | None] = [None] * (max_k + 2)  # [t]: a target pass over t tokens
         self.draft_seconds_per_token: float | None = None
         self.hits = [0.0] * max_k  # decayed count of acceptances at draft position i (0-based)
@@ -57,8 +69,20 @@ class AutoK:
         self.last_k = 0  # the previous step's k: after a plain step the draft first catches up
 
     # ----- measuring --------------------------------------------------------------------------
+    def begin_request(self) -> None:
+        """A new prompt: costs carry over (they belong to the machine), acceptance mostly does not
+        (it belongs to the text), and probing starts afresh."""
+        self.hits = [h * self.carry_over for h in self.hits]
+        self.tries = [t * self.carry_over for t in self.tries]
+        self.plain_streak, self.last_k = 0, 0
+        self.probe_interval, self.probing = self.probe_every, False
+
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """Learn from one step: `k` tokens drafted, `accepted` of them kept, and what it cost."""
+        if self.probing:  # a failed probe waits twice as long for the next one; a full one resets
+            full = k > 0 and accepted == k
+            self.probe_interval = self.probe_every if full else min(2 * self.probe_interval, self.max_probe_every)
+            self.probing = False
         self._smooth_verify(k + 1, verify_seconds)
         caught_up, self.last_k = self.last_k == 0, k
         if k == 0:
@@ -121,8 +145,9 @@ class AutoK:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second."""
         if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
-        best_k, best_rate = 0, 0.0
-        for k in range(0, min(limit, self.max_k) + 1):
+        plain_rate = 1.0 / self.step_seconds(0)
+        best_k, best_rate = 0, plain_rate * self.margin
+        for k in range(1, min(limit, self.max_k) + 1):
             seconds = self.step_seconds(k)
             if seconds is None or seconds <= 0:
                 continue
@@ -131,9 +156,9 @@ class AutoK:
                 best_k, best_rate = k, rate
         if best_k == 0 and limit > 0:
             self.plain_streak += 1
-            if self.plain_streak >= self.probe_every:  # try a short draft now and then, to notice a recovery
-                self.plain_streak = 0
-                best_k = min(2, limit)
+            if self.plain_streak > self.probe_interval:  # a short draft now and then, to notice a recovery
+                self.plain_streak, self.probing = 0, True
+                best_k = min(PROBE_K, limit)
         else:
             self.plain_streak = 0
         return best_k
