@@ -74,7 +74,7 @@ def test_q6k_kernel_matches_the_file(target_file, name, tokens):
 def test_packed_model_matches_a_float32_reference(target_file):
     """Logits of the packed bf16 model vs the file unpacked to float32: within 1e-2 (median per position),
     no worse than the same weights unpacked to bf16 (so packing adds nothing to bf16's own rounding),
-    and the same top token at every position."""
+    and the same top token wherever the reference's top two are not within bf16 rounding (0.5)."""
     path, config, tokenizer, _ = target_file
     cache = _converted_dir(path, "meta")
     logits = {}
@@ -89,7 +89,9 @@ def test_packed_model_matches_a_float32_reference(target_file):
         err_bf16 = (bf16 - reference).norm(dim=-1) / reference.norm(dim=-1)
         assert err_packed.median() < 1e-2
         assert err_packed.mean() < 1.25 * err_bf16.mean() + 1e-3
-        assert (packed.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
+        differs = packed.argmax(-1) != reference.argmax(-1)  # [T]
+        top2 = reference.topk(2, dim=-1).values  # [T, 2]
+        assert (top2[differs, 0] - top2[differs, 1] <= 0.5).all()  # only at near-ties (the bf16 rule)
 
 
 def test_target_and_int4_draft_fit_in_2_5_gb():

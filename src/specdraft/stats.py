@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import resource
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 
 
 def peak_memory_bytes() -> int:
-    """This process's peak resident memory so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident memory so far.
+
+    Linux: VmHWM of /proc/self/status (ru_maxrss would also count a parent's peak carried
+    over through fork and exec); elsewhere ru_maxrss (bytes on macOS).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
