@@ -17,9 +17,9 @@ from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.kernels import gguf_matmul
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
-                                          q6k_unpack)
+                                          q6k_unpack, unpack_rows)
 from specdraft.models.gguf_native import (FlatLinear, PackedEmbedding, build_native_model, module_path,
-                                          tensor_index, unpack_rows)
+                                          tensor_index)
 from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available, quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")

@@ -110,18 +110,24 @@ class AutoK:
         """Acceptance over all positions (with the prior): what an unobserved position is assumed to have."""
         return (sum(self.hits) + self.prior_alpha * self.prior_weight) / (sum(self.tries) + self.prior_weight)
 
-    def alpha(self, position: int) -> float:
+    def alpha(self, position: int, pooled: float | None = None) -> float:
         """Estimated chance that draft position `position` (0-based) is accepted, given the ones before were:
         its own counts, shrunk toward the pooled estimate (so positions rarely drafted are not stuck at the prior)."""
-        return (self.hits[position] + self.pooled_alpha() * self.prior_weight) / (self.tries[position] + self.prior_weight)
+        pooled = self.pooled_alpha() if pooled is None else pooled
+        return (self.hits[position] + pooled * self.prior_weight) / (self.tries[position] + self.prior_weight)
+
+    def expected_token_curve(self, n: int) -> list[float]:
+        """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token."""
+        pooled = self.pooled_alpha()
+        curve, survive = [1.0], 1.0
+        for i in range(n):
+            survive *= self.alpha(i, pooled)
+            curve.append(curve[-1] + survive)
+        return curve
 
     def expected_tokens(self, k: int) -> float:
-        """E[tokens committed by a step that drafts k]: accepted drafts plus the target's own token."""
-        total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.alpha(i)
-            total += survive
-        return total
+        """E[tokens committed by a step that drafts k]."""
+        return self.expected_token_curve(k)[k]
 
     def verify_estimate(self, width: int) -> float | None:
         """Seconds of a target pass over `width` tokens: measured, or else the optimistic prior
@@ -147,11 +153,13 @@ class AutoK:
             return min(FIRST_K, limit)
         plain_rate = 1.0 / self.step_seconds(0)
         best_k, best_rate = 0, plain_rate * self.margin
-        for k in range(1, min(limit, self.max_k) + 1):
+        top = min(limit, self.max_k)
+        curve = self.expected_token_curve(top)
+        for k in range(1, top + 1):
             seconds = self.step_seconds(k)
             if seconds is None or seconds <= 0:
                 continue
-            rate = self.expected_tokens(k) / seconds
+            rate = curve[k] / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and limit > 0:

@@ -30,43 +30,47 @@ static inline __m512i bf16_table(int offset) {
     return _mm512_loadu_si512((const void *)t);
 }
 
-static inline __m512 dot32(__m512i w_bf16, const uint16_t *x) {
-    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w_bf16, (__m512bh)_mm512_loadu_si512((const void *)x));
+/* ----- Q6_K ------------------------------------------------------------------------------ */
+/* The 128 codes (q in 0..63) of one half of a Q6_K block, as two vectors: positions 0..63 and
+ * 64..127. qh byte i feeds positions i (bits 0-1), 32 + i (2-3), 64 + i (4-5), 96 + i (6-7). */
+static inline __attribute__((always_inline)) void q6k_half_codes(const uint8_t *block, int half, __m512i codes[2]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    __m512i ql = _mm512_loadu_si512((const void *)(block + half * 64));
+    __m256i qh32 = _mm256_loadu_si256((const __m256i *)(block + 128 + half * 32));
+    __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh32), qh32, 1);
+    codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_a), low2), 4));
+    codes[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                               _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_b), low2), 4));
 }
 
-/* ----- Q6_K ------------------------------------------------------------------------------ */
 /* ROWS consecutive rows of W against `tokens` rows of x: the rows share each load of x and keep
  * independent accumulator chains; the rows two steps ahead are prefetched. */
 static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *row, int64_t row_bytes, int rows,
                                                           int64_t blocks, const uint16_t *x, int64_t K, int tokens,
                                                           float *out) {
     const __m512i table_low = bf16_table(-32), table_high = bf16_table(0);
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    /* qh byte i feeds positions i (bits 0-1), 32 + i (2-3), 64 + i (4-5), 96 + i (6-7) of its half. */
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512 acc[2][MAX_TOKENS];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < tokens; t++) acc[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        __m512 scales[2];  /* per row: the 16 sub-block scales of this block */
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *block = row + r * row_bytes + b * Q6K_BYTES;
+            scales[r] = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
+                _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)(block + 208))));
+        }
         for (int half = 0; half < 2; half++) {
             __m512i codes[2][2];  /* per row: positions 0..63 and 64..127 of this half, q in 0..63 */
-            __m512 scales[2];
             for (int r = 0; r < rows; r++) {
                 const uint8_t *block = row + r * row_bytes + b * Q6K_BYTES;
                 const char *ahead = (const char *)(block + 2 * rows * row_bytes + half * 128);
                 _mm_prefetch(ahead, _MM_HINT_T0);
                 _mm_prefetch(ahead + 64, _MM_HINT_T0);
-                scales[r] = _mm512_mul_ps(  /* the 16 sub-block scales of this block */
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))),
-                    _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)(block + 208))));
-                __m512i ql = _mm512_loadu_si512((const void *)(block + half * 64));
-                __m256i qh32 = _mm256_loadu_si256((const __m256i *)(block + 128 + half * 32));
-                __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh32), qh32, 1);
-                codes[r][0] = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_a), low2), 4));
-                codes[r][1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_b), low2), 4));
+                q6k_half_codes(block, half, codes[r]);
             }
             for (int c = 0; c < 4; c++) {  /* 32-weight chunks of this half */
                 const int chunk = half * 4 + c;  /* sub-blocks 2·chunk (lanes 0-7) and 2·chunk + 1 (lanes 8-15) */
@@ -160,9 +164,6 @@ void int4pack_to_bf16_t(const uint8_t *packed, const uint16_t *scales_zeros, uin
 /* ----- Q6_K unpacked to bf16 [N, K], for wide passes (one dense GEMM after) -------------------- */
 void q6k_to_bf16(const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
     const int64_t blocks = K / QK, row_bytes = blocks * Q6K_BYTES;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
-    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < blocks; b++) {
@@ -171,14 +172,8 @@ void q6k_to_bf16(const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
             const int8_t *scales = (const int8_t *)(block + 192);
             uint16_t *dst = out + n * K + b * QK;
             for (int half = 0; half < 2; half++) {
-                __m512i ql = _mm512_loadu_si512((const void *)(block + half * 64));
-                __m256i qh32 = _mm256_loadu_si256((const __m256i *)(block + 128 + half * 32));
-                __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(qh32), qh32, 1);
                 __m512i codes[2];
-                codes[0] = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_a), low2), 4));
-                codes[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_b), low2), 4));
+                q6k_half_codes(block, half, codes);
                 for (int c = 0; c < 8; c++) {  /* 16-weight sub-blocks of this half */
                     const int sub = half * 8 + c;
                     __m128i part = _mm512_extracti32x4_epi32(codes[c >> 2], c & 3);

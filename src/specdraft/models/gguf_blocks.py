@@ -74,6 +74,23 @@ def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:
     return weights.view(rows, nb * QK_K)
 
 
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def unpack_rows(raw: torch.Tensor, type_name: str, dim: int) -> torch.Tensor:
+    """Rows of a GGUF matrix `[rows, bytes per row]` (uint8) as float32 `[rows, dim]`: Q4_K and
+    Q6_K decoded here in torch, float types viewed, other block types through `gguf`."""
+    if type_name == "Q4_K":
+        codes, scale, minimum = q4k_affine(raw)
+        weights = codes.view(raw.shape[0], -1, Q4K_GROUP).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)
+        return weights.view(raw.shape[0], dim)  # from [rows, dim / 32, 32]
+    if type_name == "Q6_K":
+        return q6k_unpack(raw)
+    if type_name in _FLOAT_TYPES:
+        return raw.contiguous().view(_FLOAT_TYPES[type_name]).float().view(raw.shape[0], dim)
+    return dequantize(raw.numpy(), type_name, (raw.shape[0], dim))
+
+
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A GGUF tensor's values as float32 `[*shape]` (numpy order, outermost first), via `gguf`."""
     from gguf import GGMLQuantizationType

@@ -27,7 +27,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
-from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack
+from specdraft.models.gguf_blocks import q4k_affine, unpack_rows
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
 
 NATIVE_ARCHITECTURES = ("qwen2",)
@@ -64,11 +64,9 @@ class PackedEmbedding(nn.Module):
         """How many weights the packed table holds."""
         return self.num_embeddings * self.embedding_dim
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [n] -> [n, dim]
-        return unpack_rows(self.raw[ids], self.type_name, self.embedding_dim).to(self.out_dtype)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., dim]
-        return self.rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        rows = unpack_rows(self.raw[ids.reshape(-1)], self.type_name, self.embedding_dim)  # [n, dim] float32
+        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
 
 class FlatLinear(nn.Linear):
@@ -79,21 +77,6 @@ class FlatLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         out = super().forward(x.reshape(-1, x.shape[-1]).contiguous())  # [tokens, N]
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def unpack_rows(raw: torch.Tensor, type_name: str, dim: int) -> torch.Tensor:
-    """Rows of a GGUF matrix `[rows, bytes per row]` (uint8) as float32 `[rows, dim]`."""
-    if type_name == "Q4_K":
-        codes, scale, minimum = q4k_affine(raw)
-        rows = codes.shape[0]
-        weights = codes.view(rows, -1, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)  # [rows, dim/32, 32]
-        return weights.view(rows, dim)
-    if type_name == "Q6_K":
-        return q6k_unpack(raw)
-    if type_name in ("F32", "F16", "BF16"):
-        return raw.contiguous().view(getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[type_name])
-                                     ).float().view(raw.shape[0], dim)
-    return dequantize(raw.numpy(), type_name, (raw.shape[0], dim))
 
 
 @dataclass(frozen=True)

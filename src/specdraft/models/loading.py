@@ -142,8 +142,8 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
 GGUF_WEIGHTS = ("auto", "packed", "unpacked")
 
 
-def _packed_possible(path: Path, device: torch.device) -> str | None:
-    """Why the packed GGUF path cannot run here, or None when it can."""
+def _packed_obstacle(config, device: torch.device) -> str | None:
+    """Why the packed GGUF path cannot run this model here, or None when it can."""
     from specdraft.models.gguf_native import NATIVE_ARCHITECTURES
     from specdraft.models.quantize import int4_kernel_available
 
@@ -151,7 +151,6 @@ def _packed_possible(path: Path, device: torch.device) -> str | None:
         return "the packed kernels run on the CPU"
     if not int4_kernel_available():
         return "this PyTorch build has no CPU int4 kernel"
-    config, _ = _gguf_config_and_tokenizer(path)
     if config.model_type not in NATIVE_ARCHITECTURES:
         return f"packed loading supports {', '.join(NATIVE_ARCHITECTURES)}, not {config.model_type!r}"
     return None
@@ -166,8 +165,8 @@ def load_model(
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
-    GGUF weights (`gguf_weights`): `packed` runs the file's Q4_K blocks on the CPU int4
-    kernel and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
+    GGUF weights (`gguf_weights`): `packed` runs the file's Q4_K and Q6_K blocks on CPU
+    kernels and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
     `dtype` with transformers' loader; `auto` is packed on the CPU for the architectures it
     supports.
     """
@@ -181,45 +180,40 @@ def load_model(
     started = time.perf_counter()
     hf_logging.set_verbosity_error()  # transformers' notices go nowhere; ours go to stderr
     hf_logging.disable_progress_bar()
-    form = str(torch_dtype).removeprefix("torch.")
-    with compact_heap():
-        model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights, form)
-    lm = CausalLM(model, tokenizer, name=spec)
-    if verbose:
-        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
-              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    return lm
-
-
-def _load(spec: str, kind: str, path: Path, torch_dtype: torch.dtype, torch_device: torch.device, gguf_weights: str,
-          form: str):
-    """Model, tokenizer and a description of the weights' form, placed on `torch_device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     try:
-        if kind == "gguf":
-            obstacle = _packed_possible(path, torch_device) if gguf_weights != "unpacked" else "asked"
-            if obstacle is None:
-                from specdraft.models.gguf_native import build_native_model
-
-                config, tokenizer = _gguf_config_and_tokenizer(path)
-                model = build_native_model(path, config, torch_dtype, cache=_converted_dir(path, "meta"))
-                form = f"GGUF blocks packed + {form}"
-            elif gguf_weights == "packed":
-                raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
-            else:
-                model, tokenizer = _load_gguf_unpacked(path, torch_dtype)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        with compact_heap():
+            model, tokenizer, packed = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights)
+            model.to(torch_device)
     except SpecdraftError:
         raise
     except (OSError, ValueError, KeyError) as error:
         raise SpecdraftError(f"Could not load {spec!r} as a causal LM: {error}") from error
     finally:
         hf_logging.set_verbosity_warning()
-    return model.to(torch_device), tokenizer, form
+    lm = CausalLM(model, tokenizer, name=spec)
+    if verbose:
+        form = ("GGUF blocks packed + " if packed else "") + str(torch_dtype).removeprefix("torch.")
+        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
+              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return lm
+
+
+def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.device, gguf_weights: str):
+    """(model, tokenizer, whether it runs on packed GGUF blocks), built on the CPU for `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if kind != "gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype), AutoTokenizer.from_pretrained(str(path)), False
+    if gguf_weights != "unpacked":
+        config, tokenizer = _gguf_config_and_tokenizer(path)
+        obstacle = _packed_obstacle(config, device)
+        if obstacle is None:
+            from specdraft.models.gguf_native import build_native_model
+
+            return build_native_model(path, config, dtype, cache=_converted_dir(path, "meta")), tokenizer, True
+        if gguf_weights == "packed":
+            raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
+    return *_load_gguf_unpacked(path, dtype), False
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
