@@ -4,7 +4,7 @@ import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
-from specdraft.policy import AutoK, FixedK, make_policy
+from specdraft.policy import DEFAULT_SOURCE, AutoK, FixedK, make_policy
 from conftest import perturbed
 
 PROMPT = [5, 17, 42, 8, 59, 3]
@@ -19,9 +19,10 @@ def calibrated(verify_ms: list[float], draft_ms: float, alpha: float, max_k: int
     """An AutoK with given pass costs (index = tokens per pass) and a settled acceptance estimate."""
     policy = AutoK(max_k=max_k)
     policy.verify_seconds = [None] + [ms / 1000 for ms in verify_ms]
-    policy.draft_seconds_per_token = draft_ms / 1000
-    policy.hits = [alpha * 1000] * max_k
-    policy.tries = [1000.0] * max_k
+    est = policy.estimates()
+    est.draft_seconds_per_token = draft_ms / 1000
+    est.hits = [alpha * 1000] * max_k
+    est.tries = [1000.0] * max_k
     return policy
 
 
@@ -66,14 +67,14 @@ def test_poor_acceptance_falls_back_to_plain_decoding_and_probes_less_often():
         waits.append(len(choices))
     assert waits == [9, 17, 33, 65]  # 8 plain steps, then 16, 32, 64 (the cap)
     policy.begin_request()  # a new prompt probes soon again
-    assert policy.probe_interval == policy.probe_every
+    assert policy.estimates().probe_interval == policy.probe_every
 
 
 def test_a_new_request_keeps_costs_and_little_of_the_acceptance():
     policy = calibrated([100] * 7, 10, alpha=0.9)
-    before = policy.tries[0]
+    before = policy.estimates().tries[0]
     policy.begin_request()
-    assert policy.tries[0] == pytest.approx(before * policy.carry_over)
+    assert policy.estimates().tries[0] == pytest.approx(before * policy.carry_over)
     assert policy.alpha(0) == pytest.approx(0.9, abs=0.01)  # still the same estimate, on fewer counts
     assert policy.verify_seconds[1] == pytest.approx(0.1)
 
@@ -87,7 +88,7 @@ def test_speculation_must_beat_plain_by_the_margin():
 
 def test_observe_moves_the_estimates():
     policy = calibrated([100] * 7, 10, alpha=0.5)
-    policy.hits, policy.tries = [0.0] * 6, [0.0] * 6
+    policy.estimates().hits, policy.estimates().tries = [0.0] * 6, [0.0] * 6
     for _ in range(30):
         policy.observe(4, 4, draft_seconds=0.04, verify_seconds=0.1)  # all accepted
     assert policy.alpha(0) > 0.9 and policy.alpha(3) > 0.9
@@ -98,7 +99,7 @@ def test_observe_moves_the_estimates():
     assert policy.alpha(0) < 0.2
     policy.observe(3, 1, draft_seconds=0.3, verify_seconds=0.5)
     assert policy.verify_seconds[4] == pytest.approx(0.1 + policy.smoothing * 0.4)
-    assert policy.draft_seconds_per_token > 0.01
+    assert policy.estimates().draft_seconds_per_token > 0.01
 
 
 def test_auto_k_is_exact_and_measures_the_target(tiny_target, drafts, make_lm):
@@ -143,7 +144,7 @@ def test_unmeasured_widths_get_an_optimistic_prior():
 
 def test_draft_cost_ignores_the_catch_up_after_plain_steps():
     policy = calibrated([100] * 7, 10, alpha=0.9)
-    policy.last_k = 2
+    policy.last_source = DEFAULT_SOURCE
     policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.1)  # a plain step
     policy.observe(2, 2, draft_seconds=2.0, verify_seconds=0.1)  # the draft re-read what it missed
-    assert policy.draft_seconds_per_token == pytest.approx(0.01)
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)

@@ -152,16 +152,42 @@ class SpeculativeDecoder:
         stats.prefill_seconds = time.perf_counter() - started
 
         generated: list[int] = []
+        try:
+            yield from self._steps(sequence, seen, params, generator, max_new_tokens, text, stats, started, generated)
+        finally:
+            if drafter is not None:
+                drafter.end(sequence.new_tensor(prompt_ids + generated))
+
+    def _choose_draft(self, ctx: DraftContext, limit: int) -> tuple[str | None, int]:
+        """Who drafts this step and how many tokens: the first source the drafter offers that the
+        policy finds worth a draft (a composed drafter offers its parts in order); (None, 0) = plain."""
+        declined: set[str] = set()
+        while limit > 0:
+            source = self.drafter.source(ctx, frozenset(declined))
+            if source is None or source in declined:
+                break
+            k = self.policy.choose(limit, source)
+            if k > 0:
+                return source, k
+            declined.add(source)
+        return None, 0
+
+    def _steps(self, sequence, seen, params, generator, max_new_tokens, text, stats, started, generated):
+        target, drafter, device = self.target, self.drafter, self.target.device
+        eos_ids = target.eos_token_ids
         while True:
             length = sequence.shape[0]
             remaining = max_new_tokens - len(generated)
             limit = max(0, min(remaining - 1, target.max_context - length - 1))
-            k = self.policy.choose(limit) if drafter is not None else 0
 
             # 1. propose
             t0 = time.perf_counter()
+            source, k = None, 0
+            if drafter is not None:
+                ctx = DraftContext(sequence, params, generator, seen)
+                source, k = self._choose_draft(ctx, limit)
             if k > 0:
-                draft = drafter.propose(DraftContext(sequence, params, generator, seen), k)
+                draft = drafter.propose(ctx, k)
                 k = draft.k
             else:
                 draft = Draft.chain(sequence.new_empty(0))
@@ -192,7 +218,7 @@ class SpeculativeDecoder:
 
             # 4. commit: both caches keep the accepted prefix
             target.truncate(length + num_accepted)
-            if drafter is not None and k > 0:
+            if k > 0:
                 drafter.commit(length, num_accepted)
             committed = decided[2 : 2 + num_accepted] + [next_token]
             kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if num_accepted == k else RECOVERED)]
@@ -215,9 +241,9 @@ class SpeculativeDecoder:
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source)
             kept_accepted = min(num_accepted, len(committed))
-            stats.record_step(k, kept_accepted)
+            stats.record_step(k, kept_accepted, source if k > 0 else None)
             stats.new_tokens = len(generated)
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1

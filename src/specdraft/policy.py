@@ -18,6 +18,8 @@ The choice never affects what is emitted, only how fast.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from specdraft.errors import SpecdraftError
 
 AUTO = "auto"
@@ -27,6 +29,7 @@ PROBE_K = 2  # the k of a probe during plain decoding
 # Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
+DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
 
 
 class FixedK:
@@ -40,15 +43,38 @@ class FixedK:
     def begin_request(self) -> None:
         """Nothing to reset."""
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
         return min(self.k, limit)
 
-    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                source: str | None = DEFAULT_SOURCE) -> None:
         """A fixed k learns nothing."""
 
 
+@dataclass
+class SourceEstimates:
+    """What AutoK has learnt about one draft source (a drafter, or one part of a composed one)."""
+
+    max_k: int
+    probe_interval: int  # plain steps before the next probe; doubles after each failed one
+    hits: list[float] = field(default_factory=list)  # decayed count of acceptances at draft position i
+    tries: list[float] = field(default_factory=list)  # decayed count of times position i was verified
+    draft_seconds_per_token: float | None = None
+    plain_streak: int = 0  # steps this source was asked and declined in a row
+    probing: bool = False
+
+    def __post_init__(self) -> None:
+        self.hits = self.hits or [0.0] * self.max_k
+        self.tries = self.tries or [0.0] * self.max_k
+
+
 class AutoK:
-    """Choose k per step from measured costs and online acceptance estimates (module doc)."""
+    """Choose k per step from measured costs and online acceptance estimates (module doc).
+
+    Costs of target passes are shared (they belong to the machine); acceptance, draft cost and
+    probing are kept per draft source, so a composed drafter (`ngram+model`) prices each part
+    by what it has shown.
+    """
 
     def __init__(self, max_k: int = MAX_AUTO_K, prior_alpha: float = 0.6, prior_weight: float = 2.0,
                  decay: float = 0.97, probe_every: int = 8, max_probe_every: int = 64, smoothing: float = 0.2,
@@ -57,47 +83,57 @@ class AutoK:
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.decay, self.smoothing = decay, smoothing
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.probe_interval = probe_every  # plain steps before the next probe; doubles after each failed one
-        self.probing = False
         self.margin = margin  # speculate only when it promises this much over a plain step (unmodelled costs)
         self.carry_over = carry_over  # share of the acceptance counts a new request starts with
         self.verify_seconds: list[float | None] = [None] * (max_k + 2)  # [t]: a target pass over t tokens
-        self.draft_seconds_per_token: float | None = None
-        self.hits = [0.0] * max_k  # decayed count of acceptances at draft position i (0-based)
-        self.tries = [0.0] * max_k  # decayed count of times position i was verified
-        self.plain_streak = 0
-        self.last_k = 0  # the previous step's k: after a plain step the draft first catches up
+        self.sources: dict[str, SourceEstimates] = {}
+        self.last_source: str | None = None  # who drafted the previous step (None: a plain step)
+
+    def estimates(self, source: str = DEFAULT_SOURCE) -> SourceEstimates:
+        """The estimates of `source` (created on first use)."""
+        if source not in self.sources:
+            self.sources[source] = SourceEstimates(self.max_k, self.probe_every)
+        return self.sources[source]
 
     # ----- measuring --------------------------------------------------------------------------
     def begin_request(self) -> None:
         """A new prompt: costs carry over (they belong to the machine), acceptance mostly does not
         (it belongs to the text), and probing starts afresh."""
-        self.hits = [h * self.carry_over for h in self.hits]
-        self.tries = [t * self.carry_over for t in self.tries]
-        self.plain_streak, self.last_k = 0, 0
-        self.probe_interval, self.probing = self.probe_every, False
+        for est in self.sources.values():
+            est.hits = [h * self.carry_over for h in est.hits]
+            est.tries = [t * self.carry_over for t in est.tries]
+            est.plain_streak, est.probe_interval, est.probing = 0, self.probe_every, False
+        self.last_source = None
 
-    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """Learn from one step: `k` tokens drafted, `accepted` of them kept, and what it cost."""
-        if self.probing:  # a failed probe waits twice as long for the next one; a full one resets
-            full = k > 0 and accepted == k
-            self.probe_interval = self.probe_every if full else min(2 * self.probe_interval, self.max_probe_every)
-            self.probing = False
+    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                source: str | None = DEFAULT_SOURCE) -> None:
+        """Learn from one step: `k` tokens drafted by `source`, `accepted` of them kept, and what it cost.
+
+        `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         self._smooth_verify(k + 1, verify_seconds)
-        caught_up, self.last_k = self.last_k == 0, k
+        if source is None:
+            self.last_source = None
+            return
+        est = self.estimates(source)
+        if est.probing:  # a failed probe waits twice as long for the next one; a full one resets
+            full = k > 0 and accepted == k
+            est.probe_interval = self.probe_every if full else min(2 * est.probe_interval, self.max_probe_every)
+            est.probing = False
+        caught_up = self.last_source == source
+        self.last_source = source if k > 0 else None
         if k == 0:
             return
-        if not caught_up or self.draft_seconds_per_token is None:
-            # After plain steps the draft's first pass also reads the tokens it missed: not a draft cost.
+        if caught_up or est.draft_seconds_per_token is None:
+            # After other steps a draft model's first pass also reads the tokens it missed: not a draft cost.
             per_token = draft_seconds / k
-            old = self.draft_seconds_per_token
-            self.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
-        self.hits = [h * self.decay for h in self.hits]
-        self.tries = [t * self.decay for t in self.tries]
+            old = est.draft_seconds_per_token
+            est.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
+        est.hits = [h * self.decay for h in est.hits]
+        est.tries = [t * self.decay for t in est.tries]
         for i in range(min(accepted + 1, k)):  # positions up to the first rejection were verified
-            self.tries[i] += 1.0
+            est.tries[i] += 1.0
             if i < accepted:
-                self.hits[i] += 1.0
+                est.hits[i] += 1.0
 
     def _smooth_verify(self, width: int, seconds: float) -> None:
         if width >= len(self.verify_seconds):
@@ -106,28 +142,30 @@ class AutoK:
         self.verify_seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     # ----- choosing ---------------------------------------------------------------------------
-    def pooled_alpha(self) -> float:
+    def pooled_alpha(self, source: str = DEFAULT_SOURCE) -> float:
         """Acceptance over all positions (with the prior): what an unobserved position is assumed to have."""
-        return (sum(self.hits) + self.prior_alpha * self.prior_weight) / (sum(self.tries) + self.prior_weight)
+        est = self.estimates(source)
+        return (sum(est.hits) + self.prior_alpha * self.prior_weight) / (sum(est.tries) + self.prior_weight)
 
-    def alpha(self, position: int, pooled: float | None = None) -> float:
+    def alpha(self, position: int, source: str = DEFAULT_SOURCE, pooled: float | None = None) -> float:
         """Estimated chance that draft position `position` (0-based) is accepted, given the ones before were:
         its own counts, shrunk toward the pooled estimate (so positions rarely drafted are not stuck at the prior)."""
-        pooled = self.pooled_alpha() if pooled is None else pooled
-        return (self.hits[position] + pooled * self.prior_weight) / (self.tries[position] + self.prior_weight)
+        est = self.estimates(source)
+        pooled = self.pooled_alpha(source) if pooled is None else pooled
+        return (est.hits[position] + pooled * self.prior_weight) / (est.tries[position] + self.prior_weight)
 
-    def expected_token_curve(self, n: int) -> list[float]:
+    def expected_token_curve(self, n: int, source: str = DEFAULT_SOURCE) -> list[float]:
         """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token."""
-        pooled = self.pooled_alpha()
+        pooled = self.pooled_alpha(source)
         curve, survive = [1.0], 1.0
         for i in range(n):
-            survive *= self.alpha(i, pooled)
+            survive *= self.alpha(i, source, pooled)
             curve.append(curve[-1] + survive)
         return curve
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, source: str = DEFAULT_SOURCE) -> float:
         """E[tokens committed by a step that drafts k]."""
-        return self.expected_token_curve(k)[k]
+        return self.expected_token_curve(k, source)[k]
 
     def verify_estimate(self, width: int) -> float | None:
         """Seconds of a target pass over `width` tokens: measured, or else the optimistic prior
@@ -137,38 +175,35 @@ class AutoK:
         scales = [v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in enumerate(self.verify_seconds) if v is not None]
         return min(scales) * (1 + PRIOR_SLOPE * (width - 1)) if scales else None
 
-    def step_seconds(self, k: int) -> float | None:
+    def step_seconds(self, k: int, source: str = DEFAULT_SOURCE) -> float | None:
         """Estimated seconds of a step that drafts k, or None before anything is measured."""
         verify = self.verify_estimate(k + 1)
         if verify is None:
             return None
-        draft = self.draft_seconds_per_token
+        draft = self.estimates(source).draft_seconds_per_token
         if draft is None:  # before the first draft: guess a third of a plain target step per token
             draft = self.verify_estimate(1) / 3
         return draft * k + verify
 
-    def choose(self, limit: int) -> int:
-        """The k (0..min(limit, max_k)) with the highest expected tokens per second."""
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
+        """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`."""
         if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
-        plain_rate = 1.0 / self.step_seconds(0)
-        best_k, best_rate = 0, plain_rate * self.margin
+        est = self.estimates(source)
+        best_k, best_rate = 0, self.margin / self.step_seconds(0)
         top = min(limit, self.max_k)
-        curve = self.expected_token_curve(top)
+        curve = self.expected_token_curve(top, source)
         for k in range(1, top + 1):
-            seconds = self.step_seconds(k)
-            if seconds is None or seconds <= 0:
-                continue
-            rate = curve[k] / seconds
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+            seconds = self.step_seconds(k, source)
+            if seconds is not None and seconds > 0 and curve[k] / seconds > best_rate:
+                best_k, best_rate = k, curve[k] / seconds
         if best_k == 0 and limit > 0:
-            self.plain_streak += 1
-            if self.plain_streak > self.probe_interval:  # a short draft now and then, to notice a recovery
-                self.plain_streak, self.probing = 0, True
+            est.plain_streak += 1
+            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery
+                est.plain_streak, est.probing = 0, True
                 best_k = min(PROBE_K, limit)
         else:
-            self.plain_streak = 0
+            est.plain_streak = 0
         return best_k
 
 

@@ -46,6 +46,8 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     k_per_step: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    source_per_step: list[str | None] = field(default_factory=list)  # who drafted each step (None: plain)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -71,12 +73,14 @@ class GenerationStats:
         """Wall time spent neither prefilling, drafting nor verifying (sampling, bookkeeping, text)."""
         return max(self.wall_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds, 0.0)
 
-    def record_step(self, k: int, num_accepted: int) -> None:
-        """Count one verification step that drafted `k` tokens and emitted `num_accepted` of them."""
+    def record_step(self, k: int, num_accepted: int, source: str | None = None) -> None:
+        """Count one verification step in which `source` drafted `k` tokens and `num_accepted` were emitted."""
         self.steps += 1
         self.drafted += k
         self.accepted += num_accepted
         self.k_per_step.append(k)
+        self.accepted_per_step.append(num_accepted)
+        self.source_per_step.append(source)
         for counts in (self.accepted_at, self.drafted_at):
             if len(counts) < k:
                 counts.extend([0] * (k - len(counts)))
@@ -96,7 +100,19 @@ class GenerationStats:
             width = max(len(a), len(b))
             setattr(merged, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(width)])
         merged.k_per_step = self.k_per_step + other.k_per_step
+        merged.accepted_per_step = self.accepted_per_step + other.accepted_per_step
+        merged.source_per_step = self.source_per_step + other.source_per_step
         return merged
+
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Steps, drafted and accepted per draft source (e.g. `ngram` and `model` of `ngram+model`)."""
+        table: dict[str, dict[str, int]] = {}
+        for source, k, accepted in zip(self.source_per_step, self.k_per_step, self.accepted_per_step):
+            row = table.setdefault(source or "none", {"steps": 0, "drafted": 0, "accepted": 0})
+            row["steps"] += 1
+            row["drafted"] += k
+            row["accepted"] += accepted
+        return table
 
     def to_dict(self) -> dict:
         """The JSON form used by `--json`, the benchmark and the server."""
@@ -118,4 +134,5 @@ class GenerationStats:
             "drafted_at": list(self.drafted_at),
             "mean_k": self.mean_k,
             "k_per_step": list(self.k_per_step),
+            "by_source": self.by_source(),
         }

@@ -327,10 +327,12 @@ def run_diagnose(config: DiagnoseConfig,
                  on_prompt: Callable[[PromptDiagnosis], None] | None = None) -> DiagnoseResult:
     """Load the pair, diagnose every selected prompt (calling `on_prompt` after each) and pool the figures."""
     from specdraft.bench.prompts import default_prompts_path, load_prompts, select_prompts
+    from specdraft.models.early_exit import early_exit_layer, early_exit_view
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.text import encode_prompt
 
     _check(config)
+    early_exit_layer(config.draft)  # a malformed early-exit:L fails before loading
     prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
     prompts = select_prompts(load_prompts(prompts_path), config.categories, config.max_prompts)
     threads_before = torch.get_num_threads()
@@ -338,9 +340,13 @@ def run_diagnose(config: DiagnoseConfig,
         torch.set_num_threads(config.threads)
     try:
         target = load_model(config.target, dtype=config.dtype)
-        draft = load_model(config.draft, dtype=config.dtype, device=target.device)
-        check_compatible(target, draft)
-        draft = prepare_draft(draft, config.draft_quant)
+        exit_layer = early_exit_layer(config.draft)
+        if exit_layer is not None:  # the target's own first layers: nothing to load or quantize
+            draft = early_exit_view(target, exit_layer)
+        else:
+            draft = load_model(config.draft, dtype=config.dtype, device=target.device)
+            check_compatible(target, draft)
+            draft = prepare_draft(draft, config.draft_quant)
         settings = {
             "target": config.target, "draft": draft.name, "prompts": str(prompts_path),
             "categories": list(config.categories or []), "max_prompts": config.max_prompts,

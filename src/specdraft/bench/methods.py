@@ -9,7 +9,7 @@ see exactly the same input.
 | name               | what runs                                                          |
 | ------------------ | ------------------------------------------------------------------ |
 | `ar`               | `SpeculativeDecoder(target)`: plain decoding, our loop              |
-| `spec`             | `SpeculativeDecoder(target, ModelDrafter(draft), k)`                |
+| `spec`             | `SpeculativeDecoder(target, drafter, k)`: `drafter=NAME` (default `model`, the draft model; `ngram`, `ngram+model`, ...) |
 | `hf-ar`            | transformers `generate` (greedy, or sampling with the same warping) |
 | `hf-assisted`      | transformers assisted generation with the same draft model          |
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
@@ -34,8 +34,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdraft.drafters import ModelDrafter
-from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
+from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, make_drafter, needs_draft_model
+from specdraft.drafters.base import Drafter
 from specdraft.engine import DEFAULT_K, SpeculativeDecoder, sync_device
 from specdraft.policy import AUTO, AutoK
 from specdraft.errors import SpecdraftError
@@ -52,7 +52,10 @@ def k_value(text: str) -> int | str:
 
 
 OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
-                                 "draft-quant": str, "draft-confidence": float}
+                                 "draft-quant": str, "draft-vocab": int, "drafter": str}
+# Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
+DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
+OPTION_TYPES.update({key: type(value) for info in DRAFTERS.values() for key, value in info.options.items()})
 SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
 
 
@@ -64,6 +67,7 @@ class Models:
     draft: CausalLM | None = None
     prepared: dict[str, CausalLM] = field(default_factory=dict)
     policies: dict[tuple, AutoK] = field(default_factory=dict)  # `k=auto` policies, kept across prompts
+    drafters: dict["RunParams", Drafter] = field(default_factory=dict)  # one per method: suffix memory spans prompts
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
@@ -83,8 +87,9 @@ class RunParams:
     max_new_tokens: int
     k: int | str | None = None  # draft tokens per step (or "auto"); None: the method's default
     draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
-    draft_confidence: float = DEFAULT_MIN_CONFIDENCE  # ModelDrafter's early stop (spec only)
     draft_vocab: int = 0  # tokens the draft's head scores (0 = all; see models.draft_head)
+    drafter: str = DEFAULT_DRAFTER  # spec only: the registered drafter (parts joined by +)
+    drafter_options: tuple[tuple[str, object], ...] = ()  # spec only: the drafter's options given
 
 
 @dataclass
@@ -135,6 +140,13 @@ class MethodSpec:
         """The registry entry of this method."""
         return METHODS[self.name]
 
+    @property
+    def needs_draft(self) -> bool:
+        """Whether this method runs the draft model (for spec: whether its drafter does)."""
+        if self.name == "spec":
+            return needs_draft_model(str(self.options.get("drafter", DEFAULT_DRAFTER)))
+        return self.info.needs_draft
+
     def sampling(self, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
         """The method's sampling: the run-wide temperature and seed unless the method sets its own."""
         return SamplingParams(
@@ -154,25 +166,37 @@ class MethodSpec:
         quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
         if quant not in DRAFT_QUANTS:
             raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
-        confidence = float(self.options.get("draft-confidence", DEFAULT_MIN_CONFIDENCE))
-        if not 0.0 <= confidence < 1.0:
-            raise SpecdraftError(f"draft-confidence must be in [0, 1) in {self.label!r}, got {confidence}.")
         vocab = int(self.options.get("draft-vocab", 0))
         if vocab < 0:
             raise SpecdraftError(f"draft-vocab must be >= 0 in {self.label!r}, got {vocab}.")
-        return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, confidence, vocab)
+        drafter = str(self.options.get("drafter", DEFAULT_DRAFTER))
+        given = {key: value for key, value in self.options.items() if key in DRAFTER_KEYS}
+        try:
+            check_drafter(drafter, given)
+        except SpecdraftError as error:
+            raise SpecdraftError(f"{error} (in method {self.label!r})") from None
+        return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, vocab, drafter,
+                         tuple(sorted(given.items())))
 
 
 # ----- running one generation ---------------------------------------------------------------------
+def _drafter(models: Models, params: RunParams) -> Drafter:
+    """The drafter of these settings, made once per run (so a suffix drafter remembers earlier prompts)."""
+    if params not in models.drafters:
+        draft = models.draft_as(params.draft_quant, params.draft_vocab) if needs_draft_model(params.drafter) else None
+        models.drafters[params] = make_drafter(params.drafter, dict(params.drafter_options), draft_model=draft,
+                                               target_model=models.target)
+    return models.drafters[params]
+
+
 def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
     target = models.target
     if drafter:
-        drafter = ModelDrafter(models.draft_as(params.draft_quant, params.draft_vocab),
-                               min_confidence=params.draft_confidence)
         k = params.k or DEFAULT_K
         if k == AUTO:  # one policy per draft setting: its measurements carry over from prompt to prompt
-            k = models.policies.setdefault((params.draft_quant, params.draft_confidence, params.draft_vocab), AutoK())
-        decoder = SpeculativeDecoder(target, drafter, k=k)
+            setting = (params.drafter, params.drafter_options, params.draft_quant, params.draft_vocab)
+            k = models.policies.setdefault(setting, AutoK())
+        decoder = SpeculativeDecoder(target, _drafter(models, params), k=k)
     else:
         decoder = SpeculativeDecoder(target)
     sync_device(target.device)
@@ -192,7 +216,7 @@ def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutpu
 
 
 def run_spec(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
-    """Speculative decoding with the draft model drafting `k` tokens a step."""
+    """Speculative decoding: the method's drafter proposes up to `k` tokens a step."""
     return _run_ours(models, prompt_ids, params, drafter=True)
 
 
@@ -309,8 +333,8 @@ def check_llama_cpp(target_spec: str) -> None:
 
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
-    "spec": MethodInfo("specdraft speculative decoding with the draft model (int4 on CPU by default)",
-                       ("k", "draft-quant", "draft-confidence", "draft-vocab") + SAMPLING_KEYS, True, run_spec),
+    "spec": MethodInfo("specdraft speculative decoding (drafter=NAME, default the draft model, int4 on CPU)",
+                       ("k", "drafter", "draft-quant", "draft-vocab") + DRAFTER_KEYS + SAMPLING_KEYS, True, run_spec),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
                               ("k", "draft-quant") + SAMPLING_KEYS,

@@ -163,7 +163,7 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
     target = load_model(config.target, dtype=config.dtype, device=None if config.device == "auto" else config.device,
                         gguf_weights=config.gguf_weights)
     draft = None
-    if any(spec.info.needs_draft for spec in methods):
+    if any(spec.needs_draft for spec in methods):
         draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
         check_compatible(target, draft)
     return Models(target, draft, target_spec=config.target)
@@ -271,7 +271,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     try:
         models = _load_models(config, methods)
         settings = run_settings(config, models, prompts_paths, methods)
-        sids = {spec.label: settings_id(settings, spec.info.needs_draft) for spec in methods}
+        sids = {spec.label: settings_id(settings, spec.needs_draft) for spec in methods}
         prompt_ids = _encode(prompts, models, config)
 
         results_path = out / RESULTS

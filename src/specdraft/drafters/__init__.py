@@ -1,43 +1,127 @@
-"""Drafters, chosen by name from a registry (never by `if method == ...`)."""
+"""Drafters, chosen by name from a registry (never by `if method == ...`).
+
+A name may compose registered drafters with `+`: `ngram+model` asks `ngram` first and lets
+`model` draft whenever `ngram` has nothing to propose (or the policy turns it down).
+Options are keyed by their CLI names without dashes (`ngram-max`, `exit-layer`, ...); each
+drafter reads the ones it knows.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.drafters.composed import ComposedDrafter
+from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE, ModelDrafter
+from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
+from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
 from specdraft.errors import SpecdraftError
+
+
+DEFAULT_DRAFTER = "model"
 
 
 @dataclass(frozen=True)
 class DrafterInfo:
-    """A registered drafter: a one-line description and how to build it from loaded resources."""
+    """A registered drafter: a one-line description, its options (with defaults) and how to build it.
+
+    `build(options, draft_model=..., target_model=...)` gets every option of `options` filled in.
+    """
 
     description: str
     build: Callable[..., Drafter]
     needs_draft_model: bool
+    options: dict[str, Any]
 
 
-def _build_model(draft_model=None, min_confidence: float = DEFAULT_MIN_CONFIDENCE, **_options) -> Drafter:
+def _build_model(options: dict, draft_model=None, **_resources) -> Drafter:
     if draft_model is None:
         raise SpecdraftError("The 'model' drafter needs a draft model: pass --draft NAME_OR_PATH.")
-    return ModelDrafter(draft_model, min_confidence=min_confidence)
+    return ModelDrafter(draft_model, min_confidence=options["draft-confidence"])
+
+
+def _build_ngram(options: dict, **_resources) -> Drafter:
+    return NgramDrafter(max_n=options["ngram-max"], min_n=options["ngram-min"])
+
+
+def _build_suffix(options: dict, **_resources) -> Drafter:
+    return SuffixDrafter(min_match=options["suffix-min-match"], min_score=options["suffix-min-score"],
+                         max_spec_factor=options["suffix-factor"])
+
+
+def _build_early_exit(options: dict, target_model=None, **_resources) -> Drafter:
+    if target_model is None:
+        raise SpecdraftError("The 'early-exit' drafter needs the target model it drafts for.")
+    return EarlyExitDrafter(target_model, exit_layer=options["exit-layer"] or None,
+                            min_confidence=options["draft-confidence"])
 
 
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
-                         _build_model, needs_draft_model=True),
+                         _build_model, True, {"draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+    "ngram": DrafterInfo("prompt lookup: proposes what followed the last n tokens earlier in prompt or output "
+                         "(no model, c ≈ 0)", _build_ngram, False,
+                         {"ngram-max": DEFAULT_MAX_N, "ngram-min": DEFAULT_MIN_N}),
+    "suffix": DrafterInfo("suffix decoding: the most frequent continuation of the longest matches in this request "
+                          "and in earlier ones (remembered across requests; no model, c ≈ 0)", _build_suffix, False,
+                          {"suffix-min-match": DEFAULT_MIN_MATCH, "suffix-min-score": DEFAULT_MIN_SCORE,
+                           "suffix-factor": DEFAULT_MAX_SPEC_FACTOR}),
+    "early-exit": DrafterInfo("self-speculation: the target's first L layers, final norm and LM head draft (shared "
+                              "weights; accepts little unless the model was trained for early exit)",
+                              _build_early_exit, False,
+                              {"exit-layer": 0, "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
 }
 
 
-def make_drafter(name: str, **resources) -> Drafter:
-    """Build the drafter registered as `name` from the given resources (e.g. `draft_model=`)."""
-    try:
-        info = DRAFTERS[name]
-    except KeyError:
-        raise SpecdraftError(f"Unknown drafter {name!r}; choose one of: {', '.join(sorted(DRAFTERS))}.") from None
-    return info.build(**resources)
+def drafter_parts(name: str) -> list[str]:
+    """The registered drafters a (possibly composed) name is made of, checked."""
+    parts = [part.strip() for part in name.split("+")]
+    for part in parts:
+        if part not in DRAFTERS:
+            raise SpecdraftError(f"Unknown drafter {part!r}; choose one of: {', '.join(sorted(DRAFTERS))}, "
+                                 "or compose them with '+' (e.g. ngram+model).")
+    if len(set(parts)) != len(parts):
+        raise SpecdraftError(f"Drafter {name!r} names a part twice.")
+    return parts
 
 
-__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "DrafterInfo", "ModelDrafter", "make_drafter"]
+def needs_draft_model(name: str) -> bool:
+    """Whether any part of drafter `name` drafts with a separate draft model."""
+    return any(DRAFTERS[part].needs_draft_model for part in drafter_parts(name))
+
+
+def drafter_options(name: str) -> dict[str, Any]:
+    """Every option the parts of `name` read, with its default."""
+    options: dict[str, Any] = {}
+    for part in drafter_parts(name):
+        options.update(DRAFTERS[part].options)
+    return options
+
+
+def check_drafter(name: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check drafter `name` and the options given to it (None = not given); return every option it
+    reads, the given ones over the defaults. Raises SpecdraftError before anything is loaded."""
+    known = drafter_options(name)
+    given = {key: value for key, value in (options or {}).items() if value is not None}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise SpecdraftError(f"Drafter {name!r} takes no option {', '.join(unknown)}; "
+                             f"it takes: {', '.join(sorted(known)) or 'none'}.")
+    return {**known, **given}
+
+
+def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) -> Drafter:
+    """Build drafter `name` (parts joined by `+`) with `options` over the defaults, from the given
+    resources (`draft_model=`, `target_model=`)."""
+    filled = check_drafter(name, options)
+    drafters = [DRAFTERS[part].build(filled, **resources) for part in drafter_parts(name)]
+    composed = drafters[-1]
+    for drafter in reversed(drafters[:-1]):
+        composed = ComposedDrafter(drafter, composed)
+    return composed
+
+
+__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EarlyExitDrafter", "ModelDrafter",
+           "NgramDrafter", "SuffixDrafter", "check_drafter", "drafter_options", "make_drafter", "needs_draft_model"]

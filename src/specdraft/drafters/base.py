@@ -47,9 +47,10 @@ class DraftContext:
 class Drafter:
     """Proposes tokens for the target to verify.
 
-    Call order per request: `begin(prompt)`, then per step `propose(ctx, k)` and
-    `commit(prev_len, num_accepted)`. A drafter keeps whatever state it needs (a KV cache,
-    an index) in step with the committed sequence.
+    Call order per request: `begin(prompt)`; then per step `source(ctx)`, and when that is
+    not None, `propose(ctx, k)` and `commit(prev_len, num_accepted)`; finally `end(sequence)`.
+    A drafter keeps whatever state it needs (a KV cache, an index) in step with the committed
+    sequence (`ctx.sequence` only ever grows by committed tokens).
     """
 
     name: str = "base"
@@ -57,9 +58,19 @@ class Drafter:
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         """Start a new request with this prompt."""
 
+    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
+        """Who will propose this step (a name the policy keeps separate estimates for), or None
+        when there is nothing worth proposing (the step is then plain decoding). `declined`
+        names sources the policy has already turned down this step; the next `propose` comes
+        from the source returned last."""
+        return None if self.name in declined else self.name
+
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         """Up to `k` tokens continuing `ctx.sequence`."""
         raise NotImplementedError
 
     def commit(self, prev_len: int, num_accepted: int) -> None:
         """The sequence of length `prev_len` grew by `num_accepted` draft tokens and one more."""
+
+    def end(self, sequence: torch.Tensor) -> None:  # sequence: [L] prompt + every committed token
+        """The request is over (finished, or stopped early by its consumer)."""

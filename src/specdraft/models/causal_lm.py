@@ -35,8 +35,7 @@ class CausalLM:
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
-        self._cache = DynamicCache(config=model.config)
-        self.cache_len = 0
+        self.reset()
 
     # ----- facts about the model -------------------------------------------------------
     @property
@@ -81,6 +80,8 @@ class CausalLM:
     def reset(self) -> None:
         """Forget the whole sequence."""
         self._cache = DynamicCache(config=self.config)
+        # Sliding-window layers otherwise drop states past their window, and could not be cut back.
+        self._cache.activate_past_recording()
         self.cache_len = 0
 
     def truncate(self, length: int) -> None:

@@ -14,7 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from specdraft.drafters import DEFAULT_DRAFTER
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
+from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
+from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE
 from specdraft.analysis.diagnose import DIAGNOSE_K
 from specdraft.engine import DEFAULT_K
 from specdraft.errors import SpecdraftError
@@ -45,12 +48,26 @@ def generate(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
     draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for the 'model' drafter."),
     method: Method = typer.Option(Method.spec, help="spec: speculative decoding; ar: plain decoding."),
-    drafter: str = typer.Option("model", help="Drafter name (see the drafter registry)."),
+    drafter: str = typer.Option(DEFAULT_DRAFTER, help="Drafter: a name from `specdraft drafters`, or parts joined "
+                                                    "by + (ngram+model: prompt lookup first, the draft model otherwise)."),
     k: str = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step: an integer, or auto (a cost model of this "
                                                 "machine picks k each step, 0 when speculation would not pay)."),
-    draft_confidence: float = typer.Option(
-        DEFAULT_MIN_CONFIDENCE, "--draft-confidence",
-        help="Stop a draft once the draft's own estimate that the whole chain is accepted falls below this (0 = always k)."),
+    draft_confidence: Optional[float] = typer.Option(
+        None, "--draft-confidence",
+        help=f"model drafters: stop a draft once the draft's own estimate that the whole chain is accepted falls "
+             f"below this (0 = always k; default {DEFAULT_MIN_CONFIDENCE})."),
+    ngram_max: Optional[int] = typer.Option(None, "--ngram-max", help=f"ngram: longest tail to look up (default {DEFAULT_MAX_N})."),
+    ngram_min: Optional[int] = typer.Option(None, "--ngram-min", help=f"ngram: shortest tail to look up (default {DEFAULT_MIN_N})."),
+    suffix_min_match: Optional[int] = typer.Option(
+        None, "--suffix-min-match", help=f"suffix: shortest match that may propose (default {DEFAULT_MIN_MATCH})."),
+    suffix_min_score: Optional[float] = typer.Option(
+        None, "--suffix-min-score",
+        help=f"suffix: stop a draft once its estimated survival falls below this (default {DEFAULT_MIN_SCORE})."),
+    suffix_factor: Optional[float] = typer.Option(
+        None, "--suffix-factor", help=f"suffix: at most this many draft tokens per matched token (default {DEFAULT_MAX_SPEC_FACTOR})."),
+    exit_layer: Optional[int] = typer.Option(None, "--exit-layer",
+                                             help="early-exit: draft with the target's first L layers (default: 3/4 of "
+                                                  "them; choose by `specdraft diagnose --draft early-exit:L`)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0,
@@ -79,14 +96,16 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_quant, draft_vocab,
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, ngram_max, ngram_min,
+              suffix_min_match, suffix_min_score, suffix_factor, exit_layer,
+              draft_quant, draft_vocab,
               temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
-    from specdraft.drafters import make_drafter
+    from specdraft.drafters import check_drafter, make_drafter, needs_draft_model
     from specdraft.sampling import SamplingParams
     from specdraft.stats import GenerationStats
     from specdraft.text import encode_prompt
@@ -104,15 +123,21 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
+    options = {"draft-confidence": draft_confidence, "ngram-max": ngram_max, "ngram-min": ngram_min,
+               "suffix-min-match": suffix_min_match, "suffix-min-score": suffix_min_score,
+               "suffix-factor": suffix_factor, "exit-layer": exit_layer}
     draft_lm = None
-    if method == Method.spec:  # the draft first: its unpacking peak passes before the target is in memory
-        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant,
-                                 vocab=draft_vocab)
+    if method == Method.spec:
+        check_drafter(drafter, options)  # a bad name or option fails before loading
+        if needs_draft_model(drafter):  # the draft first: its unpacking peak passes before the target is in memory
+            draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
+                                     draft_quant, vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
-    if draft_lm is not None:
-        check_compatible(target_lm, draft_lm)
-        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, draft_model=draft_lm, min_confidence=draft_confidence),
-                                     k=policy)
+    if method == Method.spec:
+        if draft_lm is not None:
+            check_compatible(target_lm, draft_lm)
+        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, options, draft_model=draft_lm,
+                                                             target_model=target_lm), k=policy)
     else:
         decoder = SpeculativeDecoder(target_lm)
 
@@ -180,8 +205,11 @@ def drafters() -> None:
     """The registered drafters, one line each."""
     from specdraft.drafters import DRAFTERS
 
+    out = Console(highlight=False)
     for name, info in DRAFTERS.items():
-        Console(highlight=False).print(f"[bold]{name}[/]  {info.description}")
+        options = ", ".join(f"--{key} ({value})" for key, value in info.options.items())
+        out.print(f"[bold]{name}[/]  {info.description}" + (f"  [dim]options: {options}[/]" if options else ""))
+    out.print("Compose with +: [bold]ngram+model[/] drafts by lookup where the text repeats, with the model elsewhere.")
 
 
 @app.command()
@@ -289,7 +317,8 @@ def theory(
 @app.command()
 def diagnose(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
-    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to compare with the target."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to compare with the target, or early-exit:L "
+                                                           "(the target's first L layers)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Spec-Bench JSONL (default: the shipped set)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts",

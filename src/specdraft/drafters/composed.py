@@ -1,0 +1,52 @@
+"""Composition: a free drafter when it has something to propose, another drafter otherwise.
+
+`ngram+model` drafts by prompt lookup whenever the tail of the sequence occurred before, and
+with the draft model everywhere else. Each step's source is the name of the drafter that
+proposed, so the policy keeps separate acceptance and cost estimates for each and the stats
+record which one drafted. The fallback's KV cache simply lags while the first drafter
+proposes; its next proposal reads the committed tokens it missed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import Draft, DraftContext, Drafter
+
+
+class ComposedDrafter(Drafter):
+    """Ask `first`; when it has nothing to propose, `fallback` drafts."""
+
+    def __init__(self, first: Drafter, fallback: Drafter) -> None:
+        self.first, self.fallback = first, fallback
+        self.name = f"{first.name}+{fallback.name}"
+        self._chosen: Drafter | None = None  # who answered the last `source`
+        self._proposer: Drafter | None = None  # who proposed the draft now being verified
+
+    def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
+        self.first.begin(prompt)
+        self.fallback.begin(prompt)
+
+    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
+        for drafter in (self.first, self.fallback):
+            name = drafter.source(ctx, declined)
+            if name is not None:
+                self._chosen = drafter
+                return name
+        self._chosen = None
+        return None
+
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        if self._chosen is None:  # called without `source`: ask now
+            self.source(ctx)
+        self._proposer = self._chosen or self.fallback
+        return self._proposer.propose(ctx, k)
+
+    def commit(self, prev_len: int, num_accepted: int) -> None:
+        if self._proposer is not None:
+            self._proposer.commit(prev_len, num_accepted)
+        self._chosen = self._proposer = None
+
+    def end(self, sequence: torch.Tensor) -> None:  # sequence: [L]
+        self.first.end(sequence)
+        self.fallback.end(sequence)

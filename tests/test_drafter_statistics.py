@@ -1,0 +1,92 @@
+"""Tier 2 through the whole engine: sampled output of every drafter follows the target exactly.
+
+A tiny random Qwen2 on an 8-token vocabulary is the target. Its exact distribution of the
+first two generated tokens after a prompt, p(a) · p(b | a), is computed from its own logits;
+each drafter then generates two tokens for many seeds, and a chi-square test compares the
+counts of (a, b) with it. The prompt repeats itself, so the free drafters (deterministic
+proposals, verified as point masses) propose from the first step. A negative control
+(a residual that keeps a rejected deterministic proposal) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+import specdraft.verify as verify_module
+from conftest import perturbed, tiny_config
+from goodness_of_fit import chi_square_pvalue
+from specdraft import SamplingParams, SpeculativeDecoder
+from specdraft.drafters import make_drafter
+from specdraft.models.causal_lm import CausalLM
+
+V = 8
+PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes [4, 1, 2, ...]
+SAMPLES = 1500
+PARAMS = SamplingParams(temperature=1.0)
+P_PASS = 1e-3
+P_REJECT = 1e-6
+
+
+@pytest.fixture(scope="module")
+def target_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(tiny_config(vocab_size=V, layers=2)).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
+    return model
+
+
+def exact_two_tokens(model: Qwen2ForCausalLM) -> np.ndarray:
+    """`[V, V]` probability that the target generates (a, b) after PROMPT."""
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPT])).logits[0, -1].double().softmax(-1)  # [V]
+        rows = torch.tensor([PROMPT + [a] for a in range(V)])  # [V, L + 1]
+        second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
+    return (first[:, None] * second).numpy()
+
+
+def sampled_pairs(decoder: SpeculativeDecoder) -> tuple[np.ndarray, dict]:
+    """`[V * V]` counts of the first two generated tokens over SAMPLES seeds, and drafts per source."""
+    counts, drafted = np.zeros(V * V), {}
+    for seed in range(SAMPLES):
+        out = decoder.generate(PROMPT, SamplingParams(temperature=PARAMS.temperature, seed=seed), 4)
+        a, b = out.token_ids[:2]  # four tokens, so a second step has room to draft
+        counts[a * V + b] += 1
+        for source, row in out.stats.by_source().items():
+            drafted[source] = drafted.get(source, 0) + row["drafted"]
+    return counts, drafted
+
+
+DRAFTERS = {
+    "ngram": lambda target, draft: make_drafter("ngram"),
+    "suffix": lambda target, draft: make_drafter("suffix"),
+    "early-exit": lambda target, draft: make_drafter("early-exit", {"exit-layer": 1}, target_model=target),
+    "ngram+model": lambda target, draft: make_drafter("ngram+model", {"ngram-min": 3}, draft_model=draft),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_sampled_output_follows_the_target(target_model, name):
+    draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
+    decoder = SpeculativeDecoder(CausalLM(target_model), DRAFTERS[name](CausalLM(target_model), draft), k=3)
+    counts, drafted = sampled_pairs(decoder)
+    assert all(drafted.get(source, 0) > SAMPLES // 10 for source in name.split("+")), drafted
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
+    assert pvalue > P_PASS, f"{name}: p-value {pvalue:.3g}"
+
+
+def test_point_mass_left_in_the_residual_is_caught(target_model, monkeypatch):
+    """Negative control: after rejecting a deterministic proposal x, drawing from p (x not removed)."""
+    original = verify_module.residual_distribution
+
+    def keeps_draft_token(p, q, draft_tokens):
+        return p / p.sum(-1, keepdim=True) if q is None else original(p, q, draft_tokens)
+
+    monkeypatch.setattr(verify_module, "residual_distribution", keeps_draft_token)
+    decoder = SpeculativeDecoder(CausalLM(target_model), make_drafter("ngram"), k=3)
+    counts, _ = sampled_pairs(decoder)
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
+    assert pvalue < P_REJECT, f"unremoved point mass went unnoticed: p-value {pvalue:.3g}"
