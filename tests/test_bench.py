@@ -463,3 +463,34 @@ def test_several_prompt_files_join_with_their_names(tmp_path):
     b2.write_text(b.read_text())
     with pytest.raises(SpecdraftError, match="distinct names"):
         load_prompt_files([a, b2])
+
+
+def test_drafter_keys_of_spec():
+    spec = parse_method("spec:drafter=ngram+model;ngram-min=3;draft-confidence=0.2;k=4")
+    params = spec.params(16)
+    assert (params.drafter, dict(params.drafter_options)) == ("ngram+model", {"ngram-min": 3, "draft-confidence": 0.2})
+    assert spec.needs_draft and not parse_method("spec:drafter=suffix").needs_draft
+    with pytest.raises(SpecdraftError, match="takes no option exit-layer.*in method"):
+        parse_method("spec:drafter=ngram;exit-layer=3").params(16)
+    with pytest.raises(SpecdraftError, match="Unknown drafter 'nope'"):
+        parse_method("spec:drafter=nope").params(16)
+    with pytest.raises(SpecdraftError, match="ngram-max must be a whole number"):
+        parse_method("spec:ngram-max=big")
+
+
+def test_bench_free_drafters_without_a_draft_model(tiny_model_dirs, tiny_prompts, tmp_path):
+    """ngram and suffix need no draft; the report counts who drafted for a composed drafter."""
+    out = tmp_path / "free"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
+        "--prompts", str(tiny_prompts), "--methods", "ar,spec:drafter=ngram;k=3,spec:drafter=suffix;k=3,"
+        "spec:drafter=ngram+model;k=3;ngram-min=1", "--max-prompts", "1", "--max-new-tokens", "24",
+        "--dtype", "float32", "--threads", "1", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    for figures in summary["methods"].values():
+        assert figures["greedy_exact"] == 1.0
+    composed = summary["methods"]["spec:drafter=ngram+model;k=3;ngram-min=1"]["by_source"]
+    assert composed["model"]["drafted"] > 0 and sum(row["steps"] for row in composed.values()) > 0
+    assert "## Who drafted" in (out / "report.md").read_text()

@@ -107,6 +107,7 @@ class RunOutput:
     verify_seconds: float | None = None  # time spent in the target's verification passes (our loop only)
     k: int | None = None  # the most draft tokens of any step (None when nothing was drafted)
     k_per_step: list[int] | None = None  # draft tokens of each step (our loop only)
+    by_source: dict[str, dict[str, int]] | None = None  # steps, drafted, accepted per draft source (our loop only)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     stats = completion.stats
     return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
                      list(stats.accepted_at), list(stats.drafted_at), stats.draft_seconds, stats.verify_seconds,
-                     max(stats.k_per_step, default=0) or None, list(stats.k_per_step))
+                     max(stats.k_per_step, default=0) or None, list(stats.k_per_step), stats.by_source())
 
 
 def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:

@@ -105,6 +105,17 @@ def k_histogram(records: Sequence[Mapping]) -> dict[int, int]:
     return dict(sorted(counts.items()))
 
 
+def drafts_by_source(records: Sequence[Mapping]) -> dict[str, dict[str, int]]:
+    """Steps, drafted and accepted per draft source (`none`: plain steps), summed over the records."""
+    table: dict[str, dict[str, int]] = {}
+    for record in records:
+        for source, row in (record.get("by_source") or {}).items():
+            total = table.setdefault(source, {"steps": 0, "drafted": 0, "accepted": 0})
+            for name in total:
+                total[name] += row[name]
+    return table
+
+
 def max_k(records: Sequence[Mapping]) -> int | None:
     """The method's k: the largest `k` among the records (None when no record has one)."""
     ks = [r["k"] for r in records if r.get("k") is not None]
@@ -204,6 +215,7 @@ def summarize(
         figures = _figures(own, reference_records, near_ties, peer)
         figures["own_numerics"] = peer
         figures["k_histogram"] = k_histogram(own)
+        figures["by_source"] = drafts_by_source(own)
         figures["categories"] = {
             category: _figures(group, reference_by_category.get(category, []), near_ties, peer)
             for category, group in _group(own, "category").items()
@@ -299,6 +311,14 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         ks = sorted({int(k) for h in histograms.values() for k in h})
         lines += _table(["method", *[f"k={k}" for k in ks]],
                         [[f"`{m}`", *[str(h.get(k, h.get(str(k), 0))) for k in ks]] for m, h in histograms.items()])
+    sources = {m: f["by_source"] for m, f in methods.items() if set(f.get("by_source") or {}) - {"none"}}
+    if sources:
+        lines += ["", "## Who drafted", "",
+                  "Steps per draft source (`none`: nothing worth proposing, or the cost model chose a plain step).", ""]
+        lines += _table(["method", "source", "steps", "drafted", "accepted", "α"],
+                        [[f"`{m}`", source, str(row["steps"]), str(row["drafted"]), str(row["accepted"]),
+                          _fmt(row["accepted"] / row["drafted"] if row["drafted"] else None, ".2f")]
+                         for m, table in sources.items() for source, row in table.items()])
     lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
               "α: accepted / drafted; c: one drafted token's time / one verification step's time; "
               "k: most draft tokens per step; mean k: draft tokens per step on average; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
