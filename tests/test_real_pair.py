@@ -74,3 +74,26 @@ def test_eos_ends_a_short_answer(pair):
     out = SpeculativeDecoder(target, ModelDrafter(draft), k=4).generate("Reply with the single word: yes", max_new_tokens=32)
     assert out.finish_reason == "stop" and out.token_ids[-1] in target.eos_token_ids
     assert "yes" in out.text.lower()
+
+
+REWRITE_PROMPT = (
+    "Rewrite this function so that it uses a list comprehension, keeping the names:\n\n"
+    "def squares_of_evens(numbers):\n    result = []\n    for number in numbers:\n"
+    "        if number % 2 == 0:\n            result.append(number * number)\n    return result\n"
+)
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix", "ngram+model"])
+def test_greedy_free_drafters_equal_ar(pair, name):
+    """Drafters without a draft model (and composed with one) on the real target: exact, and they draft."""
+    from specdraft.drafters import make_drafter
+    from specdraft.models.loading import prepare_draft
+
+    target, draft = pair
+    ids = encode_prompt(target.tokenizer, REWRITE_PROMPT)
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=64)
+    drafter = make_drafter(name, draft_model=prepare_draft(draft, "int4", copy=True) if "model" in name else None)
+    spec = SpeculativeDecoder(target, drafter, k=4).generate(ids, max_new_tokens=64)
+    verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
+    assert verdict.acceptable, verdict
+    assert spec.stats.accepted > 0 and spec.stats.steps < ar.stats.steps

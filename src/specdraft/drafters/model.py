@@ -36,12 +36,13 @@ class ModelDrafter(Drafter):
         self._fed_draft = 0  # draft tokens fed into the cache during the last proposal
 
     def begin(self, prompt: torch.Tensor) -> None:
+        # No prefill here: the first proposal reads the prompt, so a request (or a policy) that
+        # never drafts never pays for the draft's prefill.
         self.model.reset()
-        self.model.prefill(prompt[:-1].unsqueeze(0))
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, params = self.model, ctx.params
-        feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, 1 or 2] committed tokens not yet seen
+        feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, T] committed tokens not yet seen (all at first)
         seen = ctx.seen
         tokens, dists = [], []
         chain_confidence = 1.0
