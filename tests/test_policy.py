@@ -66,7 +66,10 @@ def test_poor_acceptance_falls_back_to_plain_decoding_and_probes_less_often():
         assert choices[-1] == 2  # a probe, so the estimate can recover
         waits.append(len(choices))
     assert waits == [9, 17, 33, 65]  # 8 plain steps, then 16, 32, 64 (the cap)
-    policy.begin_request()  # a new prompt probes soon again
+    policy.begin_request()  # a new prompt probes sooner, but not as soon as a fresh drafter
+    assert policy.estimates().probe_interval == 32
+    for _ in range(3):
+        policy.begin_request()
     assert policy.estimates().probe_interval == policy.probe_every
 
 

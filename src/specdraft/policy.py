@@ -12,7 +12,7 @@ pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
 draft); after `probe_every` plain steps one short draft is tried so the estimate can
 recover, and each failed probe doubles the wait (up to `max_probe_every`). A new request
-keeps the measured costs and a quarter of the acceptance counts.
+keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
 """
 
@@ -98,11 +98,14 @@ class AutoK:
     # ----- measuring --------------------------------------------------------------------------
     def begin_request(self) -> None:
         """A new prompt: costs carry over (they belong to the machine), acceptance mostly does not
-        (it belongs to the text), and probing starts afresh."""
+        (it belongs to the text), and the wait between probes halves (a new text may suit the
+        drafter better; a drafter that failed every probe so far still waits long, because each
+        probe of a drafter with a cache also pays for reading every token it missed)."""
         for est in self.sources.values():
             est.hits = [h * self.carry_over for h in est.hits]
             est.tries = [t * self.carry_over for t in est.tries]
-            est.plain_streak, est.probe_interval, est.probing = 0, self.probe_every, False
+            est.plain_streak, est.probing = 0, False
+            est.probe_interval = max(self.probe_every, est.probe_interval // 2)
         self.last_source = None
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,

@@ -10,16 +10,13 @@ function, slower and 2.4x larger.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("gguf_matmul.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma", "-fopenmp",
@@ -31,37 +28,12 @@ DENSE_FROM_TOKENS = 32
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built or run here."""
-    if os.environ.get("SPECDRAFT_NO_NATIVE_KERNELS") or not _REQUIRED_CPU_FLAGS <= _cpu_flags():
+    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the GGUF block kernels")
+    if library is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    from specdraft.models.registry import cache_dir
-
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    built = cache_dir() / "kernels" / f"gguf_matmul-{key}.so"
-    if not built.is_file():
-        built.parent.mkdir(parents=True, exist_ok=True)
-        partial = built.with_suffix(f".{os.getpid()}.partial")
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial)], capture_output=True, text=True)
-        if result.returncode != 0:
-            print(f"note: the GGUF block kernels did not build ({result.stderr.strip()[:300]}); "
-                  "falling back to PyTorch kernels", file=sys.stderr)
-            return None
-        os.replace(partial, built)
-    library = ctypes.CDLL(str(built))
     library.q6k_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64]
     library.q6k_matmul.restype = None

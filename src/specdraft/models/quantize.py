@@ -1,4 +1,5 @@
-"""Weight-only int4 linears on PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
+"""Weight-only int4 linears: our AMX kernel where the CPU has AMX (`kernels/int4_amx`), else
+PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.kernels import int4_amx
 from specdraft.kernels.gguf_matmul import DENSE_FROM_TOKENS, int4pack_transposed
 
 _INNER_K_TILES = 2
@@ -29,8 +31,8 @@ PASS_WIDTH = 8
 
 
 def int4_kernel_available() -> bool:
-    """Whether this PyTorch build has the CPU int4 weight-only matmul."""
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    """Whether an int4 weight-only matmul runs here (ours on AMX, or this PyTorch build's CPU one)."""
+    return int4_amx.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,10 +46,12 @@ def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 
 
 class Int4Linear(nn.Module):
-    """`y = x W^T + b` with W stored as packed 4-bit groups for the CPU kernel.
+    """`y = x W^T + b` with W stored as packed 4-bit groups.
 
-    `dense_weight`, when kept, serves passes wider than `PASS_WIDTH` tokens (faster there,
-    at the cost of its memory); without it they run through the kernel in slices.
+    On AMX (groups of 32, N a multiple of 16) every pass runs on `kernels/int4_amx`, whose cost
+    is flat from 1 to 16 tokens. Otherwise PyTorch's kernel runs: `dense_weight`, when kept,
+    serves passes wider than `PASS_WIDTH` tokens (faster there, at the cost of its memory);
+    without it they run through the kernel in slices.
     """
 
     def __init__(
@@ -59,11 +63,19 @@ class Int4Linear(nn.Module):
         dense_weight: torch.Tensor | None = None,  # [N, K]
     ) -> None:
         super().__init__()
-        if not int4_kernel_available():
-            raise SpecdraftError("This PyTorch build has no CPU int4 kernel; load the model unpacked.")
         n, k = codes.shape
         self.out_features, self.in_features = n, k
         self.group_size = k // scale.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.dense_weight = dense_weight
+        self.amx = None
+        if int4_amx.available() and int4_amx.fits(n, k, self.group_size):
+            self.amx = int4_amx.pack(codes, scale, minimum)
+            for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
+                self.register_buffer(f"amx_{name}", getattr(self.amx, name))
+            return
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            raise SpecdraftError("This PyTorch build has no CPU int4 kernel; load the model unpacked.")
         zero = 8 * scale.float() - minimum.float()  # (q − 8) · scale + zero = scale · q − minimum
         packed = [  # packed in row slices: the int32 copy the packer needs stays small
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i:i + _PACK_ROWS].to(torch.int32).contiguous(),
@@ -73,8 +85,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.cat(packed) if len(packed) > 1 else packed[0])
         scales_and_zeros = torch.stack([scale.float(), zero], dim=-1)  # [N, K/G, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
-        self.dense_weight = dense_weight
 
     @classmethod
     def from_affine(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -101,6 +111,8 @@ class Int4Linear(nn.Module):
         return torch.cat(columns).float().t().contiguous()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, K] bf16 -> [tokens, N]
+        if self.amx is not None:
+            return int4_amx.matmul(self.amx, x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
@@ -109,6 +121,11 @@ class Int4Linear(nn.Module):
         if flat.shape[0] > PASS_WIDTH and self.dense_weight is not None:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
+        if self.amx is not None:
+            out = int4_amx.matmul(self.amx, flat)  # [tokens, N] float32, any width
+            if self.bias is not None:
+                out = out + self.bias
+            return out.view(*shape[:-1], self.out_features).to(x.dtype)
         flat = flat.to(torch.bfloat16)
         transposed = None  # W^T [K, N] bf16 for a wide pass, where our unpacking kernel runs
         if flat.shape[0] >= DENSE_FROM_TOKENS:

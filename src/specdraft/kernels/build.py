@@ -1,0 +1,45 @@
+"""Compile a kernel's C file with the system C compiler on first use and keep it in the cache folder."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str], what: str) -> ctypes.CDLL | None:
+    """`source` built with `flags` (cached by a hash of both), or None where it cannot be built or run here
+    (`SPECDRAFT_NO_NATIVE_KERNELS` set, a CPU flag missing, no compiler, a failed build)."""
+    if os.environ.get("SPECDRAFT_NO_NATIVE_KERNELS") or not required_cpu_flags <= cpu_flags():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    from specdraft.models.registry import cache_dir
+
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    built = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    if not built.is_file():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        partial = built.with_suffix(f".{os.getpid()}.partial")
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"note: {what} did not build ({result.stderr.strip()[:300]}); falling back to PyTorch kernels",
+                  file=sys.stderr)
+            return None
+        os.replace(partial, built)
+    return ctypes.CDLL(str(built))
