@@ -73,3 +73,12 @@ def test_int4_linear_runs_on_amx_and_agrees_with_pytorchs_kernel(monkeypatch):
         assert out.shape == (1, 7, 64) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(on_amx.dequantized_weight(), on_torch.dequantized_weight(), rtol=1e-2, atol=1e-2)
+
+
+def test_packing_in_row_slices_changes_nothing(monkeypatch):
+    codes, scale, minimum, _ = affine_matrix(96, 128, seed=6)
+    whole = int4_amx.pack(codes, scale, minimum)
+    monkeypatch.setattr(int4_amx, "_PACK_ROWS", 32)
+    sliced = int4_amx.pack(codes, scale, minimum)
+    for name in ("tiles", "scale", "zero"):
+        assert torch.equal(getattr(whole, name), getattr(sliced, name))

@@ -22,6 +22,7 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-b
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16"}
 GROUP = 32  # inputs per scale and minimum
 BLOCK_ROWS = 16  # outputs per tile
+_PACK_ROWS = 4096  # rows packed at a time (a multiple of BLOCK_ROWS)
 
 
 @lru_cache(maxsize=1)
@@ -62,16 +63,23 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Pac
     if not fits(n, k, k // scale.shape[1]):
         raise ValueError(f"AMX int4 packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
     blocks, groups = n // BLOCK_ROWS, k // GROUP
-    # codes[n0 + c, k0 + 2r + e] -> a byte of tile (nb, g), low nibble e = 0, high nibble e = 1,
-    # at 64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4 (the unpacking order of int4_amx.c)
-    pairs = codes.to(torch.uint8).view(blocks, BLOCK_ROWS, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # [N/16, K/32, r = 16, c = 16]
-    tiles = nibbles.reshape(blocks, groups, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).contiguous().view(-1)
-
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> [N/16, K/32, 16] bf16
-        return values.to(torch.bfloat16).view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()
-
-    return PackedInt4(tiles, per_block(scale), per_block(8 * scale.float() - minimum.float()), n, k)
+    tiles = torch.empty(n * k // 2, dtype=torch.uint8)
+    tile_scale = torch.empty((blocks, groups, BLOCK_ROWS), dtype=torch.bfloat16)
+    tile_zero = torch.empty_like(tile_scale)
+    for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
+        rows = slice(start, min(start + _PACK_ROWS, n))
+        part_blocks = (rows.stop - rows.start) // BLOCK_ROWS
+        # codes[n0 + c, k0 + 2r + e] -> a byte of tile (nb, g), low nibble e = 0, high nibble e = 1,
+        # at 64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4 (the unpacking order of int4_amx.c)
+        pairs = codes[rows].to(torch.uint8).view(part_blocks, BLOCK_ROWS, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+        nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # [blocks, K/32, r = 16, c = 16]
+        tiles[rows.start * k // 2: rows.stop * k // 2] = (
+            nibbles.view(part_blocks, groups, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(-1))
+        block_range = slice(rows.start // BLOCK_ROWS, rows.stop // BLOCK_ROWS)
+        part_scale = scale[rows].float()
+        tile_scale[block_range] = part_scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+        tile_zero[block_range] = (8 * part_scale - minimum[rows].float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+    return PackedInt4(tiles, tile_scale, tile_zero, n, k)
 
 
 def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
