@@ -121,20 +121,15 @@ class Int4Linear(nn.Module):
         if flat.shape[0] > PASS_WIDTH and self.dense_weight is not None:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
-        if self.amx is not None:
-            out = int4_amx.matmul(self.amx, flat)  # [tokens, N] float32, any width
-            if self.bias is not None:
-                out = out + self.bias
-            return out.view(*shape[:-1], self.out_features).to(x.dtype)
         flat = flat.to(torch.bfloat16)
         transposed = None  # W^T [K, N] bf16 for a wide pass, where our unpacking kernel runs
-        if flat.shape[0] >= DENSE_FROM_TOKENS:
+        if self.amx is None and flat.shape[0] >= DENSE_FROM_TOKENS:
             transposed = int4pack_transposed(self.packed, self.scales_and_zeros, self.out_features,
                                              self.in_features, self.group_size)
         if transposed is not None:
             out = flat @ transposed  # [tokens, N]
-        elif flat.shape[0] <= PASS_WIDTH:
-            out = self._kernel(flat)  # [tokens, N]
+        elif self.amx is not None or flat.shape[0] <= PASS_WIDTH:
+            out = self._kernel(flat)  # [tokens, N]; the AMX kernel takes any width, 16 tokens at a time
         else:
             out = torch.cat([self._kernel(flat[i:i + PASS_WIDTH]) for i in range(0, flat.shape[0], PASS_WIDTH)])
         if self.bias is not None:
