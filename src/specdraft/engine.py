@@ -29,7 +29,7 @@ from specdraft.policy import AUTO, AutoK, FixedK, make_policy
 from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
-from specdraft.verify import verify_greedy, verify_sampled
+from specdraft.verify import verify_greedy, verify_sampled, verify_tree
 
 # Draft tokens per step when none is given: chosen each step by the cost model (policy.py).
 DEFAULT_K = AUTO
@@ -194,34 +194,45 @@ class SpeculativeDecoder:
             sync_device(device)
             t1 = time.perf_counter()
 
-            # 2. score every draft position in one target pass: [last, d1 .. dk]
-            block = torch.cat([sequence[target.cache_len:], draft.tokens]).unsqueeze(0)  # [1, T]
-            logits = target.forward(block, logits_to_keep=k + 1).logits[0]  # [k + 1, V]
+            # 2. score every draft position in one target pass: [last, d1 .. dk] (a tree: nodes by depth)
+            block = torch.cat([sequence[target.cache_len:], draft.tokens])  # [T]
+            tree = draft.layout
+            offsets = visible = None
+            if tree is not None:
+                offsets, visible = tree.block_attention(block.shape[0] - k)
+            logits = target.forward(block.unsqueeze(0), k + 1, offsets=offsets, visible=visible).logits[0]  # [k + 1, V]
 
             # 3. verify
             if params.greedy and seen is None:
-                verdict = verify_greedy(draft.tokens.unsqueeze(0), logits.unsqueeze(0))
+                p_target = logits
             else:
                 rows_seen = None  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
                 if seen is not None:
-                    rows_seen = seen_tokens_per_row(seen, torch.cat([sequence[-1:], draft.tokens]))
+                    rows_seen = seen_tokens_per_row(seen, block[block.shape[0] - k - 1 :],
+                                                    None if tree is None else tree.rows_ancestors())
                 p_target = warp(logits, params, rows_seen)  # [k + 1, V]
-                if params.greedy:
-                    verdict = verify_greedy(draft.tokens.unsqueeze(0), p_target.unsqueeze(0))
-                else:
-                    q = draft.q_draft.unsqueeze(0) if draft.q_draft is not None else None
-                    verdict = verify_sampled(draft.tokens.unsqueeze(0), q, p_target.unsqueeze(0), generator)
-            # The one host sync of the step: [num_accepted, next_token, d1 .. dk].
-            decided = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1], draft.tokens]).tolist()
+            sampler = None if params.greedy else generator
+            if tree is not None:
+                verdict = verify_tree(draft.tokens, tree, p_target, draft.q_draft, sampler)
+            elif sampler is None:
+                verdict = verify_greedy(draft.tokens.unsqueeze(0), p_target.unsqueeze(0))
+            else:
+                q = draft.q_draft.unsqueeze(0) if draft.q_draft is not None else None
+                verdict = verify_sampled(draft.tokens.unsqueeze(0), q, p_target.unsqueeze(0), sampler)
+            # The one host sync of the step: [num_accepted, next_token, last accepted node, d1 .. dk].
+            last_node = verdict.last_node if tree is not None else verdict.num_accepted[:1] - 1
+            decided = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1], last_node, draft.tokens]).tolist()
             num_accepted, next_token = decided[0], decided[1]
+            path = tree.path(decided[2]) if tree is not None else list(range(num_accepted))
             t2 = time.perf_counter()
 
-            # 4. commit: both caches keep the accepted prefix
-            target.truncate(length + num_accepted)
+            # 4. commit: both caches keep the accepted path
+            target.keep(length, path)
             if k > 0:
-                drafter.commit(length, num_accepted)
-            committed = decided[2 : 2 + num_accepted] + [next_token]
-            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if num_accepted == k else RECOVERED)]
+                drafter.commit(length, path)
+            committed = [decided[3 + node] for node in path] + [next_token]
+            bonus = tree.is_leaf(decided[2]) if tree is not None else num_accepted == k
+            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if bonus else RECOVERED)]
 
             # Stopping, possibly in the middle of the block: nothing after the stop is emitted.
             finish = None

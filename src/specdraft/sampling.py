@@ -78,15 +78,20 @@ def apply_repetition_penalty(
 def seen_tokens_per_row(
     context_seen: torch.Tensor,  # [V] bool: tokens of the committed prefix
     block: torch.Tensor,  # [T] the tokens fed in this pass; row t predicts the token after block[t]
+    ancestors: torch.Tensor | None = None,  # [T, T] bool: row t's prefix holds block[j]; None = a chain
 ) -> torch.Tensor:
-    """Per-row prefix membership for a pass over `block`: row t has seen context + block[: t + 1].
+    """Per-row prefix membership for a pass over `block`: row t has seen the context and the
+    block tokens on its own path (a chain: block[: t + 1]; a tree: its ancestors and itself).
 
     Example: context {a}, block [b, c] -> row 0 saw {a, b}, row 1 saw {a, b, c}.
     """
-    vocab = context_seen.shape[0]
-    one_hot = torch.zeros(block.shape[0], vocab, dtype=torch.int32, device=block.device)
-    one_hot.scatter_(1, block.view(-1, 1), 1)
-    return context_seen.unsqueeze(0) | (one_hot.cumsum(0) > 0)  # [T, V]
+    length = block.shape[0]
+    if ancestors is None:
+        ancestors = torch.ones(length, length, dtype=torch.bool, device=block.device).tril_()
+    rows, columns = ancestors.nonzero(as_tuple=True)
+    seen = context_seen.unsqueeze(0).repeat(length, 1)  # [T, V]
+    seen[rows, block[columns]] = True
+    return seen
 
 
 def warp(

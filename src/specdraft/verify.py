@@ -1,4 +1,4 @@
-"""Chain verification: keep exactly what the target would have produced.
+"""Chain and tree verification: keep exactly what the target would have produced.
 
 Glossary (DESIGN.md):
     accepted   draft tokens the verifier kept (a prefix of the draft)
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.sampling import sample
+from specdraft.tree import TreeLayout
 
 
 @dataclass
@@ -94,3 +95,79 @@ def verify_sampled(
     candidates = sample(candidates_dist.reshape(-1, vocab), generator).view(batch, k + 1)  # [B, k + 1]
     next_token = candidates.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
     return Verdict(num_accepted, next_token)
+
+
+@dataclass
+class TreeVerdict:
+    """What the verification of a tree draft decided."""
+
+    num_accepted: torch.Tensor  # [1] int64: depth of the accepted path
+    next_token: torch.Tensor  # [1] int64: the recovered token at the path's end, or the bonus after a leaf
+    last_node: torch.Tensor  # [1] int64: the deepest accepted token, -1 when none was (the root)
+
+
+def verify_tree(
+    tokens: torch.Tensor,  # [n] the tree's tokens, parents earlier than children
+    layout: TreeLayout,
+    p_target: torch.Tensor,  # [n + 1, V] warped target probabilities (greedy: logits do); row 0 = after the root
+    q_draft: torch.Tensor | None = None,  # [n, V] what each token was drawn from; None = all deterministic
+    generator: torch.Generator | None = None,  # None: greedy
+) -> TreeVerdict:
+    """Walk down the tree keeping exactly what the target would have produced.
+
+    At each accepted node (starting at the root) its children are tried in index order.
+    Greedy: a child is accepted when it is the target's argmax there. Sampling (multi-draft
+    recursive rejection, SpecInfer): child x, drawn from q, is accepted with probability
+    min(1, p'(x) / q(x)), where p' is the target's distribution at the node with the earlier
+    rejected siblings taken out, p' <- normalize(max(p' - q, 0)); a deterministic child is
+    a point mass (q = one-hot), so it is accepted with probability p'(x) and removed from p'
+    on rejection. When no child is accepted, the next token is drawn from the last p' (the
+    recovered token), or from p itself below a leaf (the bonus). Exact when the children of a
+    node are deterministic or independent draws from their q.
+
+    Every test is decided for all tokens at once: a token's p' depends only on its earlier
+    siblings being rejected, which is what its test is conditioned on anyway.
+    """
+    n = tokens.shape[0]
+    parent_rows = layout.parent_rows  # [n]
+    if generator is None:
+        choice = p_target.argmax(-1)  # [n + 1]
+        passed = tokens == choice[parent_rows]  # [n]
+        candidates = choice
+    else:
+        uniform = torch.rand(n, generator=generator, device=p_target.device)  # [n]
+        residual = p_target.clone()  # [n + 1, V]: p' per row, after the siblings tried so far
+        p_at_token = torch.empty(n, device=p_target.device)
+        q_at_token = torch.ones(n, device=p_target.device)
+        for nodes in layout.by_rank:  # each parent has at most one child of a given rank
+            rows = parent_rows[nodes]
+            current = residual[rows]  # [m, V]
+            drawn = tokens[nodes].unsqueeze(-1)  # [m, 1]
+            p_at_token[nodes] = current.gather(-1, drawn).squeeze(-1)
+            if q_draft is None:
+                rest = current.scatter(-1, drawn, 0.0)
+            else:
+                q_rows = q_draft[nodes]  # [m, V]
+                q_at_token[nodes] = q_rows.gather(-1, drawn).squeeze(-1)
+                rest = (current - q_rows).clamp_min(0.0)
+            mass = rest.sum(-1, keepdim=True)  # [m, 1]
+            empty = mass <= 1e-12  # p' == q: rejection had probability 0, p' stands
+            residual[rows] = torch.where(empty, current, rest / torch.where(empty, 1.0, mass))
+        # u < p'/q written without a division: a token with q = 0 is accepted iff p' > 0.
+        passed = uniform * q_at_token < p_at_token  # [n]
+        candidates = sample(residual, generator)  # [n + 1]
+
+    # A child is chosen when it passed and no earlier sibling did; accepted when it and all its ancestors were chosen.
+    chosen = torch.zeros(n, dtype=torch.bool, device=tokens.device)
+    taken = torch.zeros(n + 1, dtype=torch.bool, device=tokens.device)  # per parent row: a child was chosen
+    for nodes in layout.by_rank:
+        rows = parent_rows[nodes]
+        pick = passed[nodes] & ~taken[rows]
+        chosen[nodes] = pick
+        taken[rows] |= pick
+    accepted = ~(layout.ancestors & ~chosen.unsqueeze(0)).any(-1)  # [n]: the accepted path
+    num_accepted = accepted.sum().view(1)
+    deepest = torch.where(accepted, layout.depth, 0).argmax().view(1)
+    last_node = torch.where(num_accepted > 0, deepest, -1)
+    next_token = candidates.gather(0, last_node + 1)  # [1]
+    return TreeVerdict(num_accepted, next_token, last_node)

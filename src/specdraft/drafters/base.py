@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.sampling import SamplingParams
+from specdraft.tree import TreeLayout
 
 
 @dataclass
@@ -14,7 +15,7 @@ class Draft:
     """The proposal of one step.
 
     A chain is a tree whose parents are `i - 1` (the first token's parent, -1, is the last
-    committed token). `q_draft` is the distribution each token was actually drawn from, or
+    committed token); any other tree carries its compiled `layout`. `q_draft` is the distribution each token was actually drawn from, or
     `None` for a deterministic proposal (verified as a point mass).
     """
 
@@ -22,10 +23,19 @@ class Draft:
     parents: torch.Tensor  # [k] int64
     q_draft: torch.Tensor | None = None  # [k, V] float32
     info: dict = field(default_factory=dict)
+    layout: TreeLayout | None = None  # the tree's shape; None for a chain
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[0])
+
+    @staticmethod
+    def tree(tokens: torch.Tensor, parents: list[int], q_draft: torch.Tensor | None = None) -> "Draft":
+        """A tree draft (see `tree.TreeLayout`); a parent list that is a chain gives a chain draft."""
+        layout = TreeLayout.from_parents(parents, tokens.device)
+        if layout.is_chain:
+            return Draft.chain(tokens, q_draft)
+        return Draft(tokens, torch.tensor(parents, dtype=torch.long, device=tokens.device), q_draft, layout=layout)
 
     @staticmethod
     def chain(tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> "Draft":
@@ -36,19 +46,22 @@ class Draft:
 
 @dataclass
 class DraftContext:
-    """What a drafter may read when it proposes: the committed sequence and how to sample."""
+    """What a drafter may read when it proposes: the committed sequence, how to sample, and the
+    tree shape the engine allows (a drafter that cannot branch proposes a chain regardless)."""
 
     sequence: torch.Tensor  # [L] int64: prompt + committed tokens
     params: SamplingParams
     generator: torch.Generator
     seen: torch.Tensor | None  # [V] bool, tokens of `sequence` (only with a repetition penalty)
+    tree_branch: int = 1  # children per node a tree drafter may propose; 1 = a chain
+    max_depth: int | None = None  # the deepest a tree may go (None: as deep as the node budget k)
 
 
 class Drafter:
     """Proposes tokens for the target to verify.
 
     Call order per request: `begin(prompt)`; then per step `source(ctx)`, and when that is
-    not None, `propose(ctx, k)` and `commit(prev_len, num_accepted)`; finally `end(sequence)`.
+    not None, `propose(ctx, k)` and `commit(prev_len, path)`; finally `end(sequence)`.
     A drafter keeps whatever state it needs (a KV cache, an index) in step with the committed
     sequence (`ctx.sequence` only ever grows by committed tokens).
     """
@@ -66,11 +79,12 @@ class Drafter:
         return None if self.name in declined else self.name
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
-        """Up to `k` tokens continuing `ctx.sequence`."""
+        """Up to `k` tokens continuing `ctx.sequence` (a tree drafter: up to `k` nodes)."""
         raise NotImplementedError
 
-    def commit(self, prev_len: int, num_accepted: int) -> None:
-        """The sequence of length `prev_len` grew by `num_accepted` draft tokens and one more."""
+    def commit(self, prev_len: int, path: list[int]) -> None:
+        """The sequence of length `prev_len` grew by the draft tokens at `path` (accepted, root
+        to leaf; a chain: 0 .. a - 1) and one more token."""
 
     def end(self, sequence: torch.Tensor) -> None:  # sequence: [L] prompt + every committed token
         """The request is over (finished, or stopped early by its consumer)."""

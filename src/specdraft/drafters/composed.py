@@ -42,9 +42,9 @@ class ComposedDrafter(Drafter):
         self._proposer = self._chosen or self.fallback
         return self._proposer.propose(ctx, k)
 
-    def commit(self, prev_len: int, num_accepted: int) -> None:
+    def commit(self, prev_len: int, path: list[int]) -> None:
         if self._proposer is not None:
-            self._proposer.commit(prev_len, num_accepted)
+            self._proposer.commit(prev_len, path)
         self._chosen = self._proposer = None
 
     def end(self, sequence: torch.Tensor) -> None:  # sequence: [L]

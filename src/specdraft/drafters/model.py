@@ -74,6 +74,6 @@ class ModelDrafter(Drafter):
         q_draft = torch.cat(dists) if dists else None  # [k, V]
         return Draft.chain(draft_tokens, q_draft)
 
-    def commit(self, prev_len: int, num_accepted: int) -> None:
+    def commit(self, prev_len: int, path: list[int]) -> None:
         # The cache holds the sequence up to prev_len plus the fed draft tokens; keep the accepted ones.
-        self.model.truncate(prev_len + min(num_accepted, self._fed_draft))
+        self.model.truncate(prev_len + min(len(path), self._fed_draft))

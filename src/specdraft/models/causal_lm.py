@@ -2,7 +2,7 @@
 
 `CausalLM` runs `tokens[1, T]` at the positions that follow its cache, returns
 `logits[1, T', V]` for the last T' positions asked for, and can cut its cache back to a
-length (rollback after a rejected draft). No model-name special cases live above this file.
+length (rollback after a rejected draft) or to an accepted tree path. No model-name special cases live above this file.
 """
 
 from __future__ import annotations
@@ -94,14 +94,61 @@ class CausalLM:
             self.cache_len = length
 
     # ----- running it ----------------------------------------------------------------------
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep the cache's first `start` tokens and, after them, the tokens fed at `start + r` for
+        each r in `rows` (increasing): what is left of a tree pass once its accepted path is known.
+
+        Example: start 10, rows [0, 2] after a pass that fed positions 10..13 -> the cache holds
+        0..9, then what was fed at 10 and 12; cache_len 12.
+        """
+        if rows != list(range(len(rows))):
+            span = self.cache_len - start  # tokens after `start`, the last `span` of every layer's states
+            for layer in self._cache.layers:
+                if layer.keys is None or layer.keys.numel() == 0:
+                    continue
+                first = layer.keys.shape[-2] - span
+                source = torch.tensor(rows, device=layer.keys.device) + first
+                layer.keys[:, :, first : first + len(rows)] = layer.keys[:, :, source]
+                layer.values[:, :, first : first + len(rows)] = layer.values[:, :, source]
+        self.truncate(start + len(rows))
+
+    def _attention_mask(self, length: int, visible: torch.Tensor) -> torch.Tensor:
+        """An additive mask `[1, 1, T, cache_len + T]`: the cache is visible except where `visible`
+        (`[T, S]`, over the last S keys) says otherwise. For tree passes; full attention only."""
+        keys = self.cache_len + length
+        window = self._sliding_window()
+        if window is not None and keys >= window:
+            raise SpecdraftError(
+                f"{self.name} uses a sliding attention window of {window} tokens and the sequence reaches {keys}: "
+                "tree drafts need full attention there. Use a chain (--tree-budget 0)."
+            )
+        allowed = torch.ones(length, keys, dtype=torch.bool, device=visible.device)
+        allowed[:, keys - visible.shape[1] :] = visible
+        mask = torch.zeros(length, keys, dtype=self.dtype, device=visible.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min).view(1, 1, length, keys)
+
+    def _sliding_window(self) -> int | None:
+        """The smallest attention window of any layer, None when every layer attends to everything."""
+        kinds = getattr(self.config, "layer_types", None)
+        window = getattr(self.config, "sliding_window", None)
+        if kinds is not None and "sliding_attention" not in kinds:
+            return None
+        return int(window) if window else None
+
     @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # [1, T] int64, placed at positions cache_len .. cache_len + T - 1
         logits_to_keep: int = 1,
         output_hidden_states: bool = False,
+        offsets: torch.Tensor | None = None,  # [T] positions relative to cache_len (tree: depths); None = 0..T-1
+        visible: torch.Tensor | None = None,  # [T, S] bool: which of the last S keys each token sees; None = causal
     ) -> ForwardOutput:
-        """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them."""
+        """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them.
+
+        `offsets` and `visible` run a tree pass (see `tree.TreeLayout.block_attention`): tokens
+        share positions by depth and see only their ancestors among the last S keys.
+        """
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
         length = tokens.shape[1]
@@ -110,10 +157,13 @@ class CausalLM:
                 f"The sequence would reach {self.cache_len + length} tokens, past {self.name}'s context of "
                 f"{self.max_context}. Shorten the prompt or lower --max-new-tokens."
             )
-        positions = torch.arange(self.cache_len, self.cache_len + length, device=tokens.device).unsqueeze(0)
+        if offsets is None:
+            offsets = torch.arange(length, device=tokens.device)
+        mask = None if visible is None else self._attention_mask(length, visible)
         out = self.model(
             input_ids=tokens,
-            position_ids=positions,
+            position_ids=(offsets + self.cache_len).unsqueeze(0),
+            attention_mask=mask,
             past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
