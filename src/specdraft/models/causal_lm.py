@@ -94,6 +94,7 @@ class CausalLM:
             self.cache_len = length
 
     # ----- running it ----------------------------------------------------------------------
+    @torch.inference_mode()
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep the cache's first `start` tokens and, after them, the tokens fed at `start + r` for
         each r in `rows` (increasing): what is left of a tree pass once its accepted path is known.
