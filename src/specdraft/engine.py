@@ -33,6 +33,8 @@ from specdraft.verify import verify_greedy, verify_sampled, verify_tree
 
 # Draft tokens per step when none is given: chosen each step by the cost model (policy.py).
 DEFAULT_K = AUTO
+# Children per node of a tree draft when --tree-budget is set and --tree-branch is not.
+DEFAULT_TREE_BRANCH = 4
 
 # What happened to each emitted token.
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
@@ -83,10 +85,16 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None,
-                 k: int | str | FixedK | AutoK = DEFAULT_K) -> None:
+                 k: int | str | FixedK | AutoK = DEFAULT_K, tree_budget: int = 0,
+                 tree_branch: int = DEFAULT_TREE_BRANCH) -> None:
+        for name, value, least in (("--tree-budget", tree_budget, 0), ("--tree-branch", tree_branch, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise SpecdraftError(f"{name} must be an integer >= {least}, got {value!r}.")
         self.target = target
         self.drafter = drafter
-        self.policy = k if isinstance(k, (FixedK, AutoK)) else make_policy(k) if drafter is not None else None
+        self.tree_budget, self.tree_branch = tree_budget, tree_branch
+        self.policy = (k if isinstance(k, (FixedK, AutoK)) else make_policy(k, tree_budget)
+                       if drafter is not None else None)
 
     @property
     def method(self) -> str:
@@ -178,13 +186,16 @@ class SpeculativeDecoder:
         while True:
             length = sequence.shape[0]
             remaining = max_new_tokens - len(generated)
-            limit = max(0, min(remaining - 1, target.max_context - length - 1))
+            room = max(0, target.max_context - length - 1)  # draft tokens the context can hold this pass
+            depth = min(remaining - 1, room)  # the deepest a draft may go and still be emitted
+            limit = depth if not self.tree_budget else min(self.tree_budget, room) if depth > 0 else 0
 
             # 1. propose
             t0 = time.perf_counter()
             source, k = None, 0
             if drafter is not None:
-                ctx = DraftContext(sequence, params, generator, seen)
+                ctx = DraftContext(sequence, params, generator, seen, tree_branch=self.tree_branch if self.tree_budget
+                                   else 1, max_depth=min(depth, self.policy.max_depth))
                 source, k = self._choose_draft(ctx, limit)
             if k > 0:
                 draft = drafter.propose(ctx, k)
@@ -252,9 +263,10 @@ class SpeculativeDecoder:
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path)
             kept_accepted = min(num_accepted, len(committed))
-            stats.record_step(k, kept_accepted, source if k > 0 else None)
+            stats.record_step(k, kept_accepted, source if k > 0 else None, path,
+                              tree.height if tree is not None else k)
             stats.new_tokens = len(generated)
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1

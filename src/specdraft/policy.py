@@ -14,6 +14,11 @@ draft); after `probe_every` plain steps one short draft is tried so the estimate
 recover, and each failed probe doubles the wait (up to `max_probe_every`). A new request
 keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
+
+Trees (`tree=True`, a node budget as `max_k`): k counts nodes, E[tokens | k] = 1 + Σ_{i<k} P_i
+with P_i the online estimate that the drafter's i-th node is on the accepted path (drafters
+list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
+passes go by depth: `rate(k) = E[tokens | k] / (c_step + V(k + 1))`).
 """
 
 from __future__ import annotations
@@ -33,21 +38,23 @@ DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters
 
 
 class FixedK:
-    """Always draft `k` tokens (fewer near the end of the budget)."""
+    """Always draft `k` tokens (fewer near the end of the budget); with a tree budget, always
+    that many nodes, at most `k` deep."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, tree_budget: int = 0) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise SpecdraftError(f"--k (draft tokens per step) must be an integer >= 1 or 'auto', got {k!r}.")
-        self.k = k
+        self.k, self.tree_budget = k, tree_budget
+        self.max_depth = k
 
     def begin_request(self) -> None:
         """Nothing to reset."""
 
     def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
-        return min(self.k, limit)
+        return min(self.tree_budget or self.k, limit)
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE) -> None:
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None) -> None:
         """A fixed k learns nothing."""
 
 
@@ -57,9 +64,11 @@ class SourceEstimates:
 
     max_k: int
     probe_interval: int  # plain steps before the next probe; doubles after each failed one
-    hits: list[float] = field(default_factory=list)  # decayed count of acceptances at draft position i
-    tries: list[float] = field(default_factory=list)  # decayed count of times position i was verified
-    draft_seconds_per_token: float | None = None
+    # Decayed counts per draft position i (a tree: per node i in the drafter's order): acceptances, and
+    # times it was verified (a chain position after a rejection is not; every tree node is).
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+    draft_seconds_per_token: float | None = None  # a tree: per step (its passes go by depth, not by node)
     plain_streak: int = 0  # steps this source was asked and declined in a row
     probing: bool = False
 
@@ -78,8 +87,10 @@ class AutoK:
 
     def __init__(self, max_k: int = MAX_AUTO_K, prior_alpha: float = 0.6, prior_weight: float = 2.0,
                  decay: float = 0.97, probe_every: int = 8, max_probe_every: int = 64, smoothing: float = 0.2,
-                 margin: float = 1.05, carry_over: float = 0.25) -> None:
-        self.max_k = max_k
+                 margin: float = 1.05, carry_over: float = 0.25, tree: bool = False) -> None:
+        self.max_k = max_k  # a tree: the node budget
+        self.tree = tree
+        self.max_depth = MAX_AUTO_K
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.decay, self.smoothing = decay, smoothing
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -109,8 +120,9 @@ class AutoK:
         self.last_source = None
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE) -> None:
-        """Learn from one step: `k` tokens drafted by `source`, `accepted` of them kept, and what it cost.
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None) -> None:
+        """Learn from one step: `k` tokens drafted by `source`, `accepted` of them kept (a tree: the
+        nodes at `path`), and what it cost.
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         self._smooth_verify(k + 1, verify_seconds)
@@ -119,7 +131,7 @@ class AutoK:
             return
         est = self.estimates(source)
         if est.probing:  # a failed probe waits twice as long for the next one; a full one resets
-            full = k > 0 and accepted == k
+            full = k > 0 and (accepted > 0 if self.tree else accepted == k)
             est.probe_interval = self.probe_every if full else min(2 * est.probe_interval, self.max_probe_every)
             est.probing = False
         caught_up = self.last_source == source
@@ -128,15 +140,16 @@ class AutoK:
             return
         if caught_up or est.draft_seconds_per_token is None:
             # After other steps a draft model's first pass also reads the tokens it missed: not a draft cost.
-            per_token = draft_seconds / k
+            per_token = draft_seconds if self.tree else draft_seconds / k
             old = est.draft_seconds_per_token
             est.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
-        for i in range(min(accepted + 1, k)):  # positions up to the first rejection were verified
+        verified = k if self.tree else min(accepted + 1, k)  # a chain: positions up to the first rejection
+        for i in range(verified):
             est.tries[i] += 1.0
-            if i < accepted:
-                est.hits[i] += 1.0
+        for i in path if path is not None else range(accepted):
+            est.hits[i] += 1.0
 
     def _smooth_verify(self, width: int, seconds: float) -> None:
         if width >= len(self.verify_seconds):
@@ -158,11 +171,15 @@ class AutoK:
         return (est.hits[position] + pooled * self.prior_weight) / (est.tries[position] + self.prior_weight)
 
     def expected_token_curve(self, n: int, source: str = DEFAULT_SOURCE) -> list[float]:
-        """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token."""
+        """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token.
+
+        A chain's position i is accepted with Π_{j≤i} α_j; a tree's node i with its own estimate
+        (the counts of node i are unconditional: every node is verified every step)."""
         pooled = self.pooled_alpha(source)
         curve, survive = [1.0], 1.0
         for i in range(n):
-            survive *= self.alpha(i, source, pooled)
+            alpha = self.alpha(i, source, pooled)
+            survive = alpha if self.tree else survive * alpha
             curve.append(curve[-1] + survive)
         return curve
 
@@ -186,7 +203,7 @@ class AutoK:
         draft = self.estimates(source).draft_seconds_per_token
         if draft is None:  # before the first draft: guess a third of a plain target step per token
             draft = self.verify_estimate(1) / 3
-        return draft * k + verify
+        return draft * (min(k, 1) if self.tree else k) + verify
 
     def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`."""
@@ -210,13 +227,14 @@ class AutoK:
         return best_k
 
 
-def make_policy(k: int | str) -> FixedK | AutoK:
-    """`"auto"` -> AutoK; an integer (or its string) -> FixedK."""
+def make_policy(k: int | str, tree_budget: int = 0) -> FixedK | AutoK:
+    """`"auto"` -> AutoK; an integer (or its string) -> FixedK. With `tree_budget` > 0 the policy
+    sizes trees of up to that many nodes (auto: by the cost model; fixed: always, at most k deep)."""
     if isinstance(k, str):
         if k.strip().lower() == AUTO:
-            return AutoK()
+            return AutoK(max_k=tree_budget, tree=True) if tree_budget else AutoK()
         try:
             k = int(k)
         except ValueError:
             raise SpecdraftError(f"--k (draft tokens per step) must be an integer >= 1 or 'auto', got {k!r}.") from None
-    return FixedK(k)
+    return FixedK(k, tree_budget)

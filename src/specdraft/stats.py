@@ -31,7 +31,9 @@ class GenerationStats:
     steps      target forwards after the prefill (each verifies one draft)
     drafted    draft tokens proposed; accepted: those the verifier kept (and that were emitted)
     new_tokens tokens emitted; wall_seconds: from the start of prefill to the last token
-    accepted_at[i] / drafted_at[i]: acceptance counts per draft position i
+    accepted_at[i] / drafted_at[i]: acceptance counts per draft position i (a tree: per depth i + 1,
+               drafted when the tree reached that depth, accepted when its accepted path did)
+    path_per_step: the accepted draft tokens of each step, as indices into its draft (a chain: 0 .. a-1)
     """
 
     steps: int = 0
@@ -48,6 +50,8 @@ class GenerationStats:
     k_per_step: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
     source_per_step: list[str | None] = field(default_factory=list)  # who drafted each step (None: plain)
+    path_per_step: list[list[int]] = field(default_factory=list)
+    depth_per_step: list[int] = field(default_factory=list)  # how deep each step's draft went (a chain: k)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -73,18 +77,23 @@ class GenerationStats:
         """Wall time spent neither prefilling, drafting nor verifying (sampling, bookkeeping, text)."""
         return max(self.wall_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds, 0.0)
 
-    def record_step(self, k: int, num_accepted: int, source: str | None = None) -> None:
-        """Count one verification step in which `source` drafted `k` tokens and `num_accepted` were emitted."""
+    def record_step(self, k: int, num_accepted: int, source: str | None = None, path: list[int] | None = None,
+                    depth: int | None = None) -> None:
+        """Count one verification step in which `source` drafted `k` tokens (a tree: `depth` deep) and
+        `num_accepted` were emitted (those at `path`; a chain: the first ones)."""
+        depth = k if depth is None else depth
         self.steps += 1
         self.drafted += k
         self.accepted += num_accepted
         self.k_per_step.append(k)
         self.accepted_per_step.append(num_accepted)
         self.source_per_step.append(source)
+        self.path_per_step.append(list(path[:num_accepted]) if path is not None else list(range(num_accepted)))
+        self.depth_per_step.append(depth)
         for counts in (self.accepted_at, self.drafted_at):
-            if len(counts) < k:
-                counts.extend([0] * (k - len(counts)))
-        for i in range(k):
+            if len(counts) < depth:
+                counts.extend([0] * (depth - len(counts)))
+        for i in range(depth):
             self.drafted_at[i] += 1
         for i in range(num_accepted):
             self.accepted_at[i] += 1
@@ -102,6 +111,8 @@ class GenerationStats:
         merged.k_per_step = self.k_per_step + other.k_per_step
         merged.accepted_per_step = self.accepted_per_step + other.accepted_per_step
         merged.source_per_step = self.source_per_step + other.source_per_step
+        merged.path_per_step = self.path_per_step + other.path_per_step
+        merged.depth_per_step = self.depth_per_step + other.depth_per_step
         return merged
 
     def by_source(self) -> dict[str, dict[str, int]]:
@@ -134,5 +145,7 @@ class GenerationStats:
             "drafted_at": list(self.drafted_at),
             "mean_k": self.mean_k,
             "k_per_step": list(self.k_per_step),
+            "depth_per_step": list(self.depth_per_step),
+            "path_per_step": [list(path) for path in self.path_per_step],
             "by_source": self.by_source(),
         }

@@ -34,6 +34,7 @@ class TreeLayout:
     depth: torch.Tensor  # [n] int64: 1 for children of the root
     ancestors: torch.Tensor  # [n, n] bool: ancestors[i, j] = token j is token i or one of its ancestors
     by_rank: tuple[torch.Tensor, ...]  # token indices with sibling rank r (r-th child of its parent), r = 0, 1, ..
+    height: int  # the deepest token's depth
 
     @staticmethod
     def from_parents(parents: Sequence[int], device: torch.device | str = "cpu") -> "TreeLayout":
@@ -56,7 +57,8 @@ class TreeLayout:
             ancestors[i, i] = True
         by_rank = tuple(torch.tensor([i for i in range(n) if rank[i] == r], dtype=torch.long, device=device)
                         for r in range(max(rank, default=-1) + 1))
-        return TreeLayout(parents, torch.tensor(depth, dtype=torch.long, device=device), ancestors.to(device), by_rank)
+        return TreeLayout(parents, torch.tensor(depth, dtype=torch.long, device=device), ancestors.to(device), by_rank,
+                          max(depth, default=0))
 
     @property
     def size(self) -> int:

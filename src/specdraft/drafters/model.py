@@ -34,6 +34,7 @@ class ModelDrafter(Drafter):
         self.model = model
         self.min_confidence = min_confidence
         self._fed_draft = 0  # draft tokens fed into the cache during the last proposal
+        self._tree_slots: list[int | None] | None = None  # per tree token: where the cache holds it (None: unfed)
 
     def begin(self, prompt: torch.Tensor) -> None:
         # No prefill here: the first proposal reads the prompt, so a request (or a policy) that
@@ -41,6 +42,12 @@ class ModelDrafter(Drafter):
         self.model.reset()
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
+        self._tree_slots = None
+        if ctx.tree_branch > 1:
+            return self._propose_tree(ctx, k)
+        return self._propose_chain(ctx, k)
+
+    def _propose_chain(self, ctx: DraftContext, k: int) -> Draft:
         model, params = self.model, ctx.params
         feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, T] committed tokens not yet seen (all at first)
         seen = ctx.seen
@@ -74,6 +81,98 @@ class ModelDrafter(Drafter):
         q_draft = torch.cat(dists) if dists else None  # [k, V]
         return Draft.chain(draft_tokens, q_draft)
 
+    def _ranking(self, logits: torch.Tensor, params, seen_rows: torch.Tensor | None) -> torch.Tensor:
+        """[m, V] the draft's probabilities a tree ranks candidates by: its warped distribution, or
+        under greedy decoding its plain softmax (greedy warps to a point mass)."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            return logits.float().softmax(-1)
+        probs = warp(logits, params, seen_rows)
+        return logits.float().softmax(-1) if params.greedy else probs
+
+    def _propose_tree(self, ctx: DraftContext, budget: int) -> Draft:
+        """A tree of up to `budget` tokens grown level by level (EAGLE-2's dynamic tree).
+
+        Each level, every frontier node offers its `ctx.tree_branch` likeliest next tokens; a
+        candidate's score is the product of the draft's probabilities along its path (the
+        draft's estimate that the target accepts it). The best `tree_branch` new candidates
+        scoring at least `min_confidence` are fed to the draft together (one pass, tree
+        attention) and become the next frontier. At the end the `budget` best candidates over
+        all levels form the tree: scores never rise along a path, so the choice keeps every
+        chosen node's parent. Children are deterministic top choices (q_draft None): the
+        verifier tries them as point masses, which is exact at any temperature.
+        """
+        model, params, branch = self.model, ctx.params, ctx.tree_branch
+        max_depth = min(budget, ctx.max_depth or budget)
+        base = ctx.sequence.shape[0]
+        feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, T] committed tokens not yet seen
+        logits = model.forward(feed, logits_to_keep=1).logits[0]  # [1, V] after the root
+        seen_rows = ctx.seen.unsqueeze(0) if ctx.seen is not None else None  # [1, V]
+        # The candidate pool (host lists, a few dozen entries): token, parent (pool index, -1 root), score, depth.
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depths: list[int] = []
+        fed: list[int] = []  # pool indices in the order they entered the draft's cache
+        frontier, frontier_scores = [-1], [1.0]
+        for depth in range(1, max_depth + 1):
+            probs = self._ranking(logits, params, seen_rows)  # [m, V]
+            top_probs, top_tokens = probs.topk(branch, dim=-1)  # [m, B]
+            level = (torch.tensor(frontier_scores).unsqueeze(-1) * top_probs.cpu()).flatten()  # [m * B]
+            top_tokens = top_tokens.flatten().tolist()
+            new_nodes = []
+            for flat in level.argsort(descending=True).tolist():
+                if level[flat] <= 0:  # outside the warped support: the target could never accept it
+                    break
+                new_nodes.append(len(tokens))
+                tokens.append(top_tokens[flat])
+                parents.append(frontier[flat // branch])
+                scores.append(float(level[flat]))
+                depths.append(depth)
+            frontier = [node for node in new_nodes[:branch] if scores[node] >= self.min_confidence]
+            if depth == max_depth or not frontier:
+                break
+            frontier_scores = [scores[node] for node in frontier]
+            # Feed the frontier in one pass: each sees the committed tokens, its fed ancestors and itself.
+            fed += frontier
+            slot = {node: i for i, node in enumerate(fed)}
+            visible = torch.zeros(len(frontier), len(fed), dtype=torch.bool)  # [m, S] over the fed tree tokens
+            for row, node in enumerate(frontier):
+                visible[row, [slot[i] for i in self._pool_path(node, parents)]] = True
+            # Depth-d tokens sit at position base - 1 + d (the root, the last committed token, at base - 1).
+            offsets = torch.full((len(frontier),), base - 1 + depth - model.cache_len)  # [m]
+            block = torch.tensor([tokens[i] for i in frontier], device=feed.device).unsqueeze(0)  # [1, m]
+            logits = model.forward(block, len(frontier), offsets=offsets.to(feed.device),
+                                   visible=visible.to(feed.device)).logits[0]  # [m, V]
+            if ctx.seen is not None:  # each frontier row has also seen its own path
+                seen_rows = ctx.seen.unsqueeze(0).repeat(len(frontier), 1)  # [m, V]
+                for row, node in enumerate(frontier):
+                    seen_rows[row, [tokens[i] for i in self._pool_path(node, parents)]] = True
+        # The tree: the `budget` best candidates, parents first (ties: shallower first).
+        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))[:budget]
+        position = {node: i for i, node in enumerate(chosen)}
+        chosen = [node for node in chosen if parents[node] < 0 or parents[node] in position]
+        position = {node: i for i, node in enumerate(chosen)}
+        fed_slot = {node: slot for slot, node in enumerate(fed)}
+        self._tree_slots = [fed_slot.get(node) for node in chosen]
+        draft_tokens = torch.tensor([tokens[i] for i in chosen], dtype=torch.long, device=ctx.sequence.device)  # [n]
+        return Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen])
+
+    @staticmethod
+    def _pool_path(node: int, parents: list[int]) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path
+
     def commit(self, prev_len: int, path: list[int]) -> None:
         # The cache holds the sequence up to prev_len plus the fed draft tokens; keep the accepted ones.
-        self.model.truncate(prev_len + min(len(path), self._fed_draft))
+        if self._tree_slots is None:
+            self.model.truncate(prev_len + min(len(path), self._fed_draft))
+            return
+        fed = []  # the accepted path's tokens the draft has seen: a prefix of the path
+        for node in path:
+            if self._tree_slots[node] is None:
+                break
+            fed.append(self._tree_slots[node])
+        self.model.keep(prev_len, fed)

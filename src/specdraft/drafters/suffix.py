@@ -26,6 +26,18 @@ match length and both tries is the draft (ties: the longer match, then the curre
 Scoring every match length rather than only the longest matters in a depth-limited trie: the
 longest match leaves the least depth below it to continue into.
 
+Trees (`ctx.tree_branch > 1`, SuffixDecoding's speculation trees). From each such match node,
+grow a tree best first: a node's score is the product of the empirical probabilities along its
+path, the frontier holds at most `tree_branch` children of each kept node (the most frequent,
+ties: the most recent), and the `k` best-scoring nodes are kept, those with score >= `min_score`
+and depth <= min(`ctx.max_depth`, `max_spec_factor` * m, `max_depth` - m). Scores never grow
+along a path, so the kept set is ancestor-closed, and listing nodes in the order they were kept
+(score desc, then depth, then sibling rank) puts parents first and siblings likeliest first. A
+tree's score is the sum of its nodes' scores (again the expected accepted tokens); as for chains,
+the best tree over every match length and both tries is the draft, not a merge of the tries: the
+two tries' counts measure different things (this request vs. many earlier ones), so adding them
+would let the corpus drown the request, and the per-match choice is what the chain already does.
+
 The proposal is deterministic (`q_draft = None`), so verification treats it as a point mass and
 the output stays exactly the target's. No model runs: a step costs a few hundred dictionary
 look-ups (c ≈ 0).
@@ -36,6 +48,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
+from heapq import heappop, heappush, nlargest
+from itertools import count
 from operator import attrgetter
 
 import torch
@@ -90,6 +104,16 @@ def _best_child(node: _Node) -> _Node | None:
     if type(children) is dict:
         return max(children.values(), key=_rank)
     return children
+
+
+def _best_children(node: _Node, branch: int) -> list[_Node]:
+    """At most `branch` children of `node`, likeliest first (most frequent, ties: most recent)."""
+    children = node.children
+    if children is None:
+        return []
+    if type(children) is dict:
+        return nlargest(branch, children.values(), key=_rank)
+    return [children]
 
 
 class SuffixTrie:
@@ -186,6 +210,37 @@ class SuffixTrie:
             node = child
         return tokens, score, node
 
+    @staticmethod
+    def grow(node: _Node, limit: int, branch: int, depth: int, min_score: float
+             ) -> tuple[list[int], list[int], float, int]:
+        """The speculation tree below `node` (module doc): at most `limit` nodes, at most `branch`
+        children each, at most `depth` deep, each with score (product of probabilities) >= `min_score`.
+        Returns tokens, parents (-1: `node`), the tree's score Σ node scores, and the newest stamp used."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        total, newest = 0.0, 0
+        order = count()  # ties on score and depth: pushed first, i.e. the likelier sibling
+        frontier: list[tuple[float, int, int, int, _Node]] = []  # heap: (-score, depth, tie, parent, trie node)
+
+        def push_children(parent: _Node, index: int, parent_depth: int, parent_score: float) -> None:
+            if parent_depth >= depth or not parent.total:
+                return
+            for child in _best_children(parent, branch):
+                score = parent_score * child.count / parent.total
+                if score < min_score:
+                    break  # the rest are no likelier
+                heappush(frontier, (-score, parent_depth + 1, next(order), index, child))
+
+        push_children(node, -1, 0, 1.0)
+        while frontier and len(tokens) < limit:
+            neg_score, node_depth, _, parent, child = heappop(frontier)
+            tokens.append(child.token)
+            parents.append(parent)
+            total -= neg_score
+            newest = max(newest, child.stamp)
+            push_children(child, len(tokens) - 1, node_depth, -neg_score)
+        return tokens, parents, total, newest
+
 
 @dataclass
 class SuffixProposal:
@@ -195,6 +250,7 @@ class SuffixProposal:
     score: float  # expected accepted tokens under the empirical counts: Σ_i Π_{j≤i} p_j
     match_length: int  # tokens of the tail that matched (0: no proposal)
     request_id: int | None = None  # the corpus request it was drawn from; None: the current request
+    parents: list[int] | None = None  # a tree: parent index per token (-1: the last committed token); None: a chain
 
 
 NO_PROPOSAL = SuffixProposal([], 0.0, 0)
@@ -295,6 +351,32 @@ class SuffixIndex:
                 best.request_id = self._owner(best_node.stamp)
         return best
 
+    def propose_tree(self, limit: int, branch: int, depth: int | None = None, min_match: int = DEFAULT_MIN_MATCH,
+                     min_score: float = DEFAULT_MIN_SCORE, max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR
+                     ) -> SuffixProposal:
+        """The highest-scoring tree of at most `limit` nodes, `branch` children per node and `depth`
+        levels (None: no cap beyond the match's) over every match length and both tries (module doc)."""
+        best = NO_PROPOSAL
+        best_stamp = 0
+        for trie, matches in ((self.current, self._open), (self.corpus, self._corpus_matches)):
+            found = False
+            for length in range(len(matches) - 1, min_match - 1, -1):  # longest first: it wins ties
+                levels = min(int(max_spec_factor * length + 1e-9), self.max_depth - length)
+                if depth is not None:
+                    levels = min(levels, depth)
+                # Scores at one depth sum to <= 1, so a tree scores <= its depth (and <= its size).
+                if min(limit, levels) <= best.score:
+                    continue
+                node = matches[length]
+                if not node.total:  # only the occurrence at the very end: nothing followed it
+                    continue
+                tokens, parents, score, stamp = trie.grow(node, limit, branch, levels, min_score)
+                if score > best.score:
+                    best, best_stamp, found = SuffixProposal(tokens, score, length, parents=parents), stamp, True
+            if found and trie is self.corpus:
+                best.request_id = self._owner(best_stamp)
+        return best
+
     def _owner(self, stamp: int) -> int | None:
         """The stored request whose insertion last passed through a node with this stamp (None: it
         has been evicted since, and the node survives through other requests)."""
@@ -360,6 +442,9 @@ class SuffixDrafter(Drafter):
     the most committed tokens per unit of verification width: 1.0 drafts too little on repeats,
     2.0 and 3.0 add tokens at falling acceptance. `min_score` between 0.05 and 0.3 changed that
     by under 0.5%; 0.1 is SuffixDecoding's value.
+
+    With `ctx.tree_branch > 1` the draft is a speculation tree of up to `k` nodes (module doc);
+    `ctx.max_depth` caps its depth. With `ctx.tree_branch == 1` it is the chain described above.
     """
 
     name = "suffix"
@@ -387,6 +472,7 @@ class SuffixDrafter(Drafter):
         self._limit = FIRST_LIMIT  # the k of the last `propose`: what `source` prepares a proposal for
         self._cached = NO_PROPOSAL  # the proposal for a sequence of length _cached_len, made with _cached_limit
         self._cached_len, self._cached_limit = -1, 0
+        self._cached_shape: tuple[int, int | None] = (1, None)  # (tree_branch, max_depth) it was made for
 
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L] int64
         if self._in_request:  # the last request never ended: remember it as far as it was seen
@@ -408,30 +494,40 @@ class SuffixDrafter(Drafter):
             else:
                 self.index.extend(tail[1:])
 
-    def _proposal(self, sequence: torch.Tensor, limit: int) -> SuffixProposal:  # sequence: [L]
+    def _proposal(self, ctx: DraftContext, limit: int) -> SuffixProposal:
+        sequence = ctx.sequence  # [L]
         self._catch_up(sequence)
         cached = self._cached
-        # A proposal made for a larger limit is still the best one for `limit` if it fits in it.
-        if self._cached_len == sequence.shape[0] and len(cached.tokens) <= limit <= self._cached_limit:
+        shape = (ctx.tree_branch, ctx.max_depth) if ctx.tree_branch > 1 else (1, None)
+        # A proposal made for a larger limit is still the best one for `limit` if it fits in it
+        # (a tree too: it then holds every node its match allows, and no other can score more).
+        if (self._cached_len == sequence.shape[0] and self._cached_shape == shape
+                and len(cached.tokens) <= limit <= self._cached_limit):
             return cached
-        proposal = self.index.propose(limit, self.min_match, self.min_score, self.max_spec_factor)
+        if shape[0] > 1:
+            proposal = self.index.propose_tree(limit, shape[0], shape[1], self.min_match, self.min_score,
+                                               self.max_spec_factor)
+        else:
+            proposal = self.index.propose(limit, self.min_match, self.min_score, self.max_spec_factor)
         self._cached, self._cached_len, self._cached_limit = proposal, sequence.shape[0], limit
+        self._cached_shape = shape
         return proposal
 
     def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
         if self.name in declined:
             return None
-        return self.name if self._proposal(ctx.sequence, self._limit).tokens else None
+        return self.name if self._proposal(ctx, self._limit).tokens else None
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         if k < 1:
             return Draft.chain(ctx.sequence.new_empty(0))
         self._limit = k
-        proposal = self._proposal(ctx.sequence, k)
+        proposal = self._proposal(ctx, k)
         if proposal.request_id is not None:
             self.index.touch(proposal.request_id)
         tokens = torch.tensor(proposal.tokens[:k], dtype=torch.long, device=ctx.sequence.device)  # [≤ k]
-        draft = Draft.chain(tokens)
+        # A tree's nodes are in topological order, so its first k are a tree too.
+        draft = Draft.chain(tokens) if proposal.parents is None else Draft.tree(tokens, proposal.parents[:k])
         draft.info.update(match_length=proposal.match_length, score=proposal.score)
         return draft
 

@@ -1,0 +1,686 @@
+"""Token trees: layout, tree verification (all three exactness tiers), and tree passes of a model.
+
+1. `TreeLayout`: the worked example of tree.py's docstring, chains, invalid parent lists,
+   and the positions and visibility of one block pass (`block_attention`).
+2. Tier 1, hand-built logits: greedy `verify_tree` keeps the deepest path of argmax
+   matches, takes the right branch when the first one mismatches, resolves duplicate
+   siblings in index order, commits the root's argmax when nothing matches and the bonus
+   from the leaf's row after a full path; on a chain it agrees with `verify_greedy`
+   (and, sampling, with `verify_sampled` draw for draw under the same seed).
+3. Tier 2, statistics: a toy Markov "LM" on V = 6 tokens (next-token logits depend only on
+   the last token; target P, draft Q). Each trial drafts one fixed-shape tree after X0 —
+   deterministic top-ranked children, children drawn i.i.d. from warp(Q) (repeats allowed),
+   or a mix with one-hot q rows — and runs `verify_tree`. The first two committed tokens
+   must follow the target's two-step distribution warp(P)[X0, a] * warp(P)[a, b]: a chi-square
+   test on the first token's counts and on the joint counts. The same test must reject two
+   deliberately wrong verifiers, built here from a batched copy of the algorithm (the copy is
+   first checked to make the library's decisions draw for draw): one that never takes
+   rejected siblings out of p', one that draws the recovered token from p.
+4. Tree passes of a tiny random float32 Qwen2 (through `CausalLM`): every row of a tree pass
+   equals a plain pass along that token's path; `keep(start, path)` leaves the cache a plain
+   pass over the path would have left; `keep` with rows 0..a-1 is `truncate`.
+5. `seen_tokens_per_row` with a tree's `rows_ancestors()`: each row saw only its own path.
+6. A sliding-window model (tiny Mistral, window 8) runs tree passes below its window and
+   refuses one that reaches past it (`SpecdraftError`), leaving its cache untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from conftest import tiny_config, tiny_model
+from goodness_of_fit import chi_square_pvalue
+from specdraft.drafters.base import Draft
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.sampling import SamplingParams, sample, seen_tokens_per_row, warp
+from specdraft.tree import TreeLayout
+from specdraft.verify import verify_greedy, verify_sampled, verify_tree
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. TreeLayout
+# ---------------------------------------------------------------------------------------------
+
+# tree.py's worked example: tokens [a, b, c, d]
+#     root ── a ── c
+#         │    └── d
+#         └── b
+EXAMPLE_PARENTS = [-1, -1, 0, 0]
+A, B_, C, D = 0, 1, 2, 3  # node indices of a, b, c, d
+
+
+def test_layout_worked_example():
+    layout = TreeLayout.from_parents(EXAMPLE_PARENTS)
+    assert layout.size == 4
+    assert layout.depth.tolist() == [1, 1, 2, 2]
+    # sibling ranks [0, 1, 0, 1]: rank 0 holds a and c, rank 1 holds b and d
+    assert [r.tolist() for r in layout.by_rank] == [[A, C], [B_, D]]
+    assert layout.width == 2
+    assert layout.parent_rows.tolist() == [0, 0, 1, 1]  # a, b judged by the root's row; c, d by a's
+    assert layout.path(D) == [A, D]
+    assert layout.path(C) == [A, C]
+    assert layout.path(B_) == [B_]
+    assert layout.path(-1) == []
+    # d attends to the root (implicitly), a and itself
+    assert layout.ancestors.tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [True, False, True, False],
+        [True, False, False, True],
+    ]
+    assert [layout.is_leaf(i) for i in (-1, A, B_, C, D)] == [False, False, True, True, True]
+    assert not layout.is_chain
+
+
+def test_layout_chain_and_empty_tree():
+    chain = TreeLayout.from_parents([-1, 0, 1, 2])
+    assert chain.is_chain and chain.width == 1
+    assert chain.depth.tolist() == [1, 2, 3, 4]
+    assert chain.path(3) == [0, 1, 2, 3]
+    assert chain.ancestors.tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
+    assert [chain.is_leaf(i) for i in range(4)] == [False, False, False, True]
+    # a single branch point makes it a tree
+    assert not TreeLayout.from_parents([-1, 0, 0]).is_chain
+    empty = TreeLayout.from_parents([])
+    assert empty.size == 0 and empty.is_chain and empty.width == 0
+    assert empty.is_leaf(-1)  # the root is a leaf only of an empty tree
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, 5], [-2], [-1, 0, 3], [-1, -1, 2, 1]])
+def test_layout_rejects_invalid_parents(parents):
+    with pytest.raises(SpecdraftError):
+        TreeLayout.from_parents(parents)
+
+
+def test_block_attention_prefix_one():
+    """One plain token (the root itself) and the tree: positions by depth, ancestors-only visibility."""
+    offsets, visible = TreeLayout.from_parents(EXAMPLE_PARENTS).block_attention(1)
+    assert offsets.tolist() == [0, 1, 1, 2, 2]
+    T, F = True, False
+    assert visible.tolist() == [
+        [T, F, F, F, F],  # root
+        [T, T, F, F, F],  # a
+        [T, F, T, F, F],  # b
+        [T, T, F, T, F],  # c
+        [T, T, F, F, T],  # d
+    ]
+
+
+def test_block_attention_prefix_two():
+    """Two plain tokens before the tree: the plain part is causal, the tree hangs off the second."""
+    offsets, visible = TreeLayout.from_parents(EXAMPLE_PARENTS).block_attention(2)
+    assert offsets.tolist() == [0, 1, 2, 2, 3, 3]
+    T, F = True, False
+    assert visible.tolist() == [
+        [T, F, F, F, F, F],
+        [T, T, F, F, F, F],
+        [T, T, T, F, F, F],  # a
+        [T, T, F, T, F, F],  # b
+        [T, T, T, F, T, F],  # c
+        [T, T, T, F, F, T],  # d
+    ]
+
+
+def test_draft_tree_is_a_chain_draft_when_the_parents_are_a_chain():
+    tokens = torch.tensor([5, 6, 7])
+    chain = Draft.tree(tokens, [-1, 0, 1])
+    assert chain.layout is None and chain.parents.tolist() == [-1, 0, 1]
+    tree = Draft.tree(tokens, [-1, -1, 0])
+    assert tree.layout is not None and tree.layout.parents == (-1, -1, 0)
+    assert tree.parents.tolist() == [-1, -1, 0] and tree.k == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Tier 1: greedy verify_tree on hand-built logits
+# ---------------------------------------------------------------------------------------------
+
+V_HAND = 6
+
+# node:      0   1   2   3  4  5  6
+# parents: [-1, -1, -1,  0, 0, 1, 3]
+#     root ── 0 ── 3 ── 6
+#         │    └── 4
+#         ├── 1 ── 5
+#         └── 2
+# rows: 0 = after the root, i + 1 = after node i
+HAND_PARENTS = [-1, -1, -1, 0, 0, 1, 3]
+HAND_TOKENS = torch.tensor([1, 2, 3, 4, 5, 4, 0])
+UNUSED = 3  # a row's argmax where it does not matter
+
+
+def one_hot_logits(argmaxes: list[int], vocab: int = V_HAND) -> torch.Tensor:
+    """Logits `[len(argmaxes), vocab]` whose row i has its unique maximum at argmaxes[i]."""
+    rows = torch.arange(vocab, dtype=torch.float32).repeat(len(argmaxes), 1) * 0.1  # small slope, no ties
+    for i, a in enumerate(argmaxes):
+        rows[i, a] = 5.0
+    return rows
+
+
+def greedy(tokens: torch.Tensor, parents: list[int], row_argmax: list[int]) -> tuple[int, int, int]:
+    """(num_accepted, next_token, last_node) of greedy verify_tree, logits built from the row argmaxes."""
+    verdict = verify_tree(tokens, TreeLayout.from_parents(parents), one_hot_logits(row_argmax))
+    assert verdict.num_accepted.shape == verdict.next_token.shape == verdict.last_node.shape == (1,)
+    return verdict.num_accepted.item(), verdict.next_token.item(), verdict.last_node.item()
+
+
+def test_greedy_tree_accepts_the_deepest_matching_path():
+    # root wants 1 (node 0), after node 0 wants 4 (node 3), after node 3 wants 0 (node 6, a leaf):
+    # the bonus is the argmax of node 6's row, 2.
+    rows = [1, 4, UNUSED, UNUSED, 0, UNUSED, UNUSED, 2]
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (3, 2, 6)
+
+
+def test_greedy_tree_takes_the_second_branch_when_the_first_mismatches():
+    # root wants 2: node 0 (token 1) mismatches, node 1 (token 2) matches; after node 1 wants 4 (node 5,
+    # a leaf): bonus from row 6. Row 1 (after node 0) would match node 3 but node 0 was rejected.
+    rows = [2, 4, 4, UNUSED, UNUSED, UNUSED, 5, UNUSED]
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (2, 5, 5)
+
+
+def test_greedy_tree_second_child_at_depth_two():
+    # root wants 1 (node 0); after node 0 wants 5: node 3 (4) mismatches, node 4 (5) matches, a leaf.
+    rows = [1, 5, UNUSED, UNUSED, 0, 1, UNUSED, UNUSED]
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (2, 1, 4)
+
+
+def test_greedy_tree_stops_where_no_child_matches():
+    # root wants 1 (node 0); after node 0 wants 2, which neither child (4, 5) is: recovered 2.
+    rows = [1, 2, UNUSED, UNUSED, 0, UNUSED, UNUSED, UNUSED]
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (1, 2, 0)
+
+
+def test_greedy_tree_nothing_accepted_commits_the_root_argmax():
+    rows = [5, 4, 4, 0, 0, 0, 0, 0]  # every deeper row would match something; the root's does not
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (0, 5, -1)
+
+
+def test_greedy_tree_leaf_at_depth_one_gives_the_bonus_from_its_row():
+    rows = [3, UNUSED, UNUSED, 1, UNUSED, UNUSED, UNUSED, UNUSED]  # root wants 3: node 2, a leaf
+    assert greedy(HAND_TOKENS, HAND_PARENTS, rows) == (1, 1, 2)
+
+
+def test_greedy_tree_duplicate_siblings_take_the_first_in_index_order():
+    # Nodes 0 and 1 are both token 3 (a real target gives them identical rows). The first one is taken;
+    # its child (token 1) mismatches the row's argmax 2, so 2 is recovered; node 1's subtree is ignored
+    # even though its child (token 2) would have matched.
+    parents = [-1, -1, 0, 1]
+    tokens = torch.tensor([3, 3, 1, 2])
+    assert greedy(tokens, parents, [3, 2, 2, UNUSED, UNUSED]) == (1, 2, 0)
+    # ...and when the first duplicate's child matches, the path goes through it.
+    assert greedy(tokens, parents, [3, 1, 1, 4, UNUSED]) == (2, 4, 2)
+
+
+def test_greedy_tree_duplicate_children_of_one_node():
+    # Both children of node 0 are token 4; the first (node 1) is accepted, its row gives the bonus.
+    parents = [-1, 0, 0]
+    tokens = torch.tensor([2, 4, 4])
+    assert greedy(tokens, parents, [2, 4, 5, 0]) == (2, 5, 1)
+
+
+def test_greedy_tree_accepts_probabilities_as_well_as_logits():
+    layout = TreeLayout.from_parents(HAND_PARENTS)
+    logits = one_hot_logits([1, 4, UNUSED, UNUSED, 0, UNUSED, UNUSED, 2])
+    a, b = verify_tree(HAND_TOKENS, layout, logits), verify_tree(HAND_TOKENS, layout, logits.softmax(-1))
+    assert (a.num_accepted, a.next_token, a.last_node) == (b.num_accepted, b.next_token, b.last_node)
+
+
+CHAIN_CASES = 200
+CHAIN_K = 5
+CHAIN_SEED = 11
+
+
+def test_greedy_chain_layout_matches_verify_greedy():
+    """Random chains whose tokens match the target's argmax for a random prefix (and randomly after)."""
+    g = gen(CHAIN_SEED)
+    layout = TreeLayout.from_parents(list(range(-1, CHAIN_K - 1)))
+    outcomes = set()
+    for _ in range(CHAIN_CASES):
+        logits = torch.randn(CHAIN_K + 1, V_HAND, generator=g)
+        argmax = logits.argmax(-1)
+        keep = torch.rand(CHAIN_K, generator=g) < 0.7  # each position matches with probability 0.7
+        tokens = torch.where(keep, argmax[:CHAIN_K], torch.randint(0, V_HAND, (CHAIN_K,), generator=g))
+        tree = verify_tree(tokens, layout, logits)
+        chain = verify_greedy(tokens.unsqueeze(0), logits.unsqueeze(0))
+        assert tree.num_accepted.tolist() == chain.num_accepted.tolist()
+        assert tree.next_token.tolist() == chain.next_token.tolist()
+        assert tree.last_node.item() == chain.num_accepted.item() - 1
+        outcomes.add(chain.num_accepted.item())
+    assert outcomes == set(range(CHAIN_K + 1))  # every acceptance length was exercised
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_sampled_chain_layout_matches_verify_sampled_draw_for_draw(deterministic):
+    """On a chain, tree verification is the chain verifier: same verdicts from the same seed."""
+    g = gen(CHAIN_SEED)
+    layout = TreeLayout.from_parents(list(range(-1, CHAIN_K - 1)))
+    outcomes = set()
+    for case in range(CHAIN_CASES):
+        p = (2.0 * torch.randn(CHAIN_K + 1, V_HAND, generator=g)).softmax(-1)
+        q = None if deterministic else (2.0 * torch.randn(CHAIN_K, V_HAND, generator=g)).softmax(-1)
+        tokens = p[:CHAIN_K].argmax(-1) if deterministic else sample(q, g)
+        tree = verify_tree(tokens, layout, p, q, gen(case))
+        chain = verify_sampled(tokens.unsqueeze(0), None if q is None else q.unsqueeze(0), p.unsqueeze(0), gen(case))
+        assert tree.num_accepted.tolist() == chain.num_accepted.tolist()
+        assert tree.next_token.tolist() == chain.next_token.tolist()
+        outcomes.add(chain.num_accepted.item())
+    assert len(outcomes) >= 4
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Tier 2: statistics on a toy Markov LM
+# ---------------------------------------------------------------------------------------------
+
+V = 6
+X0 = 2
+TRIALS = 16_000
+P_PASS = 1e-3  # the correct verifier must pass
+P_REJECT = 1e-6  # a wrong verifier must fail
+
+# node:       0   1   2  3  4  5  6
+#     X0 ── 0 ── 3 ── 6
+#        │    └── 4
+#        ├── 1 ── 5
+#        └── 2
+STAT_PARENTS = [-1, -1, -1, 0, 0, 1, 3]
+STAT_LAYOUT = TreeLayout.from_parents(STAT_PARENTS)
+STAT_RANKS = [0, 1, 2, 0, 1, 0, 0]  # sibling rank of each node
+FIRST_ON_PATH = [STAT_LAYOUT.path(i)[0] for i in range(len(STAT_PARENTS))]  # depth-1 node of each path
+SECOND_ON_PATH = [(STAT_LAYOUT.path(i) + [-1, -1])[1] for i in range(len(STAT_PARENTS))]  # depth-2 node or -1
+
+
+def _transition_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    g = gen(20240611)
+    target = 1.5 * torch.randn(V, V, generator=g)
+    draft = target + 1.5 * torch.randn(V, V, generator=g)  # related to the target, but clearly different
+    return target, draft
+
+
+P_LOGITS, Q_LOGITS = _transition_logits()
+Q_ORDER = Q_LOGITS.argsort(-1, descending=True)  # [V, V]: the draft's tokens by rank after each token
+
+# How each node is drafted:
+TOP = "top"  # deterministic: the r-th likeliest token of Q for a rank-r child (q_draft None)
+SAMPLED = "sampled"  # drawn from warp(Q) at the parent's token, independently of its siblings
+ONE_HOT = "one-hot"  # like TOP, but verified through a one-hot q row
+CASES = {
+    "deterministic": [TOP] * 7,
+    "iid": [SAMPLED] * 7,
+    "mixed": [ONE_HOT, SAMPLED, ONE_HOT, SAMPLED, ONE_HOT, ONE_HOT, SAMPLED],
+}
+SETTINGS = {
+    "T=1.0": SamplingParams(temperature=1.0),
+    "T=1,top_k=3": SamplingParams(temperature=1.0, top_k=3),
+}
+
+
+def _draft_trees(kinds: list[str], params: SamplingParams, generator: torch.Generator, trials: int):
+    """`trials` independent trees after X0: tokens `[B, n]`, target rows `[B, n + 1, V]`, q rows
+    `[B, n, V]` (None when every node is TOP)."""
+    p_table, q_table = warp(P_LOGITS, params), warp(Q_LOGITS, params)
+    n = len(kinds)
+    tokens = torch.empty(trials, n, dtype=torch.long)
+    q_rows = torch.empty(trials, n, V)
+    for i, (kind, parent, rank) in enumerate(zip(kinds, STAT_PARENTS, STAT_RANKS)):
+        after = torch.full((trials,), X0) if parent < 0 else tokens[:, parent]  # [B]
+        if kind == SAMPLED:
+            tokens[:, i] = sample(q_table[after], generator)
+            q_rows[:, i] = q_table[after]
+        else:
+            tokens[:, i] = Q_ORDER[after, rank]
+            q_rows[:, i] = torch.nn.functional.one_hot(tokens[:, i], V).float()
+    p_rows = p_table[torch.cat([torch.full((trials, 1), X0), tokens], 1)]  # [B, n + 1, V]
+    return tokens, p_rows, None if all(kind == TOP for kind in kinds) else q_rows
+
+
+def _library_verifier(tokens, p_rows, q_rows, generator):
+    """verify_tree, one tree at a time: `(last_node [B], next_token [B])`."""
+    verdicts = []
+    for b in range(tokens.shape[0]):
+        verdict = verify_tree(tokens[b], STAT_LAYOUT, p_rows[b], None if q_rows is None else q_rows[b], generator)
+        assert verdict.num_accepted.item() == (0 if verdict.last_node < 0 else STAT_LAYOUT.depth[verdict.last_node])
+        verdicts.append(torch.cat([verdict.last_node, verdict.next_token]))
+    last_node, next_token = torch.stack(verdicts).unbind(1)
+    return last_node, next_token
+
+
+def _batched_tree_verifier(tokens, p_rows, q_rows, generator, *, chain_residual=True, recover_from_residual=True):
+    """A batched copy of verify_tree's sampling algorithm, `(last_node [B], next_token [B])`, with two
+    switchable bugs: `chain_residual=False` judges every sibling by the parent's p (rejected siblings
+    are never taken out of p'; the recovered token comes from p minus the last sibling only), and
+    `recover_from_residual=False` draws the recovered token from p itself."""
+    layout = STAT_LAYOUT
+    batch, n = tokens.shape
+    parent_rows = layout.parent_rows  # [n]
+    uniform = torch.rand(batch, n, generator=generator)  # [B, n]
+    residual = p_rows.clone()  # [B, n + 1, V]
+    p_at_token = torch.empty(batch, n)
+    q_at_token = torch.ones(batch, n)
+    for nodes in layout.by_rank:
+        rows = parent_rows[nodes]
+        current = (residual if chain_residual else p_rows)[:, rows]  # [B, m, V]
+        drawn = tokens[:, nodes].unsqueeze(-1)  # [B, m, 1]
+        p_at_token[:, nodes] = current.gather(-1, drawn).squeeze(-1)
+        if q_rows is None:
+            rest = current.scatter(-1, drawn, 0.0)
+        else:
+            q = q_rows[:, nodes]  # [B, m, V]
+            q_at_token[:, nodes] = q.gather(-1, drawn).squeeze(-1)
+            rest = (current - q).clamp_min(0.0)
+        mass = rest.sum(-1, keepdim=True)
+        empty = mass <= 1e-12
+        residual[:, rows] = torch.where(empty, current, rest / torch.where(empty, 1.0, mass))
+    passed = uniform * q_at_token < p_at_token  # [B, n]
+    recover_from = residual if recover_from_residual else p_rows
+    candidates = sample(recover_from.reshape(-1, V), generator).view(batch, n + 1)  # [B, n + 1]
+    chosen = torch.zeros(batch, n, dtype=torch.bool)
+    taken = torch.zeros(batch, n + 1, dtype=torch.bool)
+    for nodes in layout.by_rank:
+        rows = parent_rows[nodes]
+        pick = passed[:, nodes] & ~taken[:, rows]
+        chosen[:, nodes] = pick
+        taken[:, rows] |= pick
+    accepted = ~(layout.ancestors.unsqueeze(0) & ~chosen.unsqueeze(1)).any(-1)  # [B, n]
+    deepest = torch.where(accepted, layout.depth, 0).argmax(-1)  # [B]
+    last_node = torch.where(accepted.any(-1), deepest, -1)
+    next_token = candidates.gather(1, (last_node + 1).unsqueeze(1)).squeeze(1)
+    return last_node, next_token
+
+
+def _first_two_committed(kinds, params, verifier, seed: int, trials: int = TRIALS):
+    """The first two committed tokens (a, b) of `trials` independent generations from X0, and the
+    accepted path length of each trial's first step."""
+    generator = gen(seed)
+    tokens, p_rows, q_rows = _draft_trees(kinds, params, generator, trials)
+    last_node, next_token = verifier(tokens, p_rows, q_rows, generator)
+    on_path = last_node >= 0
+    node = last_node.clamp_min(0)
+    first_node = torch.tensor(FIRST_ON_PATH)[node]
+    second_node = torch.tensor(SECOND_ON_PATH)[node]
+    length = torch.where(on_path, STAT_LAYOUT.depth[node], 0)
+    row = torch.arange(trials)
+    first = torch.where(length >= 1, tokens[row, first_node], next_token)
+    second = torch.where(length >= 2, tokens[row, second_node.clamp_min(0)], next_token)
+    # Nothing accepted: the step committed one token; the next comes from a plain target step.
+    plain = sample(warp(P_LOGITS, params)[first], generator)
+    second = torch.where(length == 0, plain, second)
+    return first, second, length
+
+
+def _pvalues(first: torch.Tensor, second: torch.Tensor, params: SamplingParams) -> tuple[float, float]:
+    """Chi-square p-values of the first token's counts and of the (first, second) counts."""
+    p_table = warp(P_LOGITS, params).double().numpy()
+    joint = p_table[X0][:, None] * p_table
+    trials = first.shape[0]
+    observed_first = torch.bincount(first, minlength=V).double().numpy()
+    observed_joint = torch.bincount(first * V + second, minlength=V * V).double().numpy()
+    return (chi_square_pvalue(observed_first, p_table[X0] * trials),
+            chi_square_pvalue(observed_joint, joint.ravel() / joint.sum() * trials))
+
+
+def test_toy_lm_is_nontrivial():
+    """The draft differs from the target enough that rejections, later siblings and residuals matter."""
+    params = SETTINGS["T=1.0"]
+    p_table, q_table = warp(P_LOGITS, params), warp(Q_LOGITS, params)
+    tv = 0.5 * (p_table - q_table).abs().sum(-1)  # [V]
+    assert tv[X0] > 0.25 and tv.mean() > 0.25
+    agree = P_LOGITS.argmax(-1) == Q_LOGITS.argmax(-1)
+    assert agree.any() and not agree.all()
+    top_k = SETTINGS["T=1,top_k=3"]
+    assert ((warp(P_LOGITS, top_k) == 0) & (warp(Q_LOGITS, top_k) > 0)).any()
+
+
+def test_batched_copy_makes_the_library_decisions():
+    """The copy the negative controls break is the library's algorithm: same verdicts, draw for draw."""
+    for kinds in CASES.values():
+        tokens, p_rows, q_rows = _draft_trees(kinds, SETTINGS["T=1.0"], gen(3), 300)
+        for b in range(tokens.shape[0]):
+            q = None if q_rows is None else q_rows[b]
+            ours = _batched_tree_verifier(tokens[b : b + 1], p_rows[b : b + 1], None if q is None else q[None], gen(b))
+            theirs = verify_tree(tokens[b], STAT_LAYOUT, p_rows[b], q, gen(b))
+            assert [ours[0].item(), ours[1].item()] == [theirs.last_node.item(), theirs.next_token.item()]
+
+
+@pytest.mark.parametrize(("case", "setting"), [
+    ("deterministic", "T=1.0"),
+    ("iid", "T=1.0"),
+    ("mixed", "T=1.0"),
+    ("iid", "T=1,top_k=3"),
+])
+def test_tree_committed_tokens_follow_the_target(case, setting):
+    params = SETTINGS[setting]
+    first, second, length = _first_two_committed(CASES[case], params, _library_verifier, seed=1)
+    # every branch of the harness is exercised: recovered at the root, after depth 1, and deeper
+    for depth in (0, 1, 2):
+        assert (length == depth).sum() > 0.02 * TRIALS, f"path length {depth} too rare"
+    p_first, p_joint = _pvalues(first, second, params)
+    assert p_first > P_PASS and p_joint > P_PASS, f"{case} {setting}: p-values {p_first:.3g}, {p_joint:.3g}"
+
+
+@pytest.mark.parametrize("case", ["deterministic", "iid"])
+def test_negative_control_rejected_siblings_stay_in_p(case):
+    params = SETTINGS["T=1.0"]
+    first, second, _ = _first_two_committed(
+        CASES[case], params, lambda *a: _batched_tree_verifier(*a, chain_residual=False), seed=1)
+    p_first, p_joint = _pvalues(first, second, params)
+    assert p_joint < P_REJECT, f"siblings judged by p went unnoticed: p-values {p_first:.3g}, {p_joint:.3g}"
+
+
+@pytest.mark.parametrize("case", ["deterministic", "iid", "mixed"])
+def test_negative_control_recovered_from_p(case):
+    params = SETTINGS["T=1.0"]
+    first, second, _ = _first_two_committed(
+        CASES[case], params, lambda *a: _batched_tree_verifier(*a, recover_from_residual=False), seed=1)
+    p_first, p_joint = _pvalues(first, second, params)
+    assert p_joint < P_REJECT, f"recovery from p went unnoticed: p-values {p_first:.3g}, {p_joint:.3g}"
+
+
+def test_negative_controls_are_real_bugs_of_the_copy():
+    """...whereas the unbroken copy passes the same test (so the rejections come from the bugs)."""
+    params = SETTINGS["T=1.0"]
+    for case, kinds in CASES.items():
+        first, second, _ = _first_two_committed(kinds, params, _batched_tree_verifier, seed=1)
+        p_first, p_joint = _pvalues(first, second, params)
+        assert p_first > P_PASS and p_joint > P_PASS, f"{case}: p-values {p_first:.3g}, {p_joint:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Tree passes of a tiny float32 model
+# ---------------------------------------------------------------------------------------------
+
+MODEL_SEED = 7
+TREE_SEED = 5
+PROMPT_LEN = 6
+TREE_NODES = 8
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_float_model():
+    return tiny_model(tiny_config(), seed=MODEL_SEED).float()
+
+
+def _random_tree(generator: torch.Generator, nodes: int, vocab: int) -> tuple[torch.Tensor, TreeLayout]:
+    """Random tokens and random parents (each an earlier node or the root); at least one branch and depth 3."""
+    while True:
+        parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(nodes)]
+        layout = TreeLayout.from_parents(parents)
+        if layout.width >= 2 and int(layout.depth.max()) >= 3:
+            return torch.randint(0, vocab, (nodes,), generator=generator), layout
+
+
+def _plain_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The last row of logits of a fresh plain pass over `tokens`: `[V]`."""
+    lm = CausalLM(model)
+    return lm.forward(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
+
+
+@pytest.mark.parametrize("prefix", [1, 2])
+def test_tree_pass_rows_equal_plain_passes_along_each_path(tiny_float_model, prefix):
+    g = gen(TREE_SEED)
+    vocab = tiny_float_model.config.vocab_size
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=g)
+    tokens, layout = _random_tree(g, TREE_NODES, vocab)
+    lm = CausalLM(tiny_float_model)
+    lm.prefill(prompt[:-prefix].unsqueeze(0))
+    offsets, visible = layout.block_attention(prefix)
+    block = torch.cat([prompt[-prefix:], tokens]).unsqueeze(0)
+    logits = lm.forward(block, block.shape[1], offsets=offsets, visible=visible).logits[0]  # [prefix + n, V]
+    assert lm.cache_len == PROMPT_LEN + TREE_NODES
+    for j in range(prefix):  # the plain part
+        expected = _plain_logits(tiny_float_model, prompt[: PROMPT_LEN - prefix + j + 1].tolist())
+        torch.testing.assert_close(logits[j], expected, atol=ATOL, rtol=0)
+    for node in range(TREE_NODES):
+        expected = _plain_logits(tiny_float_model, prompt.tolist() + tokens[layout.path(node)].tolist())
+        torch.testing.assert_close(logits[prefix + node], expected, atol=ATOL, rtol=0, msg=f"node {node}")
+
+
+def test_keep_path_leaves_the_cache_of_a_plain_pass(tiny_float_model):
+    """Two engine-like rounds: tree pass, keep the deepest path, then the next token and a new tree."""
+    g = gen(TREE_SEED + 1)
+    vocab = tiny_float_model.config.vocab_size
+    sequence = torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()
+    lm = CausalLM(tiny_float_model)
+    lm.prefill(torch.tensor([sequence[:-1]]))
+    for _ in range(2):
+        tokens, layout = _random_tree(g, TREE_NODES, vocab)
+        offsets, visible = layout.block_attention(1)
+        block = torch.tensor([sequence[-1:] + tokens.tolist()])
+        logits = lm.forward(block, TREE_NODES + 1, offsets=offsets, visible=visible).logits[0]
+        torch.testing.assert_close(logits[0], _plain_logits(tiny_float_model, sequence), atol=ATOL, rtol=0)
+        path = layout.path(int(layout.depth.argmax()))  # a path that skips some rows
+        assert path != list(range(len(path)))
+        lm.keep(len(sequence), path)
+        sequence = sequence + tokens[path].tolist()
+        assert lm.cache_len == len(sequence)
+
+        reference = CausalLM(tiny_float_model)
+        reference.prefill(torch.tensor([sequence]))
+        for kept, plain in zip(lm._cache.layers, reference._cache.layers):
+            torch.testing.assert_close(kept.keys, plain.keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(kept.values, plain.values, atol=ATOL, rtol=0)
+        # the next token continues the kept path exactly as it continues the plain sequence
+        next_token = int(torch.randint(0, vocab, (1,), generator=g))
+        after_keep = lm.forward(torch.tensor([[next_token]])).logits[0, -1]
+        sequence.append(next_token)
+        torch.testing.assert_close(after_keep, _plain_logits(tiny_float_model, sequence), atol=ATOL, rtol=0)
+        lm.truncate(len(sequence) - 1)  # the next round feeds the last token again, as the engine does
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 5])
+def test_keep_leading_rows_is_truncate(tiny_float_model, accepted):
+    g = gen(TREE_SEED + 2)
+    vocab = tiny_float_model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, PROMPT_LEN), generator=g)
+    chain = torch.randint(0, vocab, (1, 5), generator=g)
+    kept, truncated = CausalLM(tiny_float_model), CausalLM(tiny_float_model)
+    for lm in (kept, truncated):
+        lm.prefill(prompt)
+        lm.forward(chain, 1)
+    kept.keep(PROMPT_LEN, list(range(accepted)))
+    truncated.truncate(PROMPT_LEN + accepted)
+    assert kept.cache_len == truncated.cache_len == PROMPT_LEN + accepted
+    for a, b in zip(kept._cache.layers, truncated._cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    probe = torch.tensor([[1, 2]])
+    assert torch.equal(kept.forward(probe, 2).logits, truncated.forward(probe, 2).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. seen_tokens_per_row with a tree
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seen_tokens_per_row_tree_worked_example():
+    """Context {a}; the root r and the tree [b, c, d, e] shaped like tree.py's example."""
+    a, r, b, c, d, e = range(6)
+    layout = TreeLayout.from_parents(EXAMPLE_PARENTS)
+    context = torch.zeros(6, dtype=torch.bool)
+    context[a] = True
+    rows = seen_tokens_per_row(context, torch.tensor([r, b, c, d, e]), layout.rows_ancestors())
+    expected = [{a, r}, {a, r, b}, {a, r, c}, {a, r, b, d}, {a, r, b, e}]
+    assert [set(row.nonzero().flatten().tolist()) for row in rows] == expected
+    assert not context[1:].any()  # the context is not written to
+
+
+def test_seen_tokens_per_row_random_tree_and_chain():
+    g = gen(TREE_SEED + 3)
+    vocab = 12
+    tokens, layout = _random_tree(g, TREE_NODES, vocab)
+    root = 11
+    context = torch.rand(vocab, generator=g) < 0.3
+    block = torch.cat([torch.tensor([root]), tokens])
+    rows = seen_tokens_per_row(context, block, layout.rows_ancestors())
+    assert rows.shape == (TREE_NODES + 1, vocab)
+    for row in range(TREE_NODES + 1):
+        prefix = [root] + tokens[layout.path(row - 1)].tolist()
+        expected = context.clone()
+        expected[prefix] = True
+        assert torch.equal(rows[row], expected), f"row {row}"
+    # a chain layout's rows_ancestors is the default (causal) one
+    chain = TreeLayout.from_parents(list(range(-1, TREE_NODES - 1)))
+    assert torch.equal(seen_tokens_per_row(context, block, chain.rows_ancestors()), seen_tokens_per_row(context, block))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. A sliding-window model
+# ---------------------------------------------------------------------------------------------
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def sliding_model():
+    config = MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=WINDOW,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )
+    torch.manual_seed(MODEL_SEED)
+    model = MistralForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+SLIDING_PARENTS = [-1, -1, 0]
+SLIDING_TOKENS = [5, 9, 13]
+
+
+def test_sliding_window_model_runs_a_tree_pass_below_its_window(sliding_model):
+    prompt = [3, 1, 4, 1]  # cache 3 + block 1 + tree 3 = 7 keys < WINDOW
+    layout = TreeLayout.from_parents(SLIDING_PARENTS)
+    lm = CausalLM(sliding_model, name="sliding")
+    lm.prefill(torch.tensor([prompt[:-1]]))
+    offsets, visible = layout.block_attention(1)
+    logits = lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 4, offsets=offsets, visible=visible).logits[0]
+    for node in range(-1, len(SLIDING_PARENTS)):
+        path = [SLIDING_TOKENS[i] for i in layout.path(node)]
+        torch.testing.assert_close(logits[node + 1], _plain_logits(sliding_model, prompt + path), atol=ATOL, rtol=0)
+    lm.keep(len(prompt), layout.path(2))
+    after_keep = lm.forward(torch.tensor([[7]])).logits[0, -1]
+    expected = _plain_logits(sliding_model, prompt + [SLIDING_TOKENS[0], SLIDING_TOKENS[2], 7])
+    torch.testing.assert_close(after_keep, expected, atol=ATOL, rtol=0)
+
+
+def test_sliding_window_model_refuses_a_tree_pass_past_its_window(sliding_model):
+    prompt = list(range(10, 10 + WINDOW))  # cache 7 + block 1 + tree 3 = 11 keys > WINDOW
+    layout = TreeLayout.from_parents(SLIDING_PARENTS)
+    lm = CausalLM(sliding_model, name="sliding")
+    lm.prefill(torch.tensor([prompt[:-1]]))
+    offsets, visible = layout.block_attention(1)
+    with pytest.raises(SpecdraftError, match="sliding"):
+        lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 4, offsets=offsets, visible=visible)
+    assert lm.cache_len == WINDOW - 1  # nothing was appended
+    # a plain (chain) pass past the window still works, and matches a fresh plain pass
+    logits = lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 1).logits[0, -1]
+    torch.testing.assert_close(logits, _plain_logits(sliding_model, prompt + SLIDING_TOKENS), atol=ATOL, rtol=0)
