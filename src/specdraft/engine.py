@@ -69,6 +69,13 @@ class Completion:
     kinds: list[str] = field(default_factory=list)
 
 
+def check_tree_options(tree_budget: int, tree_branch: int) -> None:
+    """Refuse a tree budget < 0 (0 = chains) or fewer than 1 child per node, naming the option."""
+    for name, value, least in (("tree-budget", tree_budget, 0), ("tree-branch", tree_branch, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise SpecdraftError(f"--{name} must be an integer >= {least}, got {value!r}.")
+
+
 def sync_device(device: torch.device) -> None:
     """Wait for queued device work (CUDA), so a wall-clock reading covers it; a no-op on CPU."""
     if device.type == "cuda":
@@ -87,9 +94,7 @@ class SpeculativeDecoder:
     def __init__(self, target: CausalLM, drafter: Drafter | None = None,
                  k: int | str | FixedK | AutoK = DEFAULT_K, tree_budget: int = 0,
                  tree_branch: int = DEFAULT_TREE_BRANCH) -> None:
-        for name, value, least in (("--tree-budget", tree_budget, 0), ("--tree-branch", tree_branch, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise SpecdraftError(f"{name} must be an integer >= {least}, got {value!r}.")
+        check_tree_options(tree_budget, tree_branch)
         self.target = target
         self.drafter = drafter
         self.tree_budget, self.tree_branch = tree_budget, tree_branch

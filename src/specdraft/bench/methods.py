@@ -9,7 +9,7 @@ see exactly the same input.
 | name               | what runs                                                          |
 | ------------------ | ------------------------------------------------------------------ |
 | `ar`               | `SpeculativeDecoder(target)`: plain decoding, our loop              |
-| `spec`             | `SpeculativeDecoder(target, drafter, k)`: `drafter=NAME` (default `model`, the draft model; `ngram`, `ngram+model`, ...) |
+| `spec`             | `SpeculativeDecoder(target, drafter, k)`: `drafter=NAME` (default `model`, the draft model; `ngram`, `ngram+model`, ...); `tree-budget=N;tree-branch=B` drafts trees |
 | `hf-ar`            | transformers `generate` (greedy, or sampling with the same warping) |
 | `hf-assisted`      | transformers assisted generation with the same draft model          |
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
@@ -36,8 +36,8 @@ import torch
 
 from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
-from specdraft.engine import DEFAULT_K, SpeculativeDecoder, sync_device
-from specdraft.policy import AUTO, AutoK
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options, sync_device
+from specdraft.policy import AUTO, AutoK, make_policy
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import DRAFT_QUANTS, prepare_draft
@@ -52,7 +52,8 @@ def k_value(text: str) -> int | str:
 
 
 OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
-                                 "draft-quant": str, "draft-vocab": int, "drafter": str}
+                                 "draft-quant": str, "draft-vocab": int, "drafter": str, "tree-budget": int,
+                                 "tree-branch": int}
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
 OPTION_TYPES.update({key: type(value) for info in DRAFTERS.values() for key, value in info.options.items()})
@@ -90,6 +91,8 @@ class RunParams:
     draft_vocab: int = 0  # tokens the draft's head scores (0 = all; see models.draft_head)
     drafter: str = DEFAULT_DRAFTER  # spec only: the registered drafter (parts joined by +)
     drafter_options: tuple[tuple[str, object], ...] = ()  # spec only: the drafter's options given
+    tree_budget: int = 0  # spec only: draft nodes per step (0 = chains)
+    tree_branch: int = DEFAULT_TREE_BRANCH  # spec only: children per tree node
 
 
 @dataclass
@@ -176,8 +179,13 @@ class MethodSpec:
             check_drafter(drafter, given)
         except SpecdraftError as error:
             raise SpecdraftError(f"{error} (in method {self.label!r})") from None
+        budget, branch = int(self.options.get("tree-budget", 0)), int(self.options.get("tree-branch", DEFAULT_TREE_BRANCH))
+        try:
+            check_tree_options(budget, branch)
+        except SpecdraftError as error:
+            raise SpecdraftError(f"{error} (in method {self.label!r})") from None
         return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, vocab, drafter,
-                         tuple(sorted(given.items())))
+                         tuple(sorted(given.items())), budget, branch)
 
 
 # ----- running one generation ---------------------------------------------------------------------
@@ -195,9 +203,13 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     if drafter:
         k = params.k or DEFAULT_K
         if k == AUTO:  # one policy per draft setting: its measurements carry over from prompt to prompt
-            setting = (params.drafter, params.drafter_options, params.draft_quant, params.draft_vocab)
-            k = models.policies.setdefault(setting, AutoK())
-        decoder = SpeculativeDecoder(target, _drafter(models, params), k=k)
+            setting = (params.drafter, params.drafter_options, params.draft_quant, params.draft_vocab,
+                       params.tree_budget, params.tree_branch)
+            if setting not in models.policies:
+                models.policies[setting] = make_policy(AUTO, params.tree_budget)
+            k = models.policies[setting]
+        decoder = SpeculativeDecoder(target, _drafter(models, params), k=k, tree_budget=params.tree_budget,
+                                     tree_branch=params.tree_branch)
     else:
         decoder = SpeculativeDecoder(target)
     sync_device(target.device)
@@ -335,7 +347,8 @@ def check_llama_cpp(target_spec: str) -> None:
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
     "spec": MethodInfo("specdraft speculative decoding (drafter=NAME, default the draft model, int4 on CPU)",
-                       ("k", "drafter", "draft-quant", "draft-vocab") + DRAFTER_KEYS + SAMPLING_KEYS, True, run_spec),
+                       ("k", "drafter", "draft-quant", "draft-vocab", "tree-budget", "tree-branch") + DRAFTER_KEYS
+                       + SAMPLING_KEYS, True, run_spec),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
                               ("k", "draft-quant") + SAMPLING_KEYS,

@@ -19,7 +19,7 @@ from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE
 from specdraft.analysis.diagnose import DIAGNOSE_K
-from specdraft.engine import DEFAULT_K
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 
@@ -68,6 +68,9 @@ def generate(
     exit_layer: Optional[int] = typer.Option(None, "--exit-layer",
                                              help="early-exit: draft with the target's first L layers (default: 3/4 of "
                                                   "them; choose by `specdraft diagnose --draft early-exit:L`)."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Draft tree nodes per step (0 = a chain); with --k "
+                                    "auto the cost model picks up to this many, with a whole k the tree is at most k deep."),
+    tree_branch: int = typer.Option(DEFAULT_TREE_BRANCH, "--tree-branch", help="Children per tree node (with --tree-budget)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0,
@@ -97,11 +100,11 @@ def generate(
 
 
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, ngram_max, ngram_min,
-              suffix_min_match, suffix_min_score, suffix_factor, exit_layer,
+              suffix_min_match, suffix_min_score, suffix_factor, exit_layer, tree_budget, tree_branch,
               draft_quant, draft_vocab,
               temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
-    from specdraft.engine import SpeculativeDecoder
+    from specdraft.engine import SpeculativeDecoder, check_tree_options
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
@@ -119,7 +122,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
             raise SpecdraftError(f"Cannot read --prompt-file {prompt_file}: {error.strerror}.") from None
     if prompt is None or not prompt.strip():
         raise SpecdraftError("The prompt is empty; give some text (or --prompt-file with text in it).")
-    policy = make_policy(k) if method == Method.spec else None  # a bad --k fails before any loading
+    check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
+    policy = make_policy(k, tree_budget) if method == Method.spec else None
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
@@ -137,7 +141,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
         if draft_lm is not None:
             check_compatible(target_lm, draft_lm)
         decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, options, draft_model=draft_lm,
-                                                             target_model=target_lm), k=policy)
+                                                             target_model=target_lm), k=policy,
+                                     tree_budget=tree_budget, tree_branch=tree_branch)
     else:
         decoder = SpeculativeDecoder(target_lm)
 
@@ -326,6 +331,9 @@ def diagnose(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, help="0: predicted α = top-1 agreement, Σmin(p,q) and TV at temperature "
                                                 "1; > 0: everything at this temperature, α = mean Σmin(p,q)."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Draft tree nodes per step (0 = a chain); with --k "
+                                    "auto the cost model picks up to this many, with a whole k the tree is at most k deep."),
+    tree_branch: int = typer.Option(DEFAULT_TREE_BRANCH, "--tree-branch", help="Children per tree node (with --tree-budget)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU)."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
