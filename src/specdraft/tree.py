@@ -19,7 +19,9 @@ the root, a and itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from heapq import heappop, heappush
+from itertools import count
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -111,3 +113,35 @@ class TreeLayout:
         visible = torch.ones(prefix + n, prefix + n, dtype=torch.bool, device=device).tril_()  # [T, T]
         visible[prefix:, prefix:] = self.ancestors
         return offsets, visible
+
+
+def grow_best_first(root: object, children: Callable[[object, int, float], Iterable[tuple[int, float, object]]],
+                    limit: int) -> tuple[list[int], list[int], list[float], list[object]]:
+    """Grow a tree of at most `limit` tokens below `root`, best first.
+
+    `children(node, depth, score)` lists a node's candidate children as (token, score, node),
+    likeliest first; a child's score must not exceed its parent's (e.g. the product of
+    probabilities along the path), so every token is kept after its parent. Ties go to the
+    shallower token, then to the one offered first. Returns the tokens, their parents (-1: the
+    root), scores and nodes, in the order kept: topological, siblings likeliest first.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    nodes: list[object] = []
+    order = count()
+    frontier: list[tuple[float, int, int, int, int, object]] = []  # heap: (-score, depth, tie, parent, token, node)
+
+    def offer(node: object, index: int, depth: int, score: float) -> None:
+        for token, child_score, child in children(node, depth, score):
+            heappush(frontier, (-child_score, depth + 1, next(order), index, token, child))
+
+    offer(root, -1, 0, 1.0)
+    while frontier and len(tokens) < limit:
+        negative, depth, _, parent, token, node = heappop(frontier)
+        tokens.append(token)
+        parents.append(parent)
+        scores.append(-negative)
+        nodes.append(node)
+        offer(node, len(tokens) - 1, depth, -negative)
+    return tokens, parents, scores, nodes

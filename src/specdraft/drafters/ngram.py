@@ -23,13 +23,11 @@ most `keep` (the most recent), so a step costs O(max_n · keep) however long the
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
-from itertools import count
-
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
+from specdraft.tree import grow_best_first
 
 DEFAULT_MAX_N = 4
 DEFAULT_MIN_N = 2  # one-token matches propose often and are mostly wrong (measured: README)
@@ -56,10 +54,14 @@ class NgramIndex:
         for i in range(max(start, 1), len(tokens)):  # position i gained its token: grams ending before it
             for n, table in self.follow.items():
                 if i >= n:
-                    starts = table.setdefault(tuple(tokens[i - n : i]), [])
-                    starts.append(i)
-                    if len(starts) > keep:
-                        del starts[0]
+                    gram = tuple(tokens[i - n : i])
+                    starts = table.get(gram)
+                    if starts is None:
+                        table[gram] = [i]
+                    else:
+                        starts.append(i)
+                        if len(starts) > keep:
+                            del starts[0]
 
     def _matches(self) -> list[tuple[int, list[int]]]:
         """(n, starts) for every n whose tail occurred before, longest n first."""
@@ -99,7 +101,12 @@ class NgramIndex:
                     child = node.children[token] = _Branch(token, rank)
                 child.weight += weight
                 node = child
-        tokens, parents = _best_first(root, k, branch)
+
+        def children(node: _Branch, level: int, score: float):
+            best = sorted(node.children.values(), key=lambda c: (-c.weight, c.rank))[:branch]
+            return [(child.token, child.weight, child) for child in best]
+
+        tokens, parents, _, _ = grow_best_first(root, children, k)
         return tokens, parents, matches[0][0]
 
 
@@ -112,28 +119,6 @@ class _Branch:
     def __init__(self, token: int, rank: int) -> None:
         self.token, self.rank, self.weight = token, rank, 0.0
         self.children: dict[int, _Branch] = {}
-
-
-def _best_first(root: _Branch, k: int, branch: int) -> tuple[list[int], list[int]]:
-    """The `k` best nodes below `root` (by weight, then depth, then rank), each only after its
-    parent and at most `branch` children per node: tokens and parent indices."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    order = count()
-    frontier: list[tuple[float, int, int, int, int, _Branch]] = []  # heap: (-weight, depth, rank, tie, parent, node)
-
-    def push_children(node: _Branch, index: int, depth: int) -> None:
-        best = sorted(node.children.values(), key=lambda c: (-c.weight, c.rank))[:branch]
-        for child in best:
-            heappush(frontier, (-child.weight, depth + 1, child.rank, next(order), index, child))
-
-    push_children(root, -1, 0)
-    while frontier and len(tokens) < k:
-        _, depth, _, _, parent, node = heappop(frontier)
-        tokens.append(node.token)
-        parents.append(parent)
-        push_children(node, len(tokens) - 1, depth)
-    return tokens, parents
 
 
 class NgramDrafter(Drafter):

@@ -48,14 +48,14 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
-from heapq import heappop, heappush, nlargest
-from itertools import count
+from heapq import nlargest
 from operator import attrgetter
 
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
+from specdraft.tree import grow_best_first
 
 DEFAULT_MAX_DEPTH = 24  # trie depth: the longest match plus what can follow it
 DEFAULT_MIN_MATCH = 2  # one-token matches propose often and are mostly wrong
@@ -216,29 +216,17 @@ class SuffixTrie:
         """The speculation tree below `node` (module doc): at most `limit` nodes, at most `branch`
         children each, at most `depth` deep, each with score (product of probabilities) >= `min_score`.
         Returns tokens, parents (-1: `node`), the tree's score Σ node scores, and the newest stamp used."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        total, newest = 0.0, 0
-        order = count()  # ties on score and depth: pushed first, i.e. the likelier sibling
-        frontier: list[tuple[float, int, int, int, _Node]] = []  # heap: (-score, depth, tie, parent, trie node)
-
-        def push_children(parent: _Node, index: int, parent_depth: int, parent_score: float) -> None:
+        def children(parent: _Node, parent_depth: int, parent_score: float):
             if parent_depth >= depth or not parent.total:
                 return
             for child in _best_children(parent, branch):
                 score = parent_score * child.count / parent.total
                 if score < min_score:
-                    break  # the rest are no likelier
-                heappush(frontier, (-score, parent_depth + 1, next(order), index, child))
+                    return  # the rest are no likelier
+                yield child.token, score, child
 
-        push_children(node, -1, 0, 1.0)
-        while frontier and len(tokens) < limit:
-            neg_score, node_depth, _, parent, child = heappop(frontier)
-            tokens.append(child.token)
-            parents.append(parent)
-            total -= neg_score
-            newest = max(newest, child.stamp)
-            push_children(child, len(tokens) - 1, node_depth, -neg_score)
+        tokens, parents, scores, nodes = grow_best_first(node, children, limit)
+        total, newest = sum(scores), max((child.stamp for child in nodes), default=0)
         return tokens, parents, total, newest
 
 
