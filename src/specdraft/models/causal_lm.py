@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.attention import use_grouped_sdpa
 
 
 @dataclass
@@ -32,6 +33,7 @@ class CausalLM:
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model") -> None:
         self.model = model.eval()
+        use_grouped_sdpa(model)
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config

@@ -1,0 +1,58 @@
+"""Attention for the CPU: transformers' `sdpa` with grouped key/value heads handed to SDPA.
+
+With grouped-query attention (the bundled Qwen2.5 models: 12 or 14 query heads share 2
+key/value heads) and an attention mask (every pass of more than one token after the first:
+chain verification, tree passes, catch-up), transformers repeats each layer's cached keys
+and values once per query head before calling SDPA, because SDPA's grouped mode with a mask
+falls back to a slow kernel on CUDA. On the CPU the grouped mode with a mask is fast and
+gives the same result bit for bit; the repeat copies the whole cache every layer and pass
+(measured, one layer with a 1,000-token cache, bf16, 2 threads: 0.87 ms repeated vs 0.49 ms
+grouped for 13 query tokens, 0.52 vs 0.15 ms for one).
+
+`use_grouped_sdpa(model)` switches a model whose attention is `sdpa` to this function;
+everything it does not handle goes to transformers' own `sdpa` unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+GROUPED_SDPA = "specdraft_grouped_sdpa"
+
+
+def grouped_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, heads, T, head_dim]
+    key: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    value: torch.Tensor,  # [B, kv_heads, S, head_dim]
+    attention_mask: torch.Tensor | None,  # [B, 1, T, S] or None
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa` attention, with `enable_gqa` on the CPU instead of repeated heads."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned: only for a bare prefill
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
+    )  # [B, heads, T, head_dim]
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+def use_grouped_sdpa(model: PreTrainedModel) -> None:
+    """Run `model`'s attention through `grouped_sdpa_forward` if it uses `sdpa` (else leave it)."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(GROUPED_SDPA)
