@@ -97,3 +97,34 @@ def test_greedy_free_drafters_equal_ar(pair, name):
     verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
     assert verdict.acceptable, verdict
     assert spec.stats.accepted > 0 and spec.stats.steps < ar.stats.steps
+
+
+@pytest.mark.parametrize("name,prompt", [("model", PROMPTS[0]), ("model", PROMPTS[1]), ("suffix", REWRITE_PROMPT)])
+def test_greedy_trees_equal_ar(pair, name, prompt):
+    """Tree drafts on the real target (tree attention through the model's own attention, the accepted
+    path kept in both caches): exact, and deeper per step than a chain of the same depth."""
+    from specdraft.drafters import make_drafter
+    from specdraft.models.loading import prepare_draft
+
+    target, draft = pair
+    ids = encode_prompt(target.tokenizer, prompt)
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=64)
+    drafter = make_drafter(name, draft_model=prepare_draft(draft, "int4", copy=True) if name == "model" else None)
+    spec = SpeculativeDecoder(target, drafter, k=6, tree_budget=12, tree_branch=3).generate(ids, max_new_tokens=64)
+    verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
+    assert verdict.acceptable, verdict
+    assert spec.stats.steps < ar.stats.steps
+    if name == "model":  # some accepted path left the first-listed line of the tree
+        assert any(path != list(range(len(path))) for path in spec.stats.path_per_step)
+
+
+def test_sampled_tree_run_is_reproducible(pair):
+    from specdraft.models.loading import prepare_draft
+
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, ModelDrafter(prepare_draft(draft, "int4", copy=True)), k=5, tree_budget=10,
+                                 tree_branch=3)
+    params = SamplingParams(temperature=0.7, seed=5)
+    a = decoder.generate(PROMPTS[0], params, max_new_tokens=40)
+    b = decoder.generate(PROMPTS[0], params, max_new_tokens=40)
+    assert a.token_ids == b.token_ids and a.stats.steps < 40
