@@ -5,7 +5,9 @@ first two generated tokens after a prompt, p(a) · p(b | a), is computed from it
 each drafter then generates two tokens for many seeds, and a chi-square test compares the
 counts of (a, b) with it. The prompt repeats itself, so the free drafters (deterministic
 proposals, verified as point masses) propose from the first step. A negative control
-(a residual that keeps a rejected deterministic proposal) must fail the same test.
+(a residual that keeps a rejected deterministic proposal) must fail the same test. Tree
+drafts (`model`, `ngram`, `suffix` with a tree budget) face the same test after a prompt
+whose tail was followed by three different tokens.
 """
 
 from __future__ import annotations
@@ -39,24 +41,26 @@ def target_model() -> Qwen2ForCausalLM:
     return model
 
 
-def exact_two_tokens(model: Qwen2ForCausalLM) -> np.ndarray:
-    """`[V, V]` probability that the target generates (a, b) after PROMPT."""
+def exact_two_tokens(model: Qwen2ForCausalLM, prompt: list[int] = PROMPT) -> np.ndarray:
+    """`[V, V]` probability that the target generates (a, b) after `prompt`."""
     with torch.no_grad():
-        first = model(torch.tensor([PROMPT])).logits[0, -1].double().softmax(-1)  # [V]
-        rows = torch.tensor([PROMPT + [a] for a in range(V)])  # [V, L + 1]
+        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)  # [V]
+        rows = torch.tensor([prompt + [a] for a in range(V)])  # [V, L + 1]
         second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
     return (first[:, None] * second).numpy()
 
 
-def sampled_pairs(decoder: SpeculativeDecoder) -> tuple[np.ndarray, dict]:
-    """`[V * V]` counts of the first two generated tokens over SAMPLES seeds, and drafts per source."""
-    counts, drafted = np.zeros(V * V), {}
+def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tuple[np.ndarray, dict]:
+    """`[V * V]` counts of the first two generated tokens over SAMPLES seeds, and drafts per source
+    (plus `"trees"`: steps whose draft branched)."""
+    counts, drafted = np.zeros(V * V), {"trees": 0}
     for seed in range(SAMPLES):
-        out = decoder.generate(PROMPT, SamplingParams(temperature=PARAMS.temperature, seed=seed), 4)
+        out = decoder.generate(prompt, SamplingParams(temperature=PARAMS.temperature, seed=seed), 4)
         a, b = out.token_ids[:2]  # four tokens, so a second step has room to draft
         counts[a * V + b] += 1
         for source, row in out.stats.by_source().items():
             drafted[source] = drafted.get(source, 0) + row["drafted"]
+        drafted["trees"] += sum(k > depth for k, depth in zip(out.stats.k_per_step, out.stats.depth_per_step))
     return counts, drafted
 
 
@@ -76,6 +80,26 @@ def test_sampled_output_follows_the_target(target_model, name):
     assert all(drafted.get(source, 0) > SAMPLES // 10 for source in name.split("+")), drafted
     pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
     assert pvalue > P_PASS, f"{name}: p-value {pvalue:.3g}"
+
+
+TREE_PROMPT = [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # [1, 2] was followed by 3, 5 and 6: lookup trees branch
+TREE_DRAFTERS = {
+    "model": lambda draft: make_drafter("model", {"draft-confidence": 0.05}, draft_model=draft),
+    "ngram": lambda draft: make_drafter("ngram"),
+    "suffix": lambda draft: make_drafter("suffix"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TREE_DRAFTERS))
+def test_sampled_tree_output_follows_the_target(target_model, name):
+    """Tree drafts (deterministic children, tried as point masses in sibling order) keep the target's
+    distribution through the whole engine."""
+    draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
+    decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS[name](draft), k=3, tree_budget=6, tree_branch=3)
+    counts, drafted = sampled_pairs(decoder, TREE_PROMPT)
+    assert drafted["trees"] > SAMPLES // 10, drafted
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
+    assert pvalue > P_PASS, f"{name} trees: p-value {pvalue:.3g}"
 
 
 def test_point_mass_left_in_the_residual_is_caught(target_model, monkeypatch):

@@ -282,7 +282,7 @@ def test_sampled_chain_layout_matches_verify_sampled_draw_for_draw(deterministic
 
 V = 6
 X0 = 2
-TRIALS = 16_000
+TRIALS = 12_000
 P_PASS = 1e-3  # the correct verifier must pass
 P_REJECT = 1e-6  # a wrong verifier must fail
 

@@ -1,0 +1,92 @@
+"""Tree drafts of the `model` drafter through the engine (tiny random models).
+
+Tier 3: greedy output with trees equals plain decoding for drafts from identical to
+independent, several budgets, branchings and k (fixed and auto), with a repetition penalty
+too. The draft's cache after a tree step must be what a plain pass over the accepted path
+would have left: with a draft identical to the target, every step's accepted path is the
+tree's whole top line (a corrupted draft cache would mispredict and break that).
+"""
+
+import pytest
+import torch
+
+from conftest import perturbed, tiny_config, tiny_model
+from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
+from specdraft.errors import SpecdraftError
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target):
+    return {
+        "identical": perturbed(tiny_target, noise=0.0, seed=0),
+        "close": perturbed(tiny_target, noise=0.3, seed=1),
+        "far": perturbed(tiny_target, noise=1.0, seed=2),
+        "independent": tiny_model(tiny_config(), seed=99),
+    }
+
+
+@pytest.mark.parametrize("k,budget,branch", [(3, 6, 2), (4, 10, 3), ("auto", 16, 4), (2, 5, 5)])
+@pytest.mark.parametrize("draft_name", ["identical", "close", "far", "independent"])
+def test_greedy_tree_equals_ar(tiny_target, drafts, make_lm, draft_name, k, budget, branch):
+    ar = SpeculativeDecoder(make_lm(tiny_target))
+    drafter = ModelDrafter(make_lm(drafts[draft_name]), min_confidence=0.05)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=k, tree_budget=budget, tree_branch=branch)
+    for prompt in PROMPTS:
+        expected = ar.generate(prompt, max_new_tokens=40)
+        got = spec.generate(prompt, max_new_tokens=40)
+        assert got.token_ids == expected.token_ids
+        stats = got.stats
+        assert stats.new_tokens == 40 and stats.drafted > 0
+        assert all(len(path) == accepted for path, accepted in zip(stats.path_per_step, stats.accepted_per_step))
+        assert all(accepted <= depth for accepted, depth in zip(stats.accepted_per_step, stats.depth_per_step))
+
+
+def test_trees_branch_and_raise_tau(tiny_target, drafts, make_lm):
+    """A close draft with trees: some steps are real trees (more nodes than depth), and τ beats
+    a chain of the same depth on the same prompt."""
+    def run(**tree):
+        drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.05)
+        return SpeculativeDecoder(make_lm(tiny_target), drafter, k=4, **tree).generate(PROMPTS[2], max_new_tokens=60)
+
+    chain, tree = run(), run(tree_budget=12, tree_branch=3)
+    assert any(k > depth for k, depth in zip(tree.stats.k_per_step, tree.stats.depth_per_step))
+    assert tree.stats.mean_committed_per_step > chain.stats.mean_committed_per_step
+
+
+def test_identical_draft_accepts_the_whole_top_line(tiny_target, drafts, make_lm):
+    """With the target's own weights as draft, the draft's likeliest line is the target's greedy
+    line, so each step accepts as deep as the tree goes: the draft cache stayed right after every keep."""
+    drafter = ModelDrafter(make_lm(drafts["identical"]), min_confidence=0.0)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=4, tree_budget=9, tree_branch=3)
+    stats = spec.generate(PROMPTS[0], max_new_tokens=41).stats
+    full = [depth for depth, k in zip(stats.depth_per_step, stats.k_per_step) if k > 0]
+    assert stats.accepted_per_step[: len(full)] == full
+    assert stats.mean_committed_per_step > 2.0
+
+
+@pytest.mark.parametrize("settings", [
+    dict(repetition_penalty=1.3),
+    dict(repetition_penalty=1.5, top_k=5),
+])
+def test_greedy_tree_with_repetition_penalty_equals_ar(tiny_target, drafts, make_lm, settings):
+    params = SamplingParams(**settings)
+    ar = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[2], params, max_new_tokens=40)
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.05)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=4, tree_budget=10, tree_branch=3)
+    assert spec.generate(PROMPTS[2], params, max_new_tokens=40).token_ids == ar.token_ids
+
+
+def test_sampled_trees_are_reproducible_and_seed_dependent(tiny_target, drafts, make_lm):
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.05)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=4, tree_budget=10, tree_branch=3)
+    runs = [spec.generate(PROMPTS[0], SamplingParams(temperature=0.8, seed=seed), max_new_tokens=30).token_ids
+            for seed in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("budget,branch", [(-1, 2), (4, 0), (2.5, 2)])
+def test_bad_tree_options_are_refused(tiny_target, make_lm, budget, branch):
+    with pytest.raises(SpecdraftError, match="tree"):
+        SpeculativeDecoder(make_lm(tiny_target), None, tree_budget=budget, tree_branch=branch)
