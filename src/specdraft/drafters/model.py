@@ -98,8 +98,14 @@ class ModelDrafter(Drafter):
         scoring at least `min_confidence` are fed to the draft together (one pass, tree
         attention) and become the next frontier. At the end the `budget` best candidates over
         all levels form the tree: scores never rise along a path, so the choice keeps every
-        chosen node's parent. Children are deterministic top choices (q_draft None): the
-        verifier tries them as point masses, which is exact at any temperature.
+        chosen node's parent.
+
+        Greedy, the children are the draft's top choices (q_draft None: point masses). Sampling,
+        a node's first child is drawn from the draft's warped distribution q (its q row goes
+        to the verifier, which accepts it with min(1, p/q) like a chain token) and the others
+        are the top choices besides it (one-hot q rows: point masses tried after it). The
+        drawn child is always tried first among its siblings: the later ones depend on it, which
+        multi-draft rejection allows only for proposals tried after it.
         """
         model, params, branch = self.model, ctx.params, ctx.tree_branch
         max_depth = min(budget, ctx.max_depth or budget)
@@ -113,16 +119,25 @@ class ModelDrafter(Drafter):
         scores: list[float] = []
         depths: list[int] = []
         fed: list[int] = []  # pool indices in the order they entered the draft's cache
+        drawn_from: dict[int, torch.Tensor] = {}  # pool index -> the q row it was drawn from (sampling)
         frontier, frontier_scores = [-1], [1.0]
         for depth in range(1, max_depth + 1):
             probs = self._ranking(logits, params, seen_rows)  # [m, V]
-            top_probs, top_tokens = probs.topk(branch, dim=-1)  # [m, B]
+            if params.greedy:
+                top_probs, top_tokens = probs.topk(branch, dim=-1)  # [m, B]
+            else:  # column 0 drawn from q, then the likeliest others
+                drawn = sample(probs, ctx.generator).unsqueeze(-1)  # [m, 1]
+                rest_probs, rest_tokens = probs.scatter(-1, drawn, -1.0).topk(branch - 1, dim=-1)  # [m, B - 1]
+                top_tokens = torch.cat([drawn, rest_tokens], dim=-1)  # [m, B]
+                top_probs = torch.cat([probs.gather(-1, drawn), rest_probs.clamp_min(0.0)], dim=-1)  # [m, B]
             level = (torch.tensor(frontier_scores).unsqueeze(-1) * top_probs.cpu()).flatten()  # [m * B]
             top_tokens = top_tokens.flatten().tolist()
             new_nodes = []
             for flat in level.argsort(descending=True).tolist():
                 if level[flat] <= 0:  # outside the warped support: the target could never accept it
                     break
+                if not params.greedy and flat % branch == 0:
+                    drawn_from[len(tokens)] = probs[flat // branch]
                 new_nodes.append(len(tokens))
                 tokens.append(top_tokens[flat])
                 parents.append(frontier[flat // branch])
@@ -147,15 +162,43 @@ class ModelDrafter(Drafter):
                 seen_rows = ctx.seen.unsqueeze(0).repeat(len(frontier), 1)  # [m, V]
                 for row, node in enumerate(frontier):
                     seen_rows[row, [tokens[i] for i in self._pool_path(node, parents)]] = True
-        # The tree: the `budget` best candidates, parents first (ties: shallower first).
-        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))[:budget]
-        position = {node: i for i, node in enumerate(chosen)}
-        chosen = [node for node in chosen if parents[node] < 0 or parents[node] in position]
+        # The tree: the `budget` best candidates, parents first (ties: shallower first). A drawn child
+        # comes with its parent whatever its score (choosing it by its drawn value would bias it away
+        # from q), and is moved ahead of its siblings.
+        drawn_child = {parents[node]: node for node in drawn_from}
+        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))
+        admitted: set[int] = set()
+
+        def admit(node: int) -> None:
+            while node is not None and node not in admitted:
+                admitted.add(node)
+                node = drawn_child.get(node)
+
+        admit(drawn_child.get(-1))
+        for node in ranked:
+            if len(admitted) >= budget:
+                break
+            if parents[node] < 0 or parents[node] in admitted:
+                admit(node)
+        chosen = [node for node in ranked if node in admitted]
+        for node in drawn_from:
+            if node in chosen:
+                first_sibling = next(i for i, other in enumerate(chosen) if parents[other] == parents[node])
+                chosen.remove(node)
+                chosen.insert(first_sibling, node)
         position = {node: i for i, node in enumerate(chosen)}
         fed_slot = {node: slot for slot, node in enumerate(fed)}
         self._tree_slots = [fed_slot.get(node) for node in chosen]
-        draft_tokens = torch.tensor([tokens[i] for i in chosen], dtype=torch.long, device=ctx.sequence.device)  # [n]
-        return Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen])
+        device = ctx.sequence.device
+        draft_tokens = torch.tensor([tokens[i] for i in chosen], dtype=torch.long, device=device)  # [n]
+        q_draft = None  # [n, V]: drawn children's q rows, one-hot rows for the rest
+        if any(node in drawn_from for node in chosen):
+            q_draft = torch.zeros(len(chosen), probs.shape[-1], device=device)
+            q_draft[torch.arange(len(chosen), device=device), draft_tokens] = 1.0
+            for i, node in enumerate(chosen):
+                if node in drawn_from:
+                    q_draft[i] = drawn_from[node]
+        return Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft)
 
     @staticmethod
     def _pool_path(node: int, parents: list[int]) -> list[int]:
