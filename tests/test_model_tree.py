@@ -86,6 +86,14 @@ def test_sampled_trees_are_reproducible_and_seed_dependent(tiny_target, drafts, 
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+@pytest.mark.parametrize("budget,branch", [(2, 3), (7, 2), (12, 4)])
+def test_sampled_trees_keep_to_the_budget(tiny_target, drafts, make_lm, budget, branch):
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0)
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=6, tree_budget=budget, tree_branch=branch)
+    stats = spec.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=4), max_new_tokens=40).stats
+    assert max(stats.k_per_step) <= budget and any(k > depth for k, depth in zip(stats.k_per_step, stats.depth_per_step))
+
+
 @pytest.mark.parametrize("budget,branch", [(-1, 2), (4, 0), (2.5, 2)])
 def test_bad_tree_options_are_refused(tiny_target, make_lm, budget, branch):
     with pytest.raises(SpecdraftError, match="tree"):

@@ -128,22 +128,27 @@ class ModelDrafter(Drafter):
             else:  # column 0 drawn from q, then the likeliest others
                 drawn = sample(probs, ctx.generator).unsqueeze(-1)  # [m, 1]
                 rest_probs, rest_tokens = probs.scatter(-1, drawn, -1.0).topk(branch - 1, dim=-1)  # [m, B - 1]
+                if depth == 1 and budget < branch:  # the root's children alone would overrun the budget
+                    rest_probs, rest_tokens = rest_probs[:, : budget - 1], rest_tokens[:, : budget - 1]
                 top_tokens = torch.cat([drawn, rest_tokens], dim=-1)  # [m, B]
                 top_probs = torch.cat([probs.gather(-1, drawn), rest_probs.clamp_min(0.0)], dim=-1)  # [m, B]
+            width = top_probs.shape[-1]  # candidates per frontier row (B, or fewer where the budget is smaller)
             level = (torch.tensor(frontier_scores).unsqueeze(-1) * top_probs.cpu()).flatten()  # [m * B]
             top_tokens = top_tokens.flatten().tolist()
             new_nodes = []
             for flat in level.argsort(descending=True).tolist():
                 if level[flat] <= 0:  # outside the warped support: the target could never accept it
                     break
-                if not params.greedy and flat % branch == 0:
-                    drawn_from[len(tokens)] = probs[flat // branch]
+                if not params.greedy and flat % width == 0:
+                    drawn_from[len(tokens)] = probs[flat // width]
                 new_nodes.append(len(tokens))
                 tokens.append(top_tokens[flat])
-                parents.append(frontier[flat // branch])
+                parents.append(frontier[flat // width])
                 scores.append(float(level[flat]))
                 depths.append(depth)
             frontier = [node for node in new_nodes[:branch] if scores[node] >= self.min_confidence]
+            if not params.greedy:  # every candidate joins the tree: expand only what the budget holds
+                frontier = frontier[: (budget - len(tokens)) // branch]
             if depth == max_depth or not frontier:
                 break
             frontier_scores = [scores[node] for node in frontier]
@@ -162,25 +167,14 @@ class ModelDrafter(Drafter):
                 seen_rows = ctx.seen.unsqueeze(0).repeat(len(frontier), 1)  # [m, V]
                 for row, node in enumerate(frontier):
                     seen_rows[row, [tokens[i] for i in self._pool_path(node, parents)]] = True
-        # The tree: the `budget` best candidates, parents first (ties: shallower first). A drawn child
-        # comes with its parent whatever its score (choosing it by its drawn value would bias it away
-        # from q), and is moved ahead of its siblings.
-        drawn_child = {parents[node]: node for node in drawn_from}
+        # The tree: greedy, the `budget` best candidates; sampling, every candidate (choosing drawn ones
+        # by their drawn value would bias them away from q). Parents first (ties: shallower first),
+        # each drawn child moved ahead of its siblings.
         ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))
-        admitted: set[int] = set()
-
-        def admit(node: int) -> None:
-            while node is not None and node not in admitted:
-                admitted.add(node)
-                node = drawn_child.get(node)
-
-        admit(drawn_child.get(-1))
-        for node in ranked:
-            if len(admitted) >= budget:
-                break
-            if parents[node] < 0 or parents[node] in admitted:
-                admit(node)
-        chosen = [node for node in ranked if node in admitted]
+        chosen: list[int] = []
+        for node in ranked[:budget] if params.greedy else ranked:
+            if parents[node] < 0 or parents[node] in chosen:
+                chosen.append(node)
         for node in drawn_from:
             if node in chosen:
                 first_sibling = next(i for i, other in enumerate(chosen) if parents[other] == parents[node])
