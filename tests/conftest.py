@@ -81,6 +81,17 @@ def tiny_target() -> Qwen2ForCausalLM:
     return tiny_model(tiny_config(), seed=0)
 
 
+@pytest.fixture(scope="session")
+def drafts(tiny_target) -> dict[str, Qwen2ForCausalLM]:
+    """Drafts of `tiny_target` from always right (its own weights) to mostly wrong (independent)."""
+    return {
+        "identical": perturbed(tiny_target, noise=0.0, seed=0),
+        "close": perturbed(tiny_target, noise=0.3, seed=1),
+        "far": perturbed(tiny_target, noise=1.0, seed=2),
+        "independent": tiny_model(tiny_config(), seed=99),
+    }
+
+
 @pytest.fixture()
 def make_lm():
     """Wrap a HF model (fresh cache each time) as the engine's CausalLM."""

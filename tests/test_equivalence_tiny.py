@@ -3,21 +3,9 @@
 import pytest
 import torch
 
-from conftest import perturbed, tiny_config, tiny_model
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
-
-
-@pytest.fixture(scope="module")
-def drafts(tiny_target):
-    """Drafts from always right (the target's own weights) to mostly wrong (independent)."""
-    return {
-        "identical": perturbed(tiny_target, noise=0.0, seed=0),
-        "close": perturbed(tiny_target, noise=0.3, seed=1),
-        "far": perturbed(tiny_target, noise=1.0, seed=2),
-        "independent": tiny_model(tiny_config(), seed=99),
-    }
 
 
 @pytest.mark.parametrize("confidence", [0.0, 0.5])

@@ -10,21 +10,10 @@ tree's whole top line (a corrupted draft cache would mispredict and break that).
 import pytest
 import torch
 
-from conftest import perturbed, tiny_config, tiny_model
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
-
-
-@pytest.fixture(scope="module")
-def drafts(tiny_target):
-    return {
-        "identical": perturbed(tiny_target, noise=0.0, seed=0),
-        "close": perturbed(tiny_target, noise=0.3, seed=1),
-        "far": perturbed(tiny_target, noise=1.0, seed=2),
-        "independent": tiny_model(tiny_config(), seed=99),
-    }
 
 
 @pytest.mark.parametrize("k,budget,branch", [(3, 6, 2), (4, 10, 3), ("auto", 16, 4), (2, 5, 5)])

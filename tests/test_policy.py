@@ -5,14 +5,8 @@ import pytest
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
 from specdraft.policy import DEFAULT_SOURCE, AutoK, FixedK, make_policy
-from conftest import perturbed
 
 PROMPT = [5, 17, 42, 8, 59, 3]
-
-
-@pytest.fixture(scope="module")
-def drafts(tiny_target):
-    return {"close": perturbed(tiny_target, noise=0.3, seed=1), "far": perturbed(tiny_target, noise=1.0, seed=2)}
 
 
 def calibrated(verify_ms: list[float], draft_ms: float, alpha: float, max_k: int = 6) -> AutoK:

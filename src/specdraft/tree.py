@@ -95,11 +95,7 @@ class TreeLayout:
 
     def path(self, node: int) -> list[int]:
         """Tokens from the root's child down to `node` (empty for the root, -1)."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(node, self.parents)
 
     def block_attention(self, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and visibility for one pass over `prefix` plain tokens followed by the tree.
@@ -113,6 +109,15 @@ class TreeLayout:
         visible = torch.ones(prefix + n, prefix + n, dtype=torch.bool, device=device).tril_()  # [T, T]
         visible[prefix:, prefix:] = self.ancestors
         return offsets, visible
+
+
+def path_to(node: int, parents: Sequence[int]) -> list[int]:
+    """The indices from the root's child down to `node` in a parent list (empty for the root, -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def grow_best_first(root: object, children: Callable[[object, int, float], Iterable[tuple[int, float, object]]],

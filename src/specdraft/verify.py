@@ -39,7 +39,7 @@ class Verdict:
 
 
 def residual_distribution(
-    p: torch.Tensor,  # [B, k, V] target probabilities at the draft positions
+    p: torch.Tensor,  # [B, k, V] target probabilities at the draft positions (any leading shape)
     q: torch.Tensor | None,  # [B, k, V] draft probabilities, or None for deterministic proposals
     draft_tokens: torch.Tensor,  # [B, k]
 ) -> torch.Tensor:
@@ -142,17 +142,12 @@ def verify_tree(
         for nodes in layout.by_rank:  # each parent has at most one child of a given rank
             rows = parent_rows[nodes]
             current = residual[rows]  # [m, V]
-            drawn = tokens[nodes].unsqueeze(-1)  # [m, 1]
-            p_at_token[nodes] = current.gather(-1, drawn).squeeze(-1)
-            if q_draft is None:
-                rest = current.scatter(-1, drawn, 0.0)
-            else:
-                q_rows = q_draft[nodes]  # [m, V]
-                q_at_token[nodes] = q_rows.gather(-1, drawn).squeeze(-1)
-                rest = (current - q_rows).clamp_min(0.0)
-            mass = rest.sum(-1, keepdim=True)  # [m, 1]
-            empty = mass <= 1e-12  # p' == q: rejection had probability 0, p' stands
-            residual[rows] = torch.where(empty, current, rest / torch.where(empty, 1.0, mass))
+            drawn = tokens[nodes]  # [m]
+            p_at_token[nodes] = current.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+            q_rows = None if q_draft is None else q_draft[nodes]  # [m, V]
+            if q_rows is not None:
+                q_at_token[nodes] = q_rows.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+            residual[rows] = residual_distribution(current, q_rows, drawn)
         # u < p'/q written without a division: a token with q = 0 is accepted iff p' > 0.
         passed = uniform * q_at_token < p_at_token  # [n]
         candidates = sample(residual, generator)  # [n + 1]

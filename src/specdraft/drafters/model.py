@@ -8,6 +8,7 @@ from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import sample, warp
+from specdraft.tree import path_to
 
 
 # Stop drafting once the chain's estimated survival falls below this (measured: README).
@@ -157,7 +158,7 @@ class ModelDrafter(Drafter):
             slot = {node: i for i, node in enumerate(fed)}
             visible = torch.zeros(len(frontier), len(fed), dtype=torch.bool)  # [m, S] over the fed tree tokens
             for row, node in enumerate(frontier):
-                visible[row, [slot[i] for i in self._pool_path(node, parents)]] = True
+                visible[row, [slot[i] for i in path_to(node, parents)]] = True
             # Depth-d tokens sit at position base - 1 + d (the root, the last committed token, at base - 1).
             offsets = torch.full((len(frontier),), base - 1 + depth - model.cache_len)  # [m]
             block = torch.tensor([tokens[i] for i in frontier], device=feed.device).unsqueeze(0)  # [1, m]
@@ -166,7 +167,7 @@ class ModelDrafter(Drafter):
             if ctx.seen is not None:  # each frontier row has also seen its own path
                 seen_rows = ctx.seen.unsqueeze(0).repeat(len(frontier), 1)  # [m, V]
                 for row, node in enumerate(frontier):
-                    seen_rows[row, [tokens[i] for i in self._pool_path(node, parents)]] = True
+                    seen_rows[row, [tokens[i] for i in path_to(node, parents)]] = True
         # The tree: greedy, the `budget` best candidates; sampling, every candidate (choosing drawn ones
         # by their drawn value would bias them away from q). Parents first (ties: shallower first),
         # each drawn child moved ahead of its siblings.
@@ -193,14 +194,6 @@ class ModelDrafter(Drafter):
                 if node in drawn_from:
                     q_draft[i] = drawn_from[node]
         return Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft)
-
-    @staticmethod
-    def _pool_path(node: int, parents: list[int]) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        return path
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         # The cache holds the sequence up to prev_len plus the fed draft tokens; keep the accepted ones.
