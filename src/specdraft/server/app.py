@@ -1,0 +1,229 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics, the playground, and API-key checks."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import random
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdraft.server.decoders import DecoderPool
+from specdraft.server.errors import ApiError
+from specdraft.server.metrics import Metrics
+from specdraft.server.prepare import Generation, prepare
+from specdraft.server.responses import ResponseShape, sse
+from specdraft.server.schemas import ChatCompletionRequest, CompletionRequest
+from specdraft.server.worker import Failed, Finished, Job, Step, Worker, timeout_error
+
+# How often a request waiting for its results checks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.25
+# Routes counted by name in the metrics (anything else is counted as "other").
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+@dataclass
+class ServerSettings:
+    """What `specdraft serve` sets besides the models: names, limits, the key."""
+
+    served_model: str
+    api_key: str | None = None
+    max_queue: int = 64
+    request_timeout: float = 600.0
+    default_max_tokens: int = 256
+    shutdown_grace: float = 10.0
+    seed: int = 0  # seeds the seeds of requests that give none
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+class RequestCounter:
+    """ASGI middleware counting answered requests by route and status (streams count when they start)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.record_request(endpoint, message["status"])
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
+
+
+def _field_path(location) -> str:
+    """`messages.0.content` from pydantic's location, without "body" and the union branches it tried (`str`, `int`, ...)."""
+    parts = [str(part) for part in location if part != "body"]
+    return ".".join(part for part in parts if not (part in ("str", "int", "float", "bool") or "[" in part))
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+    """A 400 naming the first problem of a body that is not JSON or does not fit the schema."""
+    first = error.errors()[0]
+    field = _field_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"The body is not valid JSON: {first.get('msg')}.", code="invalid_json")
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"Unsupported field {field!r}; remove it.", param=field, code="unsupported_parameter")
+    if not field:
+        return ApiError(400, f"The body must be a JSON object with the request's fields: {first.get('msg')}.",
+                        code="invalid_body")
+    return ApiError(400, f"Invalid {field}: {first.get('msg')}.", param=field, code="invalid_value")
+
+
+def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
+    """The server over `pool`'s models: one engine thread, a queue of `settings.max_queue` in front of it."""
+    seeds = random.Random(settings.seed)
+    started = int(time.time())
+    metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running)
+    worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop, settings.shutdown_grace)
+
+    app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker, app.state.metrics, app.state.settings = worker, metrics, settings
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return _validation_error(error).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = {404: "No such route; the API lives under /v1 (GET /v1/models).",
+                   405: "This route does not take that method."}.get(error.status_code, str(error.detail))
+        return ApiError(error.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def bug(_request: Request, _error: Exception) -> JSONResponse:
+        return ApiError(500, "The server failed on this request; this is a bug, please report it.",
+                        code="internal_error").response()
+
+    async def next_result(job: Job, request: Request) -> Step | Finished | Failed:
+        """The job's next result; cancels the job and raises ClientGone if the client disconnects meanwhile,
+        and gives up (504) once the request is past its timeout, even while it still waits in the queue."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.results.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise ClientGone from None
+                if job.expired:
+                    job.cancel()
+                    return Failed(timeout_error(job.timeout))
+
+    async def stream(job: Job, shape: ResponseShape, first: Step | Finished | Failed):
+        done = False
+        try:
+            item = first
+            while True:
+                if isinstance(item, Step):
+                    yield sse(shape.chunk(item))
+                elif isinstance(item, Finished):
+                    if shape.generation.include_usage:
+                        yield sse(shape.usage_chunk(item.stats))
+                    done = True
+                    yield sse("[DONE]")
+                    return
+                else:  # an error after the stream began: OpenAI clients raise on an "error" event
+                    done = True
+                    yield sse(item.error.body())
+                    return
+                item = await job.results.get()
+        finally:
+            if not done:  # the client went away (or the server is stopping): stop the engine at its next step
+                job.cancel()
+
+    async def generate(generation: Generation, request: Request) -> Response:
+        job = worker.submit(generation, asyncio.get_running_loop())
+        shape = ResponseShape(generation)
+        try:
+            item = await next_result(job, request)
+            if isinstance(item, Failed):
+                return item.error.response()
+            if generation.stream:
+                return StreamingResponse(stream(job, shape, item), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            steps = []
+            while isinstance(item, Step):
+                steps.append(item)
+                item = await next_result(job, request)
+            if isinstance(item, Failed):
+                return item.error.response()
+            return JSONResponse(shape.complete(steps, item.stats))
+        except ClientGone:
+            return Response(status_code=499)
+        except asyncio.CancelledError:  # uvicorn gave up on this request (shutdown)
+            job.cancel()
+            raise
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions over the model's chat template (streamed as SSE with `stream: true`)."""
+        return await generate(prepare(body, pool, settings.served_model, settings.default_max_tokens, seeds),
+                              request)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completions of a raw prompt (text or token ids)."""
+        return await generate(prepare(body, pool, settings.served_model, settings.default_max_tokens, seeds),
+                              request)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict:
+        """The one served model, with the drafters a request may ask for and the server's defaults."""
+        default = pool.default
+        return {"object": "list", "data": [{
+            "id": settings.served_model, "object": "model", "created": started, "owned_by": "specdraft",
+            "max_context": pool.target.max_context,
+            "specdraft": {"drafters": pool.drafters(), "default": {"drafter": default.drafter, "k": default.k}},
+        }]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness, open without a key: the queue and whether the engine is busy."""
+        return {"status": "ok", "queue_depth": worker.queue_depth, "running": worker.running}
+
+    @app.get("/metrics", dependencies=[Depends(check_key)])
+    async def prometheus() -> PlainTextResponse:
+        """Prometheus text: requests, tokens, α, τ, acceptance per draft position, time per token, queue."""
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        """The playground page (open: it holds no data; its API calls send the key typed into it)."""
+        return HTMLResponse(resources.files("specdraft.server").joinpath("static/playground.html").read_text())
+
+    return app

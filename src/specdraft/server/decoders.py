@@ -1,0 +1,76 @@
+"""The server's decoders: one per (drafter, k), built on first use over the loaded target and draft."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, drafter_options, drafter_parts, make_drafter, needs_draft_model
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.policy import AUTO, FixedK, make_policy
+
+# The drafter name that asks for plain autoregressive decoding (no draft).
+PLAIN = "none"
+
+
+@dataclass(frozen=True)
+class DecoderKey:
+    """Which decoder a request runs on: a drafter name (`none` = plain decoding) and k (an integer or `auto`)."""
+
+    drafter: str
+    k: int | str
+
+
+class DecoderPool:
+    """The loaded target (and draft, if any) with the server's speculation defaults.
+
+    `resolve` checks a request's speculation settings without touching the models (any thread);
+    `decoder` builds or reuses the decoder for them, and must run on the engine thread only.
+    """
+
+    def __init__(self, target: CausalLM, draft: CausalLM | None = None, drafter: str = DEFAULT_DRAFTER,
+                 k: int | str = DEFAULT_K, options: dict[str, Any] | None = None, tree_budget: int = 0,
+                 tree_branch: int = DEFAULT_TREE_BRANCH) -> None:
+        check_tree_options(tree_budget, tree_branch)
+        self.target, self.draft = target, draft
+        self.options = {key: value for key, value in (options or {}).items() if value is not None}
+        self.tree_budget, self.tree_branch = tree_budget, tree_branch
+        self.default = self.resolve(drafter, k)
+        self._decoders: dict[DecoderKey, SpeculativeDecoder] = {}
+
+    def drafters(self) -> list[str]:
+        """The drafter names this server can build (`none` included); trained ones still need their files."""
+        usable = [name for name in DRAFTERS if self.draft is not None or not DRAFTERS[name].needs_draft_model]
+        return [PLAIN, *usable]
+
+    def resolve(self, drafter: str | None = None, k: int | str | None = None) -> DecoderKey:
+        """The decoder key for a request's `drafter` and `k` (None = the server's default); SpecdraftError
+        when the name is unknown, needs a draft model this server has not loaded, or k is out of range."""
+        drafter = (drafter or "").strip() or self.default.drafter
+        k = self.default.k if k is None else k
+        if drafter == PLAIN:
+            return DecoderKey(PLAIN, 0)
+        drafter_parts(drafter)
+        if needs_draft_model(drafter) and self.draft is None:
+            raise SpecdraftError(f"Drafter {drafter!r} needs a draft model and this server has none loaded; ask for "
+                                 f"one of {', '.join(self.drafters())}, or start the server with a drafter that "
+                                 "uses the draft model (--drafter model).")
+        policy = make_policy(k, self.tree_budget)  # k < 1 or not a number fails here
+        return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
+
+    def decoder(self, key: DecoderKey) -> SpeculativeDecoder:
+        """The decoder for `key`, built on first use (engine thread only: drafters hold model state)."""
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            if key.drafter == PLAIN:
+                decoder = SpeculativeDecoder(self.target)
+            else:
+                known = drafter_options(key.drafter)
+                options = {name: value for name, value in self.options.items() if name in known}
+                drafter = make_drafter(key.drafter, options, draft_model=self.draft, target_model=self.target)
+                decoder = SpeculativeDecoder(self.target, drafter, k=key.k, tree_budget=self.tree_budget,
+                                             tree_branch=self.tree_branch)
+            self._decoders[key] = decoder
+        return decoder

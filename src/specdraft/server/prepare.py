@@ -1,0 +1,114 @@
+"""A request checked and made ready for the engine: prompt ids, one sampling per choice, budget, stops, decoder.
+
+Everything a user can get wrong is an `ApiError` (4xx) here, before the request is queued.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
+
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingParams
+from specdraft.server.decoders import DecoderKey, DecoderPool
+from specdraft.server.errors import ApiError
+from specdraft.server.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest
+from specdraft.text import encode_messages, encode_prompt
+
+
+@dataclass
+class Generation:
+    """One checked request: what the engine thread runs and how the answer is shaped."""
+
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    model: str
+    prompt_ids: list[int]
+    samplings: list[SamplingParams]  # one per choice: the request's seed, seed + 1, ...
+    max_tokens: int
+    stop: list[str]
+    decoder: DecoderKey
+    stream: bool
+    include_usage: bool
+
+
+def _bad(error: SpecdraftError | str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, str(error), param=param, code=code)
+
+
+def _chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
+    if request.logprobs or request.top_logprobs is not None:
+        raise _bad("logprobs are not supported: the engine does not return per-token log-probabilities; "
+                   "remove logprobs and top_logprobs.", param="logprobs", code="unsupported_parameter")
+    # Chat templates know system / user / assistant; OpenAI's newer "developer" is the system role.
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in request.messages]
+    try:
+        return encode_messages(tokenizer, messages)
+    except TemplateError as error:
+        raise _bad(f"The model's chat template refused these messages: {error}", param="messages") from None
+
+
+def _completion_prompt(request: CompletionRequest, tokenizer) -> list[int]:
+    if request.logprobs is not None:
+        raise _bad("logprobs are not supported: the engine does not return per-token log-probabilities; "
+                   "remove logprobs.", param="logprobs", code="unsupported_parameter")
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise _bad(f"Send one prompt per request (got {len(prompt)}); use n for several completions.",
+                       param="prompt")
+        prompt = prompt[0]
+    if not prompt or isinstance(prompt, str) and not prompt.strip():
+        raise _bad("The prompt is empty; give some text or token ids.", param="prompt")
+    return encode_prompt(tokenizer, prompt, chat=False) if isinstance(prompt, str) else list(prompt)
+
+
+def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPool, served_model: str,
+            default_max_tokens: int, seeds: random.Random) -> Generation:
+    """Check `request` against the loaded models and turn it into a `Generation` (ApiError otherwise)."""
+    if request.model != served_model:
+        raise ApiError(404, f"The model {request.model!r} does not exist here; this server serves "
+                            f"{served_model!r} (GET /v1/models).", param="model", code="model_not_found")
+    if request.stream_options is not None and not request.stream:
+        raise _bad("stream_options is only allowed with stream: true.", param="stream_options")
+    chat = isinstance(request, ChatCompletionRequest)
+    target = pool.target
+    try:
+        prompt_ids = _chat_prompt(request, target.tokenizer) if chat else _completion_prompt(request, target.tokenizer)
+    except SpecdraftError as error:
+        raise _bad(error, param="messages" if chat else "prompt") from None
+    vocab = target.vocab_size
+    if not prompt_ids:
+        raise _bad("The prompt has no tokens; give some text or token ids.", param="messages" if chat else "prompt")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise _bad(f"Prompt token ids must lie in [0, {vocab}); got one outside.", param="prompt")
+
+    room = target.max_context - len(prompt_ids)
+    asked = (request.max_completion_tokens or request.max_tokens) if chat else request.max_tokens
+    max_tokens = asked if asked is not None else min(default_max_tokens, room)
+    if max_tokens > room or room < 1:
+        raise _bad(f"The prompt has {len(prompt_ids)} tokens and {max_tokens} more were asked for, but the model "
+                   f"holds {target.max_context} in all; shorten the prompt or lower max_tokens.",
+                   param="messages" if chat else "prompt", code="context_length_exceeded")
+
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOPS:
+        raise _bad(f"At most {MAX_STOPS} stop strings, got {len(stops)}.", param="stop")
+    seed = request.seed if request.seed is not None else seeds.randrange(2**31)
+    try:
+        samplings = [SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                    min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+                                    seed=seed + i) for i in range(request.n)]
+    except SpecdraftError as error:
+        raise _bad(error) from None
+    speculative = request.speculative
+    try:
+        decoder = pool.resolve(speculative.drafter if speculative else None, speculative.k if speculative else None)
+    except SpecdraftError as error:
+        raise _bad(error, param="speculative") from None
+    return Generation(chat=chat, model=served_model, prompt_ids=prompt_ids, samplings=samplings,
+                      max_tokens=max_tokens, stop=stops, decoder=decoder, stream=request.stream,
+                      include_usage=bool(request.stream_options and request.stream_options.include_usage))
+

@@ -1,0 +1,87 @@
+"""Request bodies of /v1/chat/completions and /v1/completions (unknown fields are refused).
+
+Ranges follow OpenAI's where it has one; `top_k`, `min_p`, `repetition_penalty` and
+`speculative` are this server's extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+# Most samples one request may ask for, and most stop strings.
+MAX_N = 16
+MAX_STOPS = 4
+
+
+class Speculative(BaseModel):
+    """Per-request speculation: who drafts (`none` = plain decoding) and how many tokens a step (or `auto`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    drafter: Optional[StrictStr] = None
+    k: Optional[Union[Annotated[StrictInt, Field(ge=1)], Literal["auto"]]] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints take: budget, sampling, stopping, streaming, speculation."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: Optional[StrictInt] = Field(None, ge=0, lt=2**63)
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None  # accepted and ignored, as OpenAI only logs it
+    speculative: Optional[Speculative] = None
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (OpenAI allows one string or a list)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart]]
+    name: Optional[StrictStr] = None
+
+    def text(self) -> str:
+        """The message's text (parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. `logprobs` is refused when true (the engine does not return them)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: one prompt, as text or token ids. `logprobs` is refused when set."""
+
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    logprobs: Optional[StrictInt] = None
+    echo: Literal[False] = False

@@ -1,0 +1,80 @@
+"""`specdraft serve`: the OpenAI-compatible server, with the model and speculation options of `generate`."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from specdraft.errors import SpecdraftError
+
+err = Console(stderr=True, soft_wrap=True)
+
+# The options of `specdraft generate` that `serve` takes as they are (declared once, in cli.generate).
+SHARED_OPTIONS = ("target", "draft", "drafter", "k", "draft_confidence", "ngram_max", "ngram_min", "suffix_min_match",
+                  "suffix_min_score", "suffix_factor", "exit_layer", "trained", "tree_budget", "tree_branch",
+                  "draft_quant", "draft_vocab", "dtype", "device", "gguf_weights")
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDRAFT_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on everything but /health and /."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="The model id clients send (default: the target's name)."),
+    max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests that may wait for the engine; more get 429."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout",
+                                          help="Seconds a request may take, waiting included (then 504 / an error event)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Token budget of requests that set none."),
+    shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
+                                         help="On shutdown, seconds the running generation may take to finish."),
+    seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
+    **model_options,
+) -> None:
+    """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a playground at /."""
+    try:
+        app = build_app(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
+                        request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace,
+                        seed=seed, **model_options)
+    except SpecdraftError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(2)
+    import uvicorn
+
+    err.print(f"serving {app.state.settings.served_model} on http://{host}:{port} (playground at /)", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
+
+
+def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
+              target, draft, drafter, k, tree_budget, tree_branch, draft_quant, draft_vocab, dtype, device,
+              gguf_weights, **flags):
+    """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
+    from specdraft.engine import check_tree_options
+    from specdraft.policy import make_policy
+    from specdraft.server import DecoderPool, ServerSettings, create_app
+    from specdraft.surfaces.model_setup import drafter_flags, load_models
+
+    check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
+    make_policy(k, tree_budget)
+    options = drafter_flags(**flags)
+    target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
+                                      gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
+    pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
+                       tree_branch=tree_branch)
+    settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
+                              max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
+                              shutdown_grace=shutdown_grace, seed=seed)
+    return create_app(pool, settings)
+
+
+def with_generate_options(generate):
+    """`serve` taking, besides its own options, those of `generate` named in SHARED_OPTIONS (for typer)."""
+    shared = inspect.signature(generate, eval_str=True).parameters
+    own = [p for p in inspect.signature(serve, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    serve.__signature__ = inspect.Signature([*own, *(shared[name] for name in SHARED_OPTIONS)])
+    return serve
