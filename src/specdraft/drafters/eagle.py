@@ -1,0 +1,114 @@
+"""The `eagle` drafter: a one-layer feature drafter trained on the target's hidden states (EAGLE).
+
+The drafter's cache holds one entry per pair (f_t, x_{t+1}): the target's feature at t and
+the token after it. Features arrive from the target's own passes (prefill and every
+verification: no extra target pass), so before drafting the drafter catches up on the pairs
+it has not seen, in one pass whose last row predicts the feature after the last committed
+token; each draft token is then read off a predicted feature and fed back with it.
+
+After the verdict the drafter's cache is cut back to the pairs built from real features;
+the accepted tokens come back as real pairs at the next catch-up (the target's features of
+them are better than the predicted ones).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.drafters.dynamic_tree import grow_dynamic_tree
+from specdraft.drafters.medusa import head_distributions
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.draft_head import target_subset_head
+from specdraft.models.eagle import EagleDrafterModel
+from specdraft.sampling import sample
+
+
+class EagleDrafter(Drafter):
+    """Draft with an EAGLE feature drafter trained for `target` (see `models.eagle`)."""
+
+    name = "eagle"
+    needs_features = True
+
+    def __init__(self, target: CausalLM, model: EagleDrafterModel, vocab_ids: torch.Tensor,
+                 min_confidence: float = 0.0) -> None:
+        if model.config.hidden_size != target.config.hidden_size:
+            raise SpecdraftError(f"This EAGLE drafter reads hidden states of size {model.config.hidden_size}; "
+                                 f"{target.name}'s are {target.config.hidden_size}.")
+        self.model = model
+        self.embed = target.model.get_input_embeddings()
+        self.vocab_head = target_subset_head(target, vocab_ids)
+        self.min_confidence = min_confidence
+        self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
+        self._real = 0  # cache entries built from the target's own features
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.model.reset_cache(prompt.shape[0] + 256)
+        self._pending, self._real = [], 0
+
+    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
+        if hidden.shape[0]:
+            self._pending.append(hidden)
+
+    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
+        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
+            return None
+        return super().source(ctx, declined)
+
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed pairs (features[i], tokens[i]) at positions start.. and return the predicted next features. # [n, H]"""
+        dtype = self.vocab_head.inner.weight.dtype
+        positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
+        return self.model(features.to(dtype), self.embed(tokens).to(dtype), positions)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        model, sequence = self.model, ctx.sequence
+        if not self._pending:  # the engine hands over features after every step, so this is a bug
+            raise RuntimeError("eagle drafter: asked to propose with no new target features")
+        # Catch up: pairs (f_t, x_{t+1}) for every feature that arrived since the last draft.
+        model.truncate(self._real)
+        fresh, self._pending = torch.cat(self._pending), []  # [n, H]
+        start = self._real
+        predicted = self._step(fresh, sequence[start + 1:start + 1 + fresh.shape[0]], start)[-1:]  # [1, H]
+        self._real = start + fresh.shape[0]
+        if ctx.tree_branch > 1:
+            return self._tree(ctx, k, predicted)
+        greedy = ctx.params.greedy
+        tokens, rows = [], []
+        survival = 1.0
+        depth = min(k, ctx.max_depth or k)
+        for i in range(depth):
+            probs = head_distributions(self.vocab_head(predicted), ctx)  # [1, V]
+            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
+            tokens.append(token)
+            rows.append(probs)
+            if self.min_confidence:
+                survival *= float(probs[0, token[0]])
+                if survival < self.min_confidence:
+                    break
+            if i < depth - 1:
+                predicted = self._step(predicted, token, self._real + i)  # [1, H]
+        draft = torch.cat(tokens)  # [k]
+        return Draft.chain(draft, None if greedy else torch.cat(rows))
+
+    def _tree(self, ctx: DraftContext, budget: int, root_feature: torch.Tensor) -> Draft:
+        """A dynamic tree (see `dynamic_tree`): each level's nodes are fed with their parents' predicted
+        features in one pass. # root_feature: [1, H]"""
+        after: dict[int, torch.Tensor] = {}  # pool index -> the feature predicted after it
+        start = self._real  # position of the pairs of depth-1 tokens
+
+        def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
+                   parents: list[int]) -> torch.Tensor:
+            inputs = torch.stack([root_feature[0] if parents[node] < 0 else after[parents[node]] for node in frontier])
+            dtype = self.vocab_head.inner.weight.dtype
+            positions = torch.full((len(frontier),), start + depth - 1, device=block.device)  # [m]
+            predicted = self.model(inputs.to(dtype), self.embed(block[0]).to(dtype), positions, visible=visible)
+            after.update(zip(frontier, predicted))
+            return self.vocab_head(predicted)  # [m, V]
+
+        return grow_dynamic_tree(self.vocab_head(root_feature), expand, ctx, budget, self.min_confidence).draft
+
+    def commit(self, prev_len: int, path: list[int]) -> None:
+        self.model.truncate(self._real)  # drafted entries go; the accepted tokens return as real pairs

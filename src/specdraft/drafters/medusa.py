@@ -1,0 +1,121 @@
+"""The `medusa` drafter: trained heads on the target's last hidden state propose several tokens at once.
+
+All heads read the same feature, the target's final hidden state under the token before the
+last committed one (the one its LM head turned into that token), so one small pass gives a
+candidate distribution for every depth: head d for the token d after the last committed one.
+The heads cannot see the draft tokens before their own depth, which is Medusa's trade: no
+serial draft steps, lower acceptance deeper down.
+
+Chain: head d's top token (greedy) or a token drawn from its warped distribution q_d
+(sampling; verified with min(1, p/q) like any drafted token). Tree (`tree_branch` > 1):
+best-first over the heads' candidates, a node's score being the product of head
+probabilities along its path. Sampling, each node's first child is drawn from q and always
+kept once its parent is (its place is decided before its value is known), the others are
+top choices tried after it as point masses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.draft_head import target_subset_head
+from specdraft.models.medusa import MedusaHeads
+from specdraft.drafters.dynamic_tree import ranking
+from specdraft.sampling import sample
+from specdraft.tree import grow_best_first
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A tree node's own probability product (its heap priority may differ) and its q row, if drawn."""
+
+    score: float
+    q_row: torch.Tensor | None = None  # [V]
+
+
+def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
+    """[m, V] what each row's candidates are drawn from (sampling) or ranked by (greedy: the plain softmax)."""
+    seen_rows = ctx.seen.unsqueeze(0).expand(logits.shape[0], -1) if ctx.seen is not None else None
+    return ranking(logits, ctx.params, seen_rows)
+
+
+class MedusaDrafter(Drafter):
+    """Draft with Medusa heads trained for `target` (see `models.medusa`)."""
+
+    name = "medusa"
+    needs_features = True
+
+    def __init__(self, target: CausalLM, heads: MedusaHeads, vocab_ids: torch.Tensor,
+                 min_confidence: float = 0.0) -> None:
+        if heads.config.hidden_size != target.config.hidden_size:
+            raise SpecdraftError(f"These Medusa heads read hidden states of size {heads.config.hidden_size}; "
+                                 f"{target.name}'s are {target.config.hidden_size}.")
+        self.heads = heads
+        self.vocab_head = target_subset_head(target, vocab_ids)
+        self.min_confidence = min_confidence
+        self._feature: torch.Tensor | None = None  # [H] the newest target feature
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self._feature = None
+
+    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
+        if hidden.shape[0]:
+            self._feature = hidden[-1]
+
+    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
+        if self._feature is None:  # a one-token prompt: nothing to read yet
+            return None
+        return super().source(ctx, declined)
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, k: int) -> Draft:
+        depth = min(k, self.heads.config.num_heads, ctx.max_depth or k)
+        feature = self._feature.to(self.vocab_head.inner.weight.dtype).unsqueeze(0)  # [1, H]
+        logits = self.vocab_head(self.heads(feature)[0, :depth])  # [depth, V]
+        probs = head_distributions(logits, ctx)  # [depth, V]
+        if ctx.tree_branch > 1:
+            return self._tree(probs, ctx, k, depth)
+        return self._chain(probs, ctx)
+
+    def _chain(self, probs: torch.Tensor, ctx: DraftContext) -> Draft:
+        greedy = ctx.params.greedy
+        tokens = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [depth]
+        if self.min_confidence:  # stop where the heads' estimate that the whole chain survives falls too low
+            survival = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
+            keep = max(1, int((survival >= self.min_confidence).sum()))
+            tokens, probs = tokens[:keep], probs[:keep]
+        return Draft.chain(tokens, None if greedy else probs)
+
+    def _tree(self, probs: torch.Tensor, ctx: DraftContext, budget: int, max_depth: int) -> Draft:
+        branch, greedy = ctx.tree_branch, ctx.params.greedy
+        top_probs, top_tokens = probs.topk(branch, dim=-1)  # [depth, B]
+        top_probs, top_tokens = top_probs.tolist(), top_tokens.tolist()
+
+        def children(node: _Node, depth: int, priority: float):
+            if depth >= max_depth:
+                return []
+            offered = []
+            if not greedy:  # first child drawn from q_{depth+1}, placed by its parent's score, not its own
+                drawn = int(sample(probs[depth:depth + 1], ctx.generator)[0])
+                offered.append((drawn, priority, _Node(node.score * float(probs[depth, drawn]), probs[depth])))
+            for token, p in zip(top_tokens[depth], top_probs[depth]):
+                if len(offered) < branch and p > 0 and all(token != other for other, *_ in offered):
+                    offered.append((token, node.score * p, _Node(node.score * p)))
+            return offered
+
+        tokens, parents, _, nodes = grow_best_first(_Node(1.0), children, budget)
+        device = ctx.sequence.device
+        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device)  # [n]
+        q_draft = None  # [n, V]: drawn children's q rows, one-hot rows for the rest
+        if not greedy:
+            q_draft = torch.zeros(len(tokens), probs.shape[-1], device=device)
+            q_draft[torch.arange(len(tokens), device=device), draft_tokens] = 1.0
+            for i, node in enumerate(nodes):
+                if node.q_row is not None:
+                    q_draft[i] = node.q_row
+        return Draft.tree(draft_tokens, parents, q_draft)

@@ -1,0 +1,173 @@
+"""`specdraft train ...`: build self-distillation data and train drafters on it (thin; the work is in training/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models import registry
+
+train_app = typer.Typer(no_args_is_help=True, help="Train drafters for a target: data, medusa, eagle, distill.")
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err)
+
+
+def default_training_prompts() -> list[Path]:
+    """Spec-Bench questions (where this checkout has them) and the package's code tasks."""
+    from specdraft.training.data import CODE_TASKS
+
+    spec_bench = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "spec_bench" / "question.jsonl"
+    return ([spec_bench.resolve()] if spec_bench.is_file() else []) + [CODE_TASKS]
+
+
+@train_app.command("data")
+def data(
+    out: Path = typer.Option(..., "--out", help="Folder for the data (an existing one is resumed)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
+    prompts: Optional[List[Path]] = typer.Option(None, "--prompts", help="Spec-Bench style JSONL files (repeat the "
+                                                 "option; default: Spec-Bench's questions and our code tasks)."),
+    holdout: int = typer.Option(5, "--holdout", help="Leave out the first N prompts of each category of each file "
+                                                    "(benchmarks take the first ones)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Continuation length per prompt."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts generated together (one shard each batch)."),
+    top_k: int = typer.Option(8, "--top-k", help="Target log-probabilities kept per position."),
+    max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", help="Skip prompts longer than this."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N training prompts."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
+) -> None:
+    """The target's own greedy continuations with its final hidden states and top log-probabilities (resumable)."""
+    import torch
+
+    from specdraft.models.loading import load_model
+    from specdraft.training.data import build_dataset, training_prompts
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        chosen = training_prompts(prompts or default_training_prompts(), holdout)[:limit]
+        lm = load_model(target)
+        with _progress() as bar:
+            task = bar.add_task("prompts", total=len(chosen))
+            built = build_dataset(lm, chosen, out, max_new_tokens, batch_size, top_k, max_prompt_tokens,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except SpecdraftError as error:
+        _fail(str(error))
+    err.print(f"{out}: {built.num_sequences} sequences, {built.num_tokens} tokens", highlight=False)
+
+
+def _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed, warmup_steps=50):
+    from specdraft.training.loop import TrainConfig
+
+    return TrainConfig(steps=steps, learning_rate=learning_rate, batch_tokens=batch_tokens, eval_every=eval_every,
+                       checkpoint_every=eval_every, max_minutes=max_minutes, seed=seed, warmup_steps=warmup_steps)
+
+
+def _run_training(kind: str, data: Path, out: Path, target: str, device: str, threads: Optional[int], **fit) -> None:
+    import torch
+
+    from specdraft.models.loading import load_model
+    from specdraft.training.data import SelfDistillData
+    from specdraft.training.drafters import train_eagle, train_medusa
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dataset = SelfDistillData(data)
+        lm = load_model(target, device=device)
+        (train_medusa if kind == "medusa" else train_eagle)(lm, dataset, out, log=lambda line: err.print(line, highlight=False),
+                                                            **fit)
+    except SpecdraftError as error:
+        _fail(str(error))
+
+
+_DATA = typer.Option(..., "--data", help="A folder built by `specdraft train data`.")
+_TARGET = typer.Option(registry.DEFAULT_TARGET, help="The target the data was built with.")
+_STEPS = typer.Option(2000, "--steps", help="Optimizer steps.")
+_LR = typer.Option(1e-3, "--learning-rate", help="Peak learning rate (warm-up, then cosine to a tenth).")
+_BATCH = typer.Option(1024, "--batch-tokens", help="Target positions per step.")
+_EVAL = typer.Option(200, "--eval-every", help="Held-out evaluation and checkpoint every N steps.")
+_MINUTES = typer.Option(None, "--max-minutes", help="Stop (and save) after this long.")
+_VOCAB = typer.Option(32768, "--vocab", help="Tokens the drafter's head scores (the data's, then the commonest).")
+_DEVICE = typer.Option("auto", help="auto (CUDA when present), cpu or cuda.")
+_THREADS = typer.Option(None, "--threads", help="torch threads (default: torch's).")
+
+
+@train_app.command("medusa")
+def medusa(
+    data: Path = _DATA,
+    out: Path = typer.Option(..., "--out", help="The .safetensors file to write (a checkpoint beside it resumes)."),
+    target: str = _TARGET,
+    heads: int = typer.Option(4, "--heads", help="Medusa heads (draft depth)."),
+    rank: int = typer.Option(256, "--rank", help="Width of each head's residual block."),
+    vocab: int = _VOCAB, steps: int = _STEPS, learning_rate: float = _LR, batch_tokens: int = _BATCH,
+    eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES, seed: int = typer.Option(0, help="Seed."),
+    device: str = _DEVICE, threads: Optional[int] = _THREADS,
+) -> None:
+    """Medusa heads on the target's last hidden state, sharing its (frozen) LM head."""
+    config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
+    _run_training("medusa", data, out, target, device, threads, config=config, num_heads=heads, rank=rank, vocab=vocab)
+
+
+@train_app.command("eagle")
+def eagle(
+    data: Path = _DATA,
+    out: Path = typer.Option(..., "--out", help="The .safetensors file to write (a checkpoint beside it resumes)."),
+    target: str = _TARGET,
+    width: int = typer.Option(768, "--width", help="Width of the drafter's decoder layer (a multiple of 128)."),
+    intermediate: int = typer.Option(2048, "--intermediate", help="Its MLP's inner width."),
+    vocab: int = _VOCAB, steps: int = _STEPS, learning_rate: float = _LR, batch_tokens: int = _BATCH,
+    eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES, seed: int = typer.Option(0, help="Seed."),
+    device: str = _DEVICE, threads: Optional[int] = _THREADS,
+) -> None:
+    """An EAGLE feature drafter: one decoder layer over (target feature, next token embedding)."""
+    config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
+    _run_training("eagle", data, out, target, device, threads, config=config, width=width,
+                  intermediate_size=intermediate, vocab=vocab)
+
+
+@train_app.command("distill")
+def distill(
+    data: Path = _DATA,
+    out: Path = typer.Option(..., "--out", help="The model folder to write (a checkpoint beside it resumes)."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, "--draft", help="The draft to distil: bundled name, HF "
+                              "folder or .gguf file (GGUF weights are unpacked to train)."),
+    layers: int = typer.Option(4, "--layers", help="Train the draft's last N decoder layers (and its final norm)."),
+    steps: int = typer.Option(400, "--steps", help="Optimizer steps."),
+    learning_rate: float = typer.Option(5e-5, "--learning-rate", help="Peak learning rate (warm-up, then cosine "
+                                        "to a tenth)."),
+    batch_tokens: int = typer.Option(512, "--batch-tokens", help="Continuation positions per step."),
+    warmup: int = typer.Option(20, "--warmup", help="Warm-up steps."),
+    eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES, seed: int = typer.Option(0, help="Seed."),
+    device: str = _DEVICE, threads: Optional[int] = _THREADS,
+) -> None:
+    """Fine-tune a draft model towards the target's distributions (forward KL on the target's continuations)."""
+    import torch
+
+    from specdraft.models.loading import load_model
+    from specdraft.training.data import SelfDistillData
+    from specdraft.training.distill import train_distill
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed, warmup)
+    try:
+        config.check()
+        dataset = SelfDistillData(data)
+        lm = load_model(draft, device=device, gguf_weights="unpacked")
+        train_distill(lm, dataset, out, config, layers, log=lambda line: err.print(line, highlight=False))
+    except SpecdraftError as error:
+        _fail(str(error))

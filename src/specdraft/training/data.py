@@ -1,0 +1,223 @@
+"""Self-distillation data: the target's own continuations, with its final hidden states and top logits.
+
+For each training prompt the target writes a greedy continuation (prompts run in batches of
+similar length: on the CPU a pass over 8 tokens costs little more than one), then one
+teacher-forced pass over prompt + continuation records, at every position t:
+
+- `hidden[t]`: the target's final hidden state (after the last norm: what its LM head reads),
+  the feature Medusa heads and the EAGLE drafter learn from;
+- `top_ids[t]`, `top_logprobs[t]`: the target's K most likely next tokens and their
+  log-probabilities, the soft labels of distillation.
+
+A data folder holds `manifest.json` and shards `shard-NNNNN.safetensors`, each with
+`tokens [N]`, `hidden [N, H]` (bf16), `top_ids [N, K]`, `top_logprobs [N, K]` (fp16) and
+`offsets [S + 1]`, `prompt_lengths [S]` for its S sequences. A shard is written whole (to a
+temporary name, then renamed) before the manifest names it, so an interrupted build resumes
+where it stopped and never reads half a shard.
+
+Held-out prompts: the first `holdout` prompts of every category of every prompts file are
+never used (benchmarks take the first prompts of each category), so evaluation stays unseen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.bench.prompts import Prompt, load_prompt_files
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM
+from specdraft.text import encode_prompt
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+DEFAULT_HOLDOUT = 5  # prompts per category kept out of training (benchmarks use the first 2-3)
+DEFAULT_TOP_K = 8
+# Programming tasks of our own for training only (the benchmark's code prompts are never trained on).
+CODE_TASKS = Path(__file__).parent / "data" / "code_tasks.jsonl"
+
+
+def training_prompts(paths: Sequence[str | Path], holdout: int = DEFAULT_HOLDOUT) -> list[Prompt]:
+    """The prompts of `paths` less the first `holdout` of every category of every file."""
+    if holdout < 0:
+        raise SpecdraftError(f"--holdout must be >= 0, got {holdout}.")
+    kept = []
+    for path in paths:
+        taken: dict[str, int] = {}
+        for prompt in load_prompt_files([path]):
+            taken[prompt.category] = taken.get(prompt.category, 0) + 1
+            if taken[prompt.category] > holdout:
+                kept.append(Prompt(f"{Path(path).stem}:{prompt.question_id}", prompt.category, prompt.turns))
+    if not kept:
+        raise SpecdraftError(f"No training prompts are left once {holdout} per category are held out.")
+    return kept
+
+
+@dataclass
+class DistillSequence:
+    """One training sequence: prompt + the target's continuation, with the target's features."""
+
+    tokens: torch.Tensor  # [T] int64
+    hidden: torch.Tensor  # [T, H] bf16: final hidden state at each position (predicts tokens[t + 1])
+    top_ids: torch.Tensor  # [T, K] int64
+    top_logprobs: torch.Tensor  # [T, K] float32
+    prompt_length: int
+
+
+class SelfDistillData:
+    """A built data folder, read shard by shard."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        manifest = self.folder / MANIFEST
+        if not manifest.is_file():
+            raise SpecdraftError(f"{self.folder} holds no training data ({MANIFEST} is missing); build it with "
+                                 "`specdraft train data --out FOLDER`.")
+        self.manifest = json.loads(manifest.read_text())
+        if self.manifest.get("format") != FORMAT_VERSION:
+            raise SpecdraftError(f"{manifest} is in format {self.manifest.get('format')!r}; this version reads "
+                                 f"{FORMAT_VERSION}. Build the data again.")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(shard["prompts"]) for shard in self.manifest["shards"])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(shard["tokens"]) for shard in self.manifest["shards"])
+
+    def sequences(self) -> Iterator[DistillSequence]:
+        """Every sequence, shard by shard, in build order."""
+        for shard in self.manifest["shards"]:
+            data = load_file(str(self.folder / shard["file"]))
+            offsets = data["offsets"].tolist()
+            for i, prompt_length in enumerate(data["prompt_lengths"].tolist()):
+                rows = slice(offsets[i], offsets[i + 1])
+                yield DistillSequence(data["tokens"][rows].long(), data["hidden"][rows], data["top_ids"][rows].long(),
+                                data["top_logprobs"][rows].float(), int(prompt_length))
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the data (prompts and continuations). # [vocab_size] int64"""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for sequence in self.sequences():
+            counts += torch.bincount(sequence.tokens, minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+@torch.inference_mode()
+def greedy_continuations(target: CausalLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, all in one left-padded batch (ending at
+    its first end-of-sequence token, which is kept)."""
+    model, device = target.model, target.device
+    eos = sorted(target.eos_token_ids)
+    pad = eos[0] if eos else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)  # [B, W]
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+        mask[row, width - len(prompt):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=eos or None, top_k=None, top_p=None, temperature=None)
+    continuations = []
+    for row in out[:, width:].tolist():  # [B, new]
+        ends = [i for i, token in enumerate(row) if token in eos]
+        continuations.append(row[: ends[0] + 1] if ends else row)
+    return continuations
+
+
+@torch.inference_mode()
+def target_features(target: CausalLM, tokens: list[int], top_k: int, chunk: int = 256):
+    """One teacher-forced pass: final hidden states `[T, H]` and the top-k next-token log-probabilities `[T, K]`."""
+    target.reset()
+    try:
+        out = target.forward(torch.tensor([tokens], device=target.device), logits_to_keep=len(tokens),
+                             hidden_to_keep=len(tokens))
+    finally:
+        target.reset()
+    hidden, logits = out.hidden_states[0], out.logits[0]  # [T, H], [T, V]
+    top_ids, top_logprobs = [], []
+    for start in range(0, logits.shape[0], chunk):
+        logprobs = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # [c, V]
+        values, indices = logprobs.topk(top_k, dim=-1)
+        top_ids.append(indices)
+        top_logprobs.append(values)
+    return hidden.to(torch.bfloat16).cpu(), torch.cat(top_ids).cpu(), torch.cat(top_logprobs).cpu()
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    temporary = folder / (MANIFEST + ".tmp")
+    temporary.write_text(json.dumps(manifest, indent=1))
+    os.replace(temporary, folder / MANIFEST)
+
+
+def build_dataset(
+    target: CausalLM,
+    prompts: Sequence[Prompt],
+    out: str | Path,
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
+    top_k: int = DEFAULT_TOP_K,
+    max_prompt_tokens: int = 1024,
+    progress: Callable[[int, int], None] | None = None,
+) -> SelfDistillData:
+    """Build (or resume) a self-distillation folder at `out` from `prompts` (first turns, through the
+    chat template). Each batch becomes one shard; prompts longer than `max_prompt_tokens` are skipped.
+    `progress(done, total)` is called after each shard."""
+    for name, value, least in (("max-new-tokens", max_new_tokens, 1), ("batch-size", batch_size, 1),
+                               ("top-k", top_k, 1), ("max-prompt-tokens", max_prompt_tokens, 1)):
+        if value < least:
+            raise SpecdraftError(f"--{name} must be >= {least}, got {value}.")
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"format": FORMAT_VERSION, "target": target.name, "hidden_size": int(target.config.hidden_size),
+                "vocab_size": target.vocab_size, "top_k": top_k, "max_new_tokens": max_new_tokens}
+    manifest = {**settings, "shards": []}
+    if (folder / MANIFEST).is_file():
+        manifest = json.loads((folder / MANIFEST).read_text())
+        differing = [key for key, value in settings.items() if manifest.get(key) != value]
+        if differing:
+            raise SpecdraftError(f"{folder} holds data built with other settings ({', '.join(differing)}); "
+                                 "give another --out or the same settings to resume.")
+    done = {qid for shard in manifest["shards"] for qid in shard["prompts"]}
+    encoded = []
+    for prompt in prompts:
+        ids = encode_prompt(target.tokenizer, prompt.turns[0])
+        if len(ids) <= max_prompt_tokens:
+            encoded.append((str(prompt.question_id), ids))
+    todo = sorted([(qid, ids) for qid, ids in encoded if qid not in done], key=lambda item: len(item[1]))
+    finished = len(encoded) - len(todo)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        continuations = greedy_continuations(target, [ids for _, ids in batch], max_new_tokens)
+        parts = [(ids + cont, len(ids), *target_features(target, ids + cont, top_k))
+                 for (_, ids), cont in zip(batch, continuations)]
+        lengths = [len(tokens) for tokens, *_ in parts]
+        name = f"shard-{len(manifest['shards']):05d}.safetensors"
+        tensors = {
+            "tokens": torch.tensor([t for tokens, *_ in parts for t in tokens], dtype=torch.int32),
+            "hidden": torch.cat([hidden for _, _, hidden, _, _ in parts]).contiguous(),
+            "top_ids": torch.cat([ids for *_, ids, _ in parts]).to(torch.int32).contiguous(),
+            "top_logprobs": torch.cat([lp for *_, lp in parts]).to(torch.float16).contiguous(),
+            "offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+            "prompt_lengths": torch.tensor([n for _, n, *_ in parts], dtype=torch.int64),
+        }
+        save_file(tensors, str(folder / (name + ".tmp")))
+        os.replace(folder / (name + ".tmp"), folder / name)
+        manifest["shards"].append({"file": name, "prompts": [qid for qid, _ in batch], "tokens": sum(lengths),
+                                   "generated": sum(len(c) for c in continuations)})
+        _write_manifest(folder, manifest)
+        finished += len(batch)
+        if progress is not None:
+            progress(finished, len(encoded))
+    return SelfDistillData(folder)
