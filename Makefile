@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a Python function that merges two sorted lists into one sorted list, with a docstring.
 
-.PHONY: setup demo test test-quick bench peers clean
+.PHONY: setup browser demo test test-quick bench peers clean
 
 setup: $(VENV)/.installed
 
@@ -14,17 +14,21 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[models,dev]'
+	$(PY) -m pip install -q -e '.[models,dev,browser]'
 	touch $@
+
+# Debian's Chromium for the playground's browser test (Playwright drives it; no browser download).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft generate "$(PROMPT)" --max-new-tokens 128
 
-test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+test: setup browser
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q
 
-test-quick: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
+test-quick: setup browser
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default

@@ -494,3 +494,22 @@ def test_bench_free_drafters_without_a_draft_model(tiny_model_dirs, tiny_prompts
     composed = summary["methods"]["spec:drafter=ngram+model;k=3;ngram-min=1"]["by_source"]
     assert composed["model"]["drafted"] > 0 and sum(row["steps"] for row in composed.values()) > 0
     assert "## Who drafted" in (out / "report.md").read_text()
+
+
+def test_a_method_can_name_its_own_draft_model(tiny_model_dirs, tiny_prompts, tmp_path):
+    """`draft=PATH` runs that draft instead of the run's --draft (here the target itself: every draft accepted)."""
+    out = tmp_path / "own"
+    own = f"spec:k=3;draft-quant=none;draft={tiny_model_dirs['target']}"
+    result = CliRunner().invoke(app, [
+        "bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
+        "--prompts", str(tiny_prompts), "--methods", f"ar,spec:k=3;draft-quant=none,{own}", "--max-prompts", "1",
+        "--max-new-tokens", "24", "--dtype", "float32", "--threads", "1", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    methods = json.loads((out / "summary.json").read_text())["methods"]
+    assert methods[own]["greedy_exact"] == 1.0 and methods[own]["acceptance_rate"] == 1.0
+    assert methods["spec:k=3;draft-quant=none"]["acceptance_rate"] < 1.0
+    missing = CliRunner().invoke(app, [
+        "bench", "--target", str(tiny_model_dirs["target"]), "--prompts", str(tiny_prompts),
+        "--methods", f"ar,spec:draft={tmp_path / 'nowhere'}", "--out", str(tmp_path / "o2")])
+    assert missing.exit_code == 2 and "No such file or folder" in missing.output

@@ -113,3 +113,48 @@ def test_models_and_drafters_commands():
     assert result.exit_code == 0 and "qwen2.5-coder-1.5b-instruct" in result.stdout
     result = run("drafters")
     assert result.exit_code == 0 and "model" in result.stdout
+
+
+def test_train_commands_build_data_train_and_draft(tiny_model_dirs, tmp_path):
+    """`train data`, then `train eagle` and `train medusa` on it; `generate` drafts with the result, exactly."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def add{i}(a, b):"]})
+                                 for i in range(40)) + "\n")
+    target = ["--target", tiny_model_dirs["target"]]
+    data = tmp_path / "data"
+    built = run("train", "data", "--out", data, *target, "--prompts", prompts, "--limit", 24, "--max-new-tokens", 8,
+                "--batch-size", 8)
+    assert built.exit_code == 0, built.output
+    assert "24 sequences" in built.output
+    common = ["--data", data, *target, "--device", "cpu", "--vocab", 100, "--steps", 3, "--batch-tokens", 32,
+              "--eval-every", 3]
+    trained = run("train", "eagle", *common, "--out", tmp_path / "e.safetensors", "--width", 128,
+                  "--intermediate", 64)
+    assert trained.exit_code == 0, trained.output
+    assert "held-out top1" in trained.output and (tmp_path / "e.safetensors").is_file()
+    medusa = run("train", "medusa", *common, "--out", tmp_path / "m.safetensors", "--heads", 2, "--rank", 8)
+    assert medusa.exit_code == 0, medusa.output
+    generate = ["generate", "def add", *target, "--dtype", "float32", "--max-new-tokens", 16, "--json"]
+    ar = _json(run(*generate, "--method", "ar"))
+    for kind in ("eagle", "medusa"):
+        spec = _json(run(*generate, "--drafter", kind, "--trained", tmp_path / f"{kind[0]}.safetensors", "--k", 3))
+        assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
+    distilled = run("train", "distill", "--data", data, "--draft", tiny_model_dirs["draft"], "--out",
+                    tmp_path / "distilled", "--layers", 1, "--steps", 3, "--batch-tokens", 32, "--eval-every", 3,
+                    "--device", "cpu")
+    assert distilled.exit_code == 0, distilled.output
+    assert "before training, held-out agree" in distilled.output and "held-out agreement" in distilled.output
+    spec = _json(run(*generate, "--draft", tmp_path / "distilled", "--k", 3))
+    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
+
+
+def test_train_and_trained_drafter_errors_are_one_line(tiny_model_dirs, tmp_path):
+    target = ["--target", tiny_model_dirs["target"]]
+    missing = run("train", "medusa", "--data", tmp_path / "none", "--out", tmp_path / "m.safetensors", *target)
+    assert missing.exit_code == 2 and "holds no training data" in missing.output
+    bad = run("train", "data", "--out", tmp_path / "d", *target, "--batch-size", 0)
+    assert bad.exit_code == 2 and "--batch-size must be >= 1" in bad.output
+    warm = run("train", "distill", "--data", tmp_path / "none", "--out", tmp_path / "x", "--warmup", -1)
+    assert warm.exit_code == 2 and "--warmup must be >= 0" in warm.output
+    unshipped = run("generate", "def add", *target, "--dtype", "float32", "--drafter", "eagle", "--json")
+    assert unshipped.exit_code == 2 and "No eagle drafter is shipped" in unshipped.output

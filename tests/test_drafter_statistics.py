@@ -6,7 +6,7 @@ each drafter then generates two tokens for many seeds, and a chi-square test com
 counts of (a, b) with it. The prompt repeats itself, so the free drafters (deterministic
 proposals, verified as point masses) propose from the first step. A negative control
 (a residual that keeps a rejected deterministic proposal) must fail the same test. Tree
-drafts (`model`, `ngram`, `suffix` with a tree budget) face the same test after a prompt
+drafts (`model`, `medusa`, `eagle`, `ngram`, `suffix` with a tree budget) face the same test after a prompt
 whose tail was followed by three different tokens.
 """
 
@@ -21,8 +21,10 @@ import specdraft.verify as verify_module
 from conftest import perturbed, tiny_config
 from goodness_of_fit import chi_square_pvalue
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.drafters import make_drafter
+from specdraft.drafters import EagleDrafter, MedusaDrafter, make_drafter
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+from specdraft.models.medusa import MedusaConfig, MedusaHeads
 
 V = 8
 PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes [4, 1, 2, ...]
@@ -64,7 +66,25 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tu
     return counts, drafted
 
 
+def random_medusa(target: CausalLM) -> MedusaDrafter:
+    """Medusa heads with random (not zero) blocks: proposals that differ from the target's guesses."""
+    torch.manual_seed(11)
+    heads = MedusaHeads(MedusaConfig(target.config.hidden_size, num_heads=3, rank=8))
+    with torch.no_grad():
+        heads.up.normal_(0.0, 3.0)
+    return MedusaDrafter(target, heads, torch.arange(V))
+
+
+def random_eagle(target: CausalLM) -> EagleDrafter:
+    torch.manual_seed(12)
+    model = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=128, num_heads=1, num_kv_heads=1,
+                                          intermediate_size=64)).eval()
+    return EagleDrafter(target, model, torch.arange(V))
+
+
 DRAFTERS = {
+    "medusa": lambda target, draft: random_medusa(target),
+    "eagle": lambda target, draft: random_eagle(target),
     "ngram": lambda target, draft: make_drafter("ngram"),
     "suffix": lambda target, draft: make_drafter("suffix"),
     "early-exit": lambda target, draft: make_drafter("early-exit", {"exit-layer": 1}, target_model=target),
@@ -75,7 +95,8 @@ DRAFTERS = {
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_sampled_output_follows_the_target(target_model, name):
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
-    decoder = SpeculativeDecoder(CausalLM(target_model), DRAFTERS[name](CausalLM(target_model), draft), k=3)
+    target = CausalLM(target_model)
+    decoder = SpeculativeDecoder(target, DRAFTERS[name](target, draft), k=3)
     counts, drafted = sampled_pairs(decoder)
     assert all(drafted.get(source, 0) > SAMPLES // 10 for source in name.split("+")), drafted
     pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
@@ -83,10 +104,13 @@ def test_sampled_output_follows_the_target(target_model, name):
 
 
 TREE_PROMPT = [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # [1, 2] was followed by 3, 5 and 6: lookup trees branch
+TREE_BUDGET = {"medusa": 3}  # fewer nodes than candidates: a drawn child left out by its value would show
 TREE_DRAFTERS = {
-    "model": lambda draft: make_drafter("model", {"draft-confidence": 0.05}, draft_model=draft),
-    "ngram": lambda draft: make_drafter("ngram"),
-    "suffix": lambda draft: make_drafter("suffix"),
+    "model": lambda target, draft: make_drafter("model", {"draft-confidence": 0.05}, draft_model=draft),
+    "medusa": lambda target, draft: random_medusa(target),
+    "eagle": lambda target, draft: random_eagle(target),
+    "ngram": lambda target, draft: make_drafter("ngram"),
+    "suffix": lambda target, draft: make_drafter("suffix"),
 }
 
 
@@ -95,7 +119,8 @@ def test_sampled_tree_output_follows_the_target(target_model, name):
     """Tree drafts (deterministic children, tried as point masses in sibling order) keep the target's
     distribution through the whole engine."""
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
-    decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS[name](draft), k=3, tree_budget=6, tree_branch=3)
+    target = CausalLM(target_model)
+    decoder = SpeculativeDecoder(target, TREE_DRAFTERS[name](target, draft), k=3, tree_budget=TREE_BUDGET.get(name, 6), tree_branch=3)
     counts, drafted = sampled_pairs(decoder, TREE_PROMPT)
     assert drafted["trees"] > SAMPLES // 10, drafted
     pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)

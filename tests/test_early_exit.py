@@ -255,3 +255,12 @@ def test_view_of_a_packed_gguf_model(tmp_path, make_lm):
     spec = SpeculativeDecoder(target, EarlyExitDrafter(target, exit_layer=1, min_confidence=0.0), k=3)
     expected = SpeculativeDecoder(make_lm(model)).generate(PROMPTS[0], max_new_tokens=12)
     assert spec.generate(PROMPTS[0], max_new_tokens=12).token_ids == expected.token_ids
+
+
+@pytest.mark.parametrize("layers", [2, 3, 4, 8])
+def test_default_exit_layer_is_a_proper_prefix(make_lm, layers):
+    """Without --exit-layer the drafter picks a layer short of the last, even on very shallow targets."""
+    from specdraft.drafters import make_drafter
+
+    drafter = make_drafter("early-exit", target_model=make_lm(tiny_model(tiny_config(layers=layers), seed=1)))
+    assert 1 <= drafter.exit_layer < layers

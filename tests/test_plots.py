@@ -6,8 +6,8 @@ import pytest
 from matplotlib.image import imread
 
 from specdraft.bench import BenchConfig, render_report, run_bench, summarize
-from specdraft.bench.plots import PLOTS, plot_speedup_vs_theory, position_counts, write_plots
-from specdraft.bench.summary import cost_ratio, max_k
+from specdraft.bench.plots import PLOTS, plot_speedup_vs_theory, write_plots
+from specdraft.bench.summary import cost_ratio, max_k, position_counts
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -77,6 +77,15 @@ def test_position_counts_sum_per_method():
     counts = position_counts(RECORDS)
     assert set(counts) == {"spec"}  # ar drafted nothing, the peers have no counts
     assert counts["spec"] == ([13, 10, 5], [13, 13, 13])
+
+
+def test_report_tables_acceptance_per_position():
+    summary = summarize(RECORDS, "ar")
+    assert summary["spec"]["acceptance_by_position"] == [1.0, 10 / 13, 5 / 13]
+    assert "ar" not in [m for m, f in summary.items() if f["acceptance_by_position"]]
+    report = render_report({"methods": summary})
+    assert "## Acceptance per draft position" in report
+    assert "| `spec` | 1.00 | 0.77 | 0.38 |" in report
 
 
 def assert_png(path):

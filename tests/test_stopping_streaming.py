@@ -110,6 +110,14 @@ def test_partial_stop_string_is_held_back(tiny_tokenizer):
     assert stopped and texts[-1] == "abc STa "
 
 
+def test_stop_string_beginning_before_an_unfinished_character_is_held_back():
+    """Text "ab " then a half-decoded "п" (U+FFFD for now): with stop " п" the space is not emitted yet."""
+    inc = IncrementalText(None, stops=[" \u043f"])
+    assert inc.delta("ab \ufffd", final=False) == "ab"
+    assert inc.delta("ab \u043fc", final=False) == " \u043fc"  # (the caller cuts at the stop before this)
+    assert IncrementalText(None, stops=["xyz"]).delta("ab \ufffd", final=False) == "ab "
+
+
 def test_sampled_run_stops_at_budget_and_counts(text_pair):
     _, spec = text_pair
     got = spec.generate("for i", SamplingParams(temperature=0.8, seed=3), max_new_tokens=17, chat=False)

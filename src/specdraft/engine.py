@@ -157,9 +157,12 @@ class SpeculativeDecoder:
             seen = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)
             seen[sequence] = True
         target.reset()
-        target.prefill(sequence[:-1].unsqueeze(0))
+        wants_features = drafter is not None and drafter.needs_features
+        prompt_features = target.prefill(sequence[:-1].unsqueeze(0), hidden=wants_features)  # [L - 1, H] or None
         if drafter is not None:
             drafter.begin(sequence)
+            if wants_features:
+                drafter.features(prompt_features)
             self.policy.begin_request()
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
@@ -216,7 +219,10 @@ class SpeculativeDecoder:
             offsets = visible = None
             if tree is not None:
                 offsets, visible = tree.block_attention(block.shape[0] - k)
-            logits = target.forward(block.unsqueeze(0), k + 1, offsets=offsets, visible=visible).logits[0]  # [k + 1, V]
+            wants_features = drafter is not None and drafter.needs_features
+            scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=k + 1 if wants_features else 0,
+                                    offsets=offsets, visible=visible)
+            logits = scored.logits[0]  # [k + 1, V]
 
             # 3. verify
             if params.greedy and seen is None:
@@ -244,6 +250,8 @@ class SpeculativeDecoder:
 
             # 4. commit: both caches keep the accepted path
             target.keep(length, path)
+            if wants_features:  # rows of the pass the target kept: the last token, then the accepted path
+                drafter.features(scored.hidden_states[0][[0] + [1 + node for node in path]])  # [1 + a, H]
             if k > 0:
                 drafter.commit(length, path)
             committed = [decided[3 + node] for node in path] + [next_token]

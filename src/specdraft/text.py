@@ -40,15 +40,19 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters could still become a stop string, or an unfinished character."""
+    """How many trailing characters could still become a stop string, or an unfinished character.
+
+    A stop string may begin just before an unfinished character (decoded as U+FFFD for now),
+    so its prefixes are looked for in the text without those."""
+    finished = text.rstrip("\ufffd")
+    unfinished = len(text) - len(finished)  # bytes of a character still to come
     hold = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
+        for n in range(min(len(s) - 1, len(finished)), 0, -1):
+            if finished.endswith(s[:n]):
                 hold = max(hold, n)
                 break
-    unfinished = len(text) - len(text.rstrip("\ufffd"))  # bytes of a character still to come
-    return max(hold, unfinished)
+    return hold + unfinished
 
 
 class IncrementalText:

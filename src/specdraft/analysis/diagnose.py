@@ -123,7 +123,7 @@ def teacher_force(
     tokens = torch.tensor([[*prompt_ids, *output_ids[:-1]]], dtype=torch.long, device=model.device)  # [1, L + N - 1]
     model.reset()
     try:
-        out = model.forward(tokens, logits_to_keep=count, output_hidden_states=True)
+        out = model.forward(tokens, logits_to_keep=count, hidden_to_keep=count)
     finally:
         model.reset()
     hidden = out.hidden_states[0] if out.hidden_states is not None else None  # [N, H]

@@ -9,7 +9,7 @@ see exactly the same input.
 | name               | what runs                                                          |
 | ------------------ | ------------------------------------------------------------------ |
 | `ar`               | `SpeculativeDecoder(target)`: plain decoding, our loop              |
-| `spec`             | `SpeculativeDecoder(target, drafter, k)`: `drafter=NAME` (default `model`, the draft model; `ngram`, `ngram+model`, ...); `tree-budget=N;tree-branch=B` drafts trees |
+| `spec`             | `SpeculativeDecoder(target, drafter, k)`: `drafter=NAME` (default `model`, the draft model; `ngram`, `ngram+model`, ...); `tree-budget=N;tree-branch=B` drafts trees; `draft=PATH` another draft model than the run's `--draft` |
 | `hf-ar`            | transformers `generate` (greedy, or sampling with the same warping) |
 | `hf-assisted`      | transformers assisted generation with the same draft model          |
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
@@ -53,7 +53,7 @@ def k_value(text: str) -> int | str:
 
 OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
                                  "draft-quant": str, "draft-vocab": int, "drafter": str, "tree-budget": int,
-                                 "tree-branch": int}
+                                 "tree-branch": int, "draft": str}
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
 OPTION_TYPES.update({key: type(value) for info in DRAFTERS.values() for key, value in info.options.items()})
@@ -65,18 +65,21 @@ class Models:
     """The loaded weights every method shares; quantized drafts are made once, on first use."""
 
     target: CausalLM
-    draft: CausalLM | None = None
+    draft: CausalLM | None = None  # the run's --draft
+    other_drafts: dict[str, CausalLM] = field(default_factory=dict)  # drafts methods name with draft=PATH
     prepared: dict[str, CausalLM] = field(default_factory=dict)
     policies: dict[tuple, AutoK] = field(default_factory=dict)  # `k=auto` policies, kept across prompts
     drafters: dict["RunParams", Drafter] = field(default_factory=dict)  # one per method: suffix memory spans prompts
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
-    def draft_as(self, quant: str, vocab: int = 0) -> CausalLM:
-        """The draft with `quant` and `vocab` applied (a copy: other methods keep the loaded weights)."""
-        key = f"{quant}/{vocab}"
+    def draft_as(self, quant: str, vocab: int = 0, name: str = "") -> CausalLM:
+        """The draft (the run's, or the one a method named `name`) with `quant` and `vocab` applied (a copy:
+        other methods keep the loaded weights)."""
+        key = f"{name}/{quant}/{vocab}"
         if key not in self.prepared:
-            self.prepared[key] = prepare_draft(self.draft, quant, copy=True, vocab=vocab)
+            self.prepared[key] = prepare_draft(self.other_drafts[name] if name else self.draft, quant, copy=True,
+                                               vocab=vocab)
         return self.prepared[key]
 
 
@@ -93,6 +96,7 @@ class RunParams:
     drafter_options: tuple[tuple[str, object], ...] = ()  # spec only: the drafter's options given
     tree_budget: int = 0  # spec only: draft nodes per step (0 = chains)
     tree_branch: int = DEFAULT_TREE_BRANCH  # spec only: children per tree node
+    draft: str = ""  # another draft model than the run's (a path or bundled name; "" = the run's)
 
 
 @dataclass
@@ -147,9 +151,18 @@ class MethodSpec:
     @property
     def needs_draft(self) -> bool:
         """Whether this method runs the draft model (for spec: whether its drafter does)."""
+        if "draft" in self.options:
+            return False
         if self.name == "spec":
             return needs_draft_model(str(self.options.get("drafter", DEFAULT_DRAFTER)))
         return self.info.needs_draft
+
+    @property
+    def other_draft(self) -> str:
+        """The draft model this method names with `draft=` ("" when it uses the run's, or none)."""
+        if self.name == "spec" and not needs_draft_model(str(self.options.get("drafter", DEFAULT_DRAFTER))):
+            return ""
+        return str(self.options.get("draft", ""))
 
     def sampling(self, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
         """The method's sampling: the run-wide temperature and seed unless the method sets its own."""
@@ -185,14 +198,15 @@ class MethodSpec:
         except SpecdraftError as error:
             raise SpecdraftError(f"{error} (in method {self.label!r})") from None
         return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, vocab, drafter,
-                         tuple(sorted(given.items())), budget, branch)
+                         tuple(sorted(given.items())), budget, branch, self.other_draft)
 
 
 # ----- running one generation ---------------------------------------------------------------------
 def _drafter(models: Models, params: RunParams) -> Drafter:
     """The drafter of these settings, made once per run (so a suffix drafter remembers earlier prompts)."""
     if params not in models.drafters:
-        draft = models.draft_as(params.draft_quant, params.draft_vocab) if needs_draft_model(params.drafter) else None
+        draft = (models.draft_as(params.draft_quant, params.draft_vocab, params.draft)
+                 if needs_draft_model(params.drafter) else None)
         models.drafters[params] = make_drafter(params.drafter, dict(params.drafter_options), draft_model=draft,
                                                target_model=models.target)
     return models.drafters[params]
@@ -203,7 +217,7 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     if drafter:
         k = params.k or DEFAULT_K
         if k == AUTO:  # one policy per draft setting: its measurements carry over from prompt to prompt
-            setting = (params.drafter, params.drafter_options, params.draft_quant, params.draft_vocab,
+            setting = (params.drafter, params.drafter_options, params.draft, params.draft_quant, params.draft_vocab,
                        params.tree_budget, params.tree_branch)
             if setting not in models.policies:
                 models.policies[setting] = make_policy(AUTO, params.tree_budget)
@@ -320,7 +334,7 @@ def run_hf_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOu
 
 def run_hf_assisted(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
     """transformers assisted generation with the shared draft model."""
-    draft = models.draft_as(params.draft_quant)
+    draft = models.draft_as(params.draft_quant, name=params.draft)
     with _assistant_tokens(draft, params.k):
         return _run_hf(models, prompt_ids, params, assistant_model=draft.model)
 
@@ -347,11 +361,11 @@ def check_llama_cpp(target_spec: str) -> None:
 METHODS: dict[str, MethodInfo] = {
     "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
     "spec": MethodInfo("specdraft speculative decoding (drafter=NAME, default the draft model, int4 on CPU)",
-                       ("k", "drafter", "draft-quant", "draft-vocab", "tree-budget", "tree-branch") + DRAFTER_KEYS
+                       ("k", "drafter", "draft", "draft-quant", "draft-vocab", "tree-budget", "tree-branch") + DRAFTER_KEYS
                        + SAMPLING_KEYS, True, run_spec),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
-                              ("k", "draft-quant") + SAMPLING_KEYS,
+                              ("k", "draft", "draft-quant") + SAMPLING_KEYS,
                               True, run_hf_assisted),
     "hf-prompt-lookup": MethodInfo("transformers prompt lookup decoding", ("k",) + SAMPLING_KEYS, False,
                                    run_hf_prompt_lookup),

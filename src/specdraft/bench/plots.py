@@ -20,27 +20,13 @@ from matplotlib.ticker import MaxNLocator
 
 from specdraft.analysis.charts import new_figure, note, save, theory_curve
 from specdraft.analysis.theory import token_acceptance
+from specdraft.bench.summary import position_counts
 
 SPEEDUP_BY_CATEGORY = "speedup_by_category.png"
 ACCEPTANCE_BY_POSITION = "acceptance_by_position.png"
 SPEEDUP_VS_THEORY = "speedup_vs_theory.png"
 TOKENS_PER_SECOND = "tokens_per_second.png"
 PLOTS = (SPEEDUP_BY_CATEGORY, ACCEPTANCE_BY_POSITION, SPEEDUP_VS_THEORY, TOKENS_PER_SECOND)
-
-
-def position_counts(records: Sequence[Mapping]) -> dict[str, tuple[list[int], list[int]]]:
-    """Per method that drafted: (Σ accepted_at, Σ drafted_at) per draft position, over its records."""
-    counts: dict[str, tuple[list[int], list[int]]] = {}
-    for record in records:
-        accepted_at, drafted_at = record.get("accepted_at"), record.get("drafted_at")
-        if not drafted_at or accepted_at is None:
-            continue
-        total_accepted, total_drafted = counts.setdefault(record["method"], ([], []))
-        for total, values in ((total_accepted, accepted_at), (total_drafted, drafted_at)):
-            total.extend([0] * (len(values) - len(total)))
-            for i, value in enumerate(values):
-                total[i] += value
-    return {method: pair for method, pair in counts.items() if pair[1] and pair[1][0] > 0}
 
 
 def plot_speedup_by_category(methods: Mapping[str, Mapping], path: str | Path) -> Path:

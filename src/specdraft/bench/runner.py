@@ -166,7 +166,11 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
     if any(spec.needs_draft for spec in methods):
         draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
         check_compatible(target, draft)
-    return Models(target, draft, target_spec=config.target)
+    others = {}
+    for name in sorted({spec.other_draft for spec in methods} - {""}):  # loaded now: a bad path fails before any run
+        others[name] = load_model(name, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
+        check_compatible(target, others[name])
+    return Models(target, draft, others, target_spec=config.target)
 
 
 def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> dict[Hashable, list[int]]:
@@ -174,7 +178,7 @@ def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> d
     encoded = {}
     for prompt in prompts:
         ids = encode_prompt(models.target.tokenizer, prompt.turns[0], chat=config.chat)
-        for model in filter(None, (models.target, models.draft)):
+        for model in filter(None, (models.target, models.draft, *models.other_drafts.values())):
             if len(ids) + config.max_new_tokens > model.max_context:
                 raise SpecdraftError(
                     f"Question {prompt.question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "

@@ -116,6 +116,21 @@ def drafts_by_source(records: Sequence[Mapping]) -> dict[str, dict[str, int]]:
     return table
 
 
+def position_counts(records: Sequence[Mapping]) -> dict[str, tuple[list[int], list[int]]]:
+    """Per method that drafted: (Σ accepted_at, Σ drafted_at) per draft position, over its records."""
+    counts: dict[str, tuple[list[int], list[int]]] = {}
+    for record in records:
+        accepted_at, drafted_at = record.get("accepted_at"), record.get("drafted_at")
+        if not drafted_at or accepted_at is None:
+            continue
+        total_accepted, total_drafted = counts.setdefault(record["method"], ([], []))
+        for total, values in ((total_accepted, accepted_at), (total_drafted, drafted_at)):
+            total.extend([0] * (len(values) - len(total)))
+            for i, value in enumerate(values):
+                total[i] += value
+    return {method: pair for method, pair in counts.items() if pair[1] and pair[1][0] > 0}
+
+
 def max_k(records: Sequence[Mapping]) -> int | None:
     """The method's k: the largest `k` among the records (None when no record has one)."""
     ks = [r["k"] for r in records if r.get("k") is not None]
@@ -216,6 +231,8 @@ def summarize(
         figures["own_numerics"] = peer
         figures["k_histogram"] = k_histogram(own)
         figures["by_source"] = drafts_by_source(own)
+        accepted_at, drafted_at = position_counts(own).get(method, ([], []))
+        figures["acceptance_by_position"] = [a / d if d else None for a, d in zip(accepted_at, drafted_at)]
         figures["categories"] = {
             category: _figures(group, reference_by_category.get(category, []), near_ties, peer)
             for category, group in _group(own, "category").items()
@@ -311,6 +328,14 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         ks = sorted({int(k) for h in histograms.values() for k in h})
         lines += _table(["method", *[f"k={k}" for k in ks]],
                         [[f"`{m}`", *[str(h.get(k, h.get(str(k), 0))) for k in ks]] for m, h in histograms.items()])
+    by_position = {m: f["acceptance_by_position"] for m, f in methods.items() if f.get("acceptance_by_position")}
+    if by_position:
+        lines += ["", "## Acceptance per draft position", "",
+                  "Of the steps that drafted position i (a tree: depth i), the share whose accepted path reached it.", ""]
+        depth = max(len(rates_) for rates_ in by_position.values())
+        lines += _table(["method", *[f"{i + 1}" for i in range(depth)]],
+                        [[f"`{m}`", *[_fmt(rates_[i] if i < len(rates_) else None, ".2f") for i in range(depth)]]
+                         for m, rates_ in by_position.items()])
     sources = {m: f["by_source"] for m, f in methods.items() if set(f.get("by_source") or {}) - {"none"}}
     if sources:
         lines += ["", "## Who drafted", "",

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.composed import ComposedDrafter
+from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.early_exit import EarlyExitDrafter
+from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
@@ -58,6 +60,25 @@ def _build_early_exit(options: dict, target_model=None, **_resources) -> Drafter
                             min_confidence=options["draft-confidence"])
 
 
+def _trained(kind: str, options: dict, target_model):
+    from specdraft.models.trained import load_trained
+
+    if target_model is None:
+        raise SpecdraftError(f"The '{kind}' drafter needs the target model it was trained for.")
+    return load_trained(options["trained"], kind, target_model.name, target_model.config.hidden_size,
+                        dtype=target_model.dtype, device=target_model.device)
+
+
+def _build_medusa(options: dict, target_model=None, **_resources) -> Drafter:
+    trained = _trained("medusa", options, target_model)
+    return MedusaDrafter(target_model, trained.module, trained.vocab_ids, min_confidence=options["draft-confidence"])
+
+
+def _build_eagle(options: dict, target_model=None, **_resources) -> Drafter:
+    trained = _trained("eagle", options, target_model)
+    return EagleDrafter(target_model, trained.module, trained.vocab_ids, min_confidence=options["draft-confidence"])
+
+
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
                          _build_model, True, {"draft-confidence": DEFAULT_MIN_CONFIDENCE}),
@@ -72,6 +93,12 @@ DRAFTERS: dict[str, DrafterInfo] = {
                               "weights; accepts little unless the model was trained for early exit)",
                               _build_early_exit, False,
                               {"exit-layer": 0, "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+    "medusa": DrafterInfo("Medusa heads trained on the target's hidden states: every draft position from one small "
+                          "pass over the target's last feature (chain or tree; --trained FILE, default the shipped ones)",
+                          _build_medusa, False, {"trained": "", "draft-confidence": 0.0}),
+    "eagle": DrafterInfo("EAGLE feature drafter: one trained decoder layer extrapolates the target's hidden states, "
+                         "reading them from its verification passes (--trained FILE, default the shipped one)",
+                         _build_eagle, False, {"trained": "", "draft-confidence": 0.0}),
 }
 
 
@@ -123,5 +150,6 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
     return composed
 
 
-__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EarlyExitDrafter", "ModelDrafter",
+__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EagleDrafter",
+           "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter",
            "NgramDrafter", "SuffixDrafter", "check_drafter", "drafter_options", "make_drafter", "needs_draft_model"]

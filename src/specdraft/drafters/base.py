@@ -61,12 +61,14 @@ class Drafter:
     """Proposes tokens for the target to verify.
 
     Call order per request: `begin(prompt)`; then per step `source(ctx)`, and when that is
-    not None, `propose(ctx, k)` and `commit(prev_len, path)`; finally `end(sequence)`.
+    not None, `propose(ctx, k)` and `commit(prev_len, path)`; finally `end(sequence)`. A
+    drafter that `needs_features` also gets `features(hidden)` after `begin` and every step.
     A drafter keeps whatever state it needs (a KV cache, an index) in step with the committed
     sequence (`ctx.sequence` only ever grows by committed tokens).
     """
 
     name: str = "base"
+    needs_features: bool = False  # whether the engine hands it the target's final hidden states (`features`)
 
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         """Start a new request with this prompt."""
@@ -81,6 +83,13 @@ class Drafter:
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         """Up to `k` tokens continuing `ctx.sequence` (a tree drafter: up to `k` nodes)."""
         raise NotImplementedError
+
+    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
+        """The target's final hidden states at the next n positions of the sequence, in order and
+        each once (only for a drafter that `needs_features`): after `begin`, those of the prompt
+        but its last token; after every step, those of the tokens the target's pass kept (the
+        last committed token before the step and the accepted path), before `commit`. The
+        hidden state at position t is what the target's LM head turned into token t + 1."""
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         """The sequence of length `prev_len` grew by the draft tokens at `path` (accepted, root

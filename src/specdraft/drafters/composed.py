@@ -20,6 +20,7 @@ class ComposedDrafter(Drafter):
     def __init__(self, first: Drafter, fallback: Drafter) -> None:
         self.first, self.fallback = first, fallback
         self.name = f"{first.name}+{fallback.name}"
+        self.needs_features = first.needs_features or fallback.needs_features
         self._chosen: Drafter | None = None  # who answered the last `source`
         self._proposer: Drafter | None = None  # who proposed the draft now being verified
 
@@ -41,6 +42,11 @@ class ComposedDrafter(Drafter):
             self.source(ctx)
         self._proposer = self._chosen or self.fallback
         return self._proposer.propose(ctx, k)
+
+    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
+        for drafter in (self.first, self.fallback):
+            if drafter.needs_features:
+                drafter.features(hidden)
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         if self._proposer is not None:

@@ -36,6 +36,7 @@ class EarlyExitDrafter(ModelDrafter):
     def __init__(self, target: CausalLM, exit_layer: int | None = None,
                  min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
         if exit_layer is None:
-            exit_layer = max(1, round(DEFAULT_EXIT_FRACTION * len(decoder_layers(target.model))))
+            layers = len(decoder_layers(target.model))  # a proper prefix: at most all layers but the last
+            exit_layer = max(1, min(layers - 1, round(DEFAULT_EXIT_FRACTION * layers)))
         super().__init__(early_exit_view(target, exit_layer), min_confidence)
         self.exit_layer = exit_layer

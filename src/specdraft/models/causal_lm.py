@@ -21,7 +21,7 @@ class ForwardOutput:
     """Logits of the positions asked for, and the final hidden states when asked."""
 
     logits: torch.Tensor  # [1, T', V]
-    hidden_states: torch.Tensor | None = None  # [1, T', hidden]
+    hidden_states: torch.Tensor | None = None  # [1, T'', hidden] (after the final norm)
 
 
 class CausalLM:
@@ -143,11 +143,12 @@ class CausalLM:
         self,
         tokens: torch.Tensor,  # [1, T] int64, placed at positions cache_len .. cache_len + T - 1
         logits_to_keep: int = 1,
-        output_hidden_states: bool = False,
+        hidden_to_keep: int = 0,
         offsets: torch.Tensor | None = None,  # [T] positions relative to cache_len (tree: depths); None = 0..T-1
         visible: torch.Tensor | None = None,  # [T, S] bool: which of the last S keys each token sees; None = causal
     ) -> ForwardOutput:
-        """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them.
+        """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them (and
+        final hidden states for the last `hidden_to_keep`, when > 0).
 
         `offsets` and `visible` run a tree pass (see `tree.TreeLayout.block_attention`): tokens
         share positions by depth and see only their ancestors among the last S keys.
@@ -170,13 +171,16 @@ class CausalLM:
             past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=hidden_to_keep > 0,
         )
         self.cache_len += length
-        hidden = out.hidden_states[-1][:, -logits_to_keep:] if output_hidden_states else None
+        hidden = out.hidden_states[-1][:, -hidden_to_keep:] if hidden_to_keep > 0 else None
         return ForwardOutput(logits=out.logits, hidden_states=hidden)
 
-    def prefill(self, tokens: torch.Tensor) -> None:  # tokens: [1, T]
-        """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself)."""
-        if tokens.shape[1] > 0:
-            self.forward(tokens, logits_to_keep=1)
+    def prefill(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:  # tokens: [1, T]
+        """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself).
+        With `hidden`, returns their final hidden states. # [T, H]"""
+        if tokens.shape[1] == 0:
+            return tokens.new_zeros(0, self.config.hidden_size, dtype=self.dtype) if hidden else None
+        out = self.forward(tokens, logits_to_keep=1, hidden_to_keep=tokens.shape[1] if hidden else 0)
+        return out.hidden_states[0] if hidden else None

@@ -19,21 +19,36 @@ from specdraft.models.causal_lm import CausalLM
 class SubsetHead(nn.Module):
     """Logits over the full vocabulary from a head that scores only `ids`; the rest are -inf."""
 
-    def __init__(self, head: nn.Linear, ids: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> None:  # weight: [kept, in]; ids: [kept] sorted
         super().__init__()
-        self.out_features = head.out_features  # the full vocabulary: logits keep their width
-        self.in_features = head.in_features
+        self.out_features = out_features  # the full vocabulary: logits keep their width
+        self.in_features = weight.shape[1]
         self.register_buffer("ids", ids)  # [kept] int64, sorted
-        self.inner = nn.Linear(head.in_features, len(ids), bias=head.bias is not None, device="meta")
-        self.inner.weight = nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
-        if head.bias is not None:
-            self.inner.bias = nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
+        self.inner = nn.Linear(self.in_features, len(ids), bias=bias is not None, device="meta")
+        self.inner.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        if bias is not None:
+            self.inner.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, head: nn.Linear, ids: torch.Tensor) -> "SubsetHead":
+        """The rows `ids` of a plain linear head."""
+        bias = head.bias.detach()[ids] if head.bias is not None else None
+        return cls(head.weight.detach()[ids], ids, head.out_features, bias)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden] -> [..., kept]
+        """Logits of the kept tokens only (column j is token `ids[j]`)."""
+        return self.inner(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], len(self.ids))
+
+    def widen(self, scores: torch.Tensor) -> torch.Tensor:  # scores: [..., kept] -> [..., V]
+        """Kept-token logits placed in the full vocabulary, -inf elsewhere."""
+        flat = scores.reshape(-1, scores.shape[-1])  # [tokens, kept]
+        full = flat.new_full((flat.shape[0], self.out_features), float("-inf"))  # [tokens, V]
+        full[:, self.ids] = flat
+        return full.view(*scores.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden] -> [..., V]
-        scores = self.inner(x.reshape(-1, x.shape[-1]))  # [tokens, kept]
-        full = scores.new_full((scores.shape[0], self.out_features), float("-inf"))  # [tokens, V]
-        full[:, self.ids] = scores
-        return full.view(*x.shape[:-1], self.out_features)
+        return self.widen(self.scores(x))
 
 
 def restrict_draft_vocab(draft: CausalLM, keep: int) -> int:
@@ -58,5 +73,44 @@ def restrict_draft_vocab(draft: CausalLM, keep: int) -> int:
     ids = sorted(set(range(min(keep, vocab))) | {i for i in special if 0 <= i < vocab})
     if len(ids) >= vocab:
         return vocab
-    draft.model.set_output_embeddings(SubsetHead(head, torch.tensor(ids, dtype=torch.long, device=head.weight.device)))
+    draft.model.set_output_embeddings(SubsetHead.from_linear(head, torch.tensor(ids, dtype=torch.long, device=head.weight.device)))
     return len(ids)
+
+
+def head_rows(head: nn.Module, ids: torch.Tensor, in_features: int, chunk: int = 512) -> torch.Tensor:
+    """The rows `ids` of any LM head's weight (a plain linear, or one on packed blocks), as the head
+    computes them: it is run on the identity, `chunk` columns at a time. # [len(ids), in_features]"""
+    device = ids.device
+    dtype = next((p.dtype for p in head.parameters() if p.is_floating_point()), torch.bfloat16)
+    rows = []
+    with torch.inference_mode():
+        zero = head(torch.zeros(1, in_features, dtype=dtype, device=device))[0, ids].float()  # [n] the bias, if any
+        for start in range(0, in_features, chunk):
+            eye = torch.eye(in_features, dtype=dtype, device=device)[start:start + chunk]  # [c, in]
+            rows.append(head(eye)[:, ids].float() - zero)  # [c, n]
+    return torch.cat(rows).T.contiguous()
+
+
+def common_token_ids(counts: torch.Tensor, keep: int, always: set[int] = frozenset()) -> torch.Tensor:
+    """`keep` token ids for a partial head: those seen (most frequent first), then the lowest ids
+    (BPE numbers common tokens first), plus every id of `always` (special tokens). Sorted.
+
+    counts: [V] how often each token occurs in some text (zeros where unknown).
+    """
+    vocab = counts.shape[0]
+    seen = counts.argsort(descending=True)[: int((counts > 0).sum())].tolist()
+    chosen = dict.fromkeys([i for i in always if 0 <= i < vocab])
+    for token in seen + list(range(vocab)):
+        if len(chosen) >= keep:
+            break
+        chosen.setdefault(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def target_subset_head(lm: CausalLM, ids: torch.Tensor) -> SubsetHead:
+    """`lm`'s own LM head restricted to `ids` (sorted), in `lm`'s dtype, for drafters that reuse it."""
+    head = lm.model.get_output_embeddings()
+    ids = ids.to(lm.device)
+    if isinstance(head, nn.Linear):
+        return SubsetHead.from_linear(head, ids)
+    return SubsetHead(head_rows(head, ids, lm.config.hidden_size).to(lm.dtype), ids, lm.vocab_size)

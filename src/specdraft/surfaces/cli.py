@@ -68,6 +68,8 @@ def generate(
     exit_layer: Optional[int] = typer.Option(None, "--exit-layer",
                                              help="early-exit: draft with the target's first L layers (default: 3/4 of "
                                                   "them; choose by `specdraft diagnose --draft early-exit:L`)."),
+    trained: Optional[str] = typer.Option(None, "--trained", help="medusa, eagle: a trained drafter file from "
+                                          "`specdraft train` (default: the one shipped for the target)."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Draft tree nodes per step (0 = a chain); with --k "
                                     "auto the cost model picks up to this many, with a whole k the tree is at most k deep."),
     tree_branch: int = typer.Option(DEFAULT_TREE_BRANCH, "--tree-branch", help="Children per tree node (with --tree-budget)."),
@@ -100,17 +102,17 @@ def generate(
 
 
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, ngram_max, ngram_min,
-              suffix_min_match, suffix_min_score, suffix_factor, exit_layer, tree_budget, tree_branch,
+              suffix_min_match, suffix_min_score, suffix_factor, exit_layer, trained, tree_budget, tree_branch,
               draft_quant, draft_vocab,
               temperature, top_k, top_p, min_p,
               repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
     from specdraft.engine import SpeculativeDecoder, check_tree_options
-    from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
-    from specdraft.drafters import check_drafter, make_drafter, needs_draft_model
+    from specdraft.drafters import make_drafter
     from specdraft.sampling import SamplingParams
     from specdraft.stats import GenerationStats
+    from specdraft.surfaces.model_setup import drafter_flags, load_models
     from specdraft.text import encode_prompt
 
     if prompt_file is not None:
@@ -127,19 +129,13 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
-    options = {"draft-confidence": draft_confidence, "ngram-max": ngram_max, "ngram-min": ngram_min,
-               "suffix-min-match": suffix_min_match, "suffix-min-score": suffix_min_score,
-               "suffix-factor": suffix_factor, "exit-layer": exit_layer}
-    draft_lm = None
+    options = drafter_flags(draft_confidence=draft_confidence, ngram_max=ngram_max, ngram_min=ngram_min,
+                            suffix_min_match=suffix_min_match, suffix_min_score=suffix_min_score,
+                            suffix_factor=suffix_factor, exit_layer=exit_layer, trained=trained)
+    target_lm, draft_lm = load_models(target, draft, drafter if method == Method.spec else None, options,
+                                      dtype=dtype, device=device, gguf_weights=gguf_weights,
+                                      draft_quant=draft_quant, draft_vocab=draft_vocab)
     if method == Method.spec:
-        check_drafter(drafter, options)  # a bad name or option fails before loading
-        if needs_draft_model(drafter):  # the draft first: its unpacking peak passes before the target is in memory
-            draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
-                                     draft_quant, vocab=draft_vocab)
-    target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
-    if method == Method.spec:
-        if draft_lm is not None:
-            check_compatible(target_lm, draft_lm)
         decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, options, draft_model=draft_lm,
                                                              target_model=target_lm), k=policy,
                                      tree_budget=tree_budget, tree_branch=tree_branch)
@@ -368,6 +364,15 @@ def diagnose(
     err.print("[green]draft's top-1 agrees[/] [red]draft's top-1 differs[/]", highlight=False)
     if written:
         err.print(f"wrote {', '.join(str(path) for path in written)}", highlight=False)
+
+
+from specdraft.surfaces.train_cli import train_app  # noqa: E402  (after the commands above, for --help order)
+
+app.add_typer(train_app, name="train")
+
+from specdraft.surfaces.serve_cli import with_generate_options  # noqa: E402
+
+app.command("serve")(with_generate_options(generate))
 
 
 def main() -> None:
