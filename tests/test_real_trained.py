@@ -35,12 +35,20 @@ def test_shipped_files_fit_the_budget():
 
 @pytest.mark.parametrize("name,budget", [("medusa", 0), ("eagle", 0), ("eagle", 8), ("medusa", 8)])
 def test_shipped_drafters_are_greedy_exact_and_accepted(target, name, budget):
-    drafter = make_drafter(name, target_model=target)
+    """Exact, and useful: fewer target passes than plain decoding on held-out prompts, and the first
+    draft token accepted clearly more often than chance (an untrained head gets it almost never).
+    The shipped heads are small and briefly trained (see README, *Trained drafters*): on these two
+    prompts their first draft token was accepted 0.21 (medusa chain) to 0.34 (eagle) of the time."""
+    drafter = make_drafter(name, {"draft-confidence": 0.0}, target_model=target)  # always k: every head drafts
+    first_accepted = first_drafted = 0
     for prompt in PROMPTS:
         ids = encode_prompt(target.tokenizer, prompt)
         ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=48)
         spec = SpeculativeDecoder(target, drafter, k=4, tree_budget=budget, tree_branch=2).generate(ids, max_new_tokens=48)
         verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
         assert verdict.acceptable, verdict
-        assert spec.stats.acceptance_rate is not None and spec.stats.acceptance_rate > 0.2
         assert spec.stats.steps < ar.stats.steps
+        assert len(spec.stats.drafted_at) == 4  # k = 4 deep, chain or tree
+        first_accepted += spec.stats.accepted_at[0]
+        first_drafted += spec.stats.drafted_at[0]
+    assert first_accepted / first_drafted > 0.15, (first_accepted, first_drafted)

@@ -95,10 +95,10 @@ DRAFTERS: dict[str, DrafterInfo] = {
                               {"exit-layer": 0, "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
     "medusa": DrafterInfo("Medusa heads trained on the target's hidden states: every draft position from one small "
                           "pass over the target's last feature (chain or tree; --trained FILE, default the shipped ones)",
-                          _build_medusa, False, {"trained": "", "draft-confidence": 0.0}),
+                          _build_medusa, False, {"trained": "", "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
     "eagle": DrafterInfo("EAGLE feature drafter: one trained decoder layer extrapolates the target's hidden states, "
                          "reading them from its verification passes (--trained FILE, default the shipped one)",
-                         _build_eagle, False, {"trained": "", "draft-confidence": 0.0}),
+                         _build_eagle, False, {"trained": "", "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
 }
 
 
