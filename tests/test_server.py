@@ -136,6 +136,37 @@ def test_chat_and_completions_streaming_and_not(live):
     assert "".join(p.choices[0].text for p in pieces) == text.choices[0].text
 
 
+def test_logprobs_chat_and_completions_streaming_and_not(live):
+    client = live.client()
+    messages = [{"role": "user", "content": "def add"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    whole = "".join(entry.token for entry in content)  # tokens that split a character decode to U+FFFD alone
+    assert whole == chat.choices[0].message.content or "\ufffd" in whole
+    for entry in content:  # greedy: each token is the target's most likely one
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+        assert entry.top_logprobs[1].logprob <= entry.top_logprobs[0].logprob
+        assert entry.bytes is None if "\ufffd" in entry.token else bytes(entry.bytes).decode() == entry.token
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [entry for c in chunks if c.choices for entry in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    text = client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0, logprobs=3)
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == text.usage.completion_tokens
+    assert "".join(logprobs.tokens) == text.choices[0].text or "\ufffd" in "".join(logprobs.tokens)
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert all(len(alts) <= 3 and max(alts.values()) >= lp - 1e-6 for alts, lp in zip(logprobs.top_logprobs,
+                                                                                      logprobs.token_logprobs))
+
+
 def test_speculation_is_lossless_per_request_and_n_samples(live):
     client = live.client()
     outputs = {drafter: client.completions.create(model=MODEL, prompt="for i in", max_tokens=14, temperature=0,
@@ -298,8 +329,8 @@ BAD_CHAT = [
     {**CHAT_OK, "max_tokens": -5}, {**CHAT_OK, "max_tokens": 1.5}, {**CHAT_OK, "max_tokens": "10"},
     {**CHAT_OK, "max_tokens": 10**6}, {**CHAT_OK, "seed": -1}, {**CHAT_OK, "seed": "x"},
     {**CHAT_OK, "stop": ["a", "b", "c", "d", "e"]}, {**CHAT_OK, "stop": 123}, {**CHAT_OK, "stream": "yes"},
-    {**CHAT_OK, "stream_options": {"include_usage": True}}, {**CHAT_OK, "logprobs": True},
-    {**CHAT_OK, "top_logprobs": 2}, {**CHAT_OK, "foo": 1}, {**CHAT_OK, "tools": [{"type": "function"}]},
+    {**CHAT_OK, "stream_options": {"include_usage": True}}, {**CHAT_OK, "logprobs": "yes"},
+    {**CHAT_OK, "top_logprobs": 2}, {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, {**CHAT_OK, "foo": 1}, {**CHAT_OK, "tools": [{"type": "function"}]},
     {**CHAT_OK, "frequency_penalty": 0.5}, {**CHAT_OK, "speculative": {"drafter": "nope"}},
     {**CHAT_OK, "speculative": {"k": 0}}, {**CHAT_OK, "speculative": {"k": "many"}},
     {**CHAT_OK, "speculative": {"bogus": 1}}, {**CHAT_OK, "speculative": "model"}, {**CHAT_OK, "top_k": -1},
@@ -309,7 +340,7 @@ BAD_CHAT = [
 BAD_TEXT = [
     {"model": MODEL}, {**TEXT_OK, "prompt": []}, {**TEXT_OK, "prompt": [[1, 2]]}, {**TEXT_OK, "prompt": ["a", "b"]},
     {**TEXT_OK, "prompt": [999999]}, {**TEXT_OK, "prompt": [-1]}, {**TEXT_OK, "prompt": ""}, {**TEXT_OK, "prompt": "   "},
-    {**TEXT_OK, "logprobs": 1}, {**TEXT_OK, "echo": True}, {**TEXT_OK, "suffix": "x"}, {**TEXT_OK, "best_of": 2},
+    {**TEXT_OK, "logprobs": 6}, {**TEXT_OK, "logprobs": -1}, {**TEXT_OK, "echo": True}, {**TEXT_OK, "suffix": "x"}, {**TEXT_OK, "best_of": 2},
     {**TEXT_OK, "prompt": LONG, "max_tokens": 4},
 ]
 

@@ -122,3 +122,36 @@ def test_sampled_run_stops_at_budget_and_counts(text_pair):
     _, spec = text_pair
     got = spec.generate("for i", SamplingParams(temperature=0.8, seed=3), max_new_tokens=17, chat=False)
     assert len(got.token_ids) == 17 == got.stats.new_tokens
+
+
+@pytest.mark.parametrize("k,tree_budget,temperature", [(0, 0, 0.0), (4, 0, 0.0), (4, 6, 0.0), (3, 0, 0.8)])
+def test_logprobs_are_the_targets_own_for_every_committed_token(tiny_target, drafts, make_lm, k, tree_budget,
+                                                                temperature):
+    """Whatever drafted, accepted or recovered a token, its log-probability is the target's full-forward
+    one at that position (before temperature), and the alternatives are its top tokens, best first."""
+    import torch
+
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0) if k else None
+    decoder = SpeculativeDecoder(make_lm(tiny_target), drafter, k=k or 1, tree_budget=tree_budget, tree_branch=2)
+    events = list(decoder.stream(PROMPT, SamplingParams(temperature=temperature, seed=3), max_new_tokens=20,
+                                 logprobs=3))
+    tokens = [t for e in events for t in e.token_ids]
+    logprobs = [lp for e in events for lp in e.logprobs]
+    top = [alts for e in events for alts in e.top_logprobs]
+    assert len(tokens) == len(logprobs) == len(top) == 20
+    with torch.no_grad():
+        full = tiny_target(torch.tensor([PROMPT + tokens])).logits[0].float().log_softmax(-1)  # [L + 20, V]
+    expected = full[len(PROMPT) - 1 : -1]  # [20, V]: the rows that predict each generated token
+    torch.testing.assert_close(torch.tensor(logprobs), expected.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1),
+                               atol=1e-4, rtol=1e-4)
+    for row, alternatives in zip(expected, top):
+        assert [token for token, _ in alternatives] == row.topk(3).indices.tolist()
+    if temperature == 0:  # greedy: every token is the target's most likely one
+        assert all(abs(lp - alts[0][1]) < 1e-6 for lp, alts in zip(logprobs, top))
+
+
+def test_logprobs_out_of_range_are_refused(tiny_target, make_lm):
+    from specdraft.errors import SpecdraftError
+
+    with pytest.raises(SpecdraftError, match="logprobs must be between 0 and 20"):
+        next(SpeculativeDecoder(make_lm(tiny_target)).stream(PROMPT, logprobs=21))

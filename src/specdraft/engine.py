@@ -38,6 +38,7 @@ DEFAULT_TREE_BRANCH = 4
 
 # What happened to each emitted token.
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
+MAX_TOP_LOGPROBS = 20  # alternatives per token a stream may ask for (OpenAI's limit)
 
 
 @dataclass
@@ -50,6 +51,10 @@ class StepEvent:
     drafted: int
     accepted: int
     finish_reason: str | None = None  # "stop" or "length" on the last event
+    # With `stream(logprobs=N)`: each token's log-probability under the target's own distribution (before
+    # temperature, top-k and top-p), and its N most likely alternatives as (token id, log-probability).
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def text(self) -> str:
@@ -74,6 +79,15 @@ def check_tree_options(tree_budget: int, tree_branch: int) -> None:
     for name, value, least in (("tree-budget", tree_budget, 0), ("tree-branch", tree_branch, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise SpecdraftError(f"--{name} must be an integer >= {least}, got {value!r}.")
+
+
+def _add_logprobs(event: StepEvent, logits: torch.Tensor, top: int) -> None:
+    """Fill `event`'s log-probabilities from the target's logits that decided its tokens. logits: [n, V]."""
+    log_p = logits.float().log_softmax(-1)  # [n, V]
+    chosen = torch.tensor(event.token_ids, device=log_p.device).unsqueeze(-1)  # [n, 1]
+    event.logprobs = log_p.gather(-1, chosen).squeeze(-1).tolist()
+    values, ids = log_p.topk(top, dim=-1) if top else (log_p[:, :0], log_p[:, :0].long())  # [n, top]
+    event.top_logprobs = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 def sync_device(device: torch.device) -> None:
@@ -131,14 +145,19 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         chat: bool | None = None,
         stats: GenerationStats | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[StepEvent]:
         """Generate step by step; each event carries the tokens and text one step committed.
 
-        `stats` (optional) is filled in as the generation goes; `generate` returns it.
+        `stats` (optional) is filled in as the generation goes; `generate` returns it. `logprobs` N
+        (0 to MAX_TOP_LOGPROBS) adds each token's log-probability and its N most likely alternatives
+        to the events, read from the verification pass that decided the token (no extra pass).
         """
         params = sampling or SamplingParams()
         if max_new_tokens < 1:
             raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise SpecdraftError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}.")
         stops = [s for s in stop if s]
         if stops and self.target.tokenizer is None:
             raise SpecdraftError("Stop strings need a tokenizer to decode the output; this model has none.")
@@ -169,7 +188,8 @@ class SpeculativeDecoder:
 
         generated: list[int] = []
         try:
-            yield from self._steps(sequence, seen, params, generator, max_new_tokens, text, stats, started, generated)
+            yield from self._steps(sequence, seen, params, generator, max_new_tokens, text, stats, started, generated,
+                                   logprobs)
         finally:
             if drafter is not None:
                 drafter.end(sequence.new_tensor(prompt_ids + generated))
@@ -188,7 +208,8 @@ class SpeculativeDecoder:
             declined.add(source)
         return None, 0
 
-    def _steps(self, sequence, seen, params, generator, max_new_tokens, text, stats, started, generated):
+    def _steps(self, sequence, seen, params, generator, max_new_tokens, text, stats, started, generated,
+               logprobs=None):
         target, drafter, device = self.target, self.drafter, self.target.device
         eos_ids = target.eos_token_ids
         while True:
@@ -284,7 +305,11 @@ class SpeculativeDecoder:
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
             stats.wall_seconds = time.perf_counter() - started
-            yield StepEvent(committed, kinds, pieces, k, kept_accepted, finish)
+            event = StepEvent(committed, kinds, pieces, k, kept_accepted, finish)
+            if logprobs is not None:
+                rows = ([0] + [1 + node for node in path])[: len(committed)]  # the pass rows that decided them
+                _add_logprobs(event, logits[rows], logprobs)
+            yield event
             if finish is not None:
                 return
 

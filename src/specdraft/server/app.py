@@ -168,7 +168,7 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
 
     async def generate(generation: Generation, request: Request) -> Response:
         job = worker.submit(generation, asyncio.get_running_loop())
-        shape = ResponseShape(generation)
+        shape = ResponseShape(generation, worker.pool.target.tokenizer)
         try:
             item = await next_result(job, request)
             if isinstance(item, Failed):

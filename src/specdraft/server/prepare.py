@@ -10,12 +10,16 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
+from specdraft.engine import MAX_TOP_LOGPROBS
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
 from specdraft.server.decoders import DecoderKey, DecoderPool
 from specdraft.server.errors import ApiError
 from specdraft.server.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest
 from specdraft.text import encode_messages, encode_prompt
+
+
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' limit, as in OpenAI's API
 
 
 @dataclass
@@ -31,6 +35,7 @@ class Generation:
     decoder: DecoderKey
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token returned with its log-probability; None: none
 
 
 def _bad(error: SpecdraftError | str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -38,9 +43,6 @@ def _bad(error: SpecdraftError | str, param: str | None = None, code: str | None
 
 
 def _chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
-    if request.logprobs or request.top_logprobs is not None:
-        raise _bad("logprobs are not supported: the engine does not return per-token log-probabilities; "
-                   "remove logprobs and top_logprobs.", param="logprobs", code="unsupported_parameter")
     # Chat templates know system / user / assistant; OpenAI's newer "developer" is the system role.
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in request.messages]
@@ -51,9 +53,6 @@ def _chat_prompt(request: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def _completion_prompt(request: CompletionRequest, tokenizer) -> list[int]:
-    if request.logprobs is not None:
-        raise _bad("logprobs are not supported: the engine does not return per-token log-probabilities; "
-                   "remove logprobs.", param="logprobs", code="unsupported_parameter")
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -65,6 +64,21 @@ def _completion_prompt(request: CompletionRequest, tokenizer) -> list[int]:
     return encode_prompt(tokenizer, prompt, chat=False) if isinstance(prompt, str) else list(prompt)
 
 
+def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Alternatives per token the request wants with its log-probabilities (None: no log-probabilities)."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise _bad("top_logprobs needs logprobs: true.", param="top_logprobs")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.top_logprobs}.",
+                       param="top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _bad(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {request.logprobs}.",
+                   param="logprobs")
+    return request.logprobs
+
+
 def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPool, served_model: str,
             default_max_tokens: int, seeds: random.Random) -> Generation:
     """Check `request` against the loaded models and turn it into a `Generation` (ApiError otherwise)."""
@@ -74,6 +88,7 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
     if request.stream_options is not None and not request.stream:
         raise _bad("stream_options is only allowed with stream: true.", param="stream_options")
     chat = isinstance(request, ChatCompletionRequest)
+    logprobs = _logprobs(request)
     target = pool.target
     try:
         prompt_ids = _chat_prompt(request, target.tokenizer) if chat else _completion_prompt(request, target.tokenizer)
@@ -110,5 +125,6 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
         raise _bad(error, param="speculative") from None
     return Generation(chat=chat, model=served_model, prompt_ids=prompt_ids, samplings=samplings,
                       max_tokens=max_tokens, stop=stops, decoder=decoder, stream=request.stream,
-                      include_usage=bool(request.stream_options and request.stream_options.include_usage))
+                      include_usage=bool(request.stream_options and request.stream_options.include_usage),
+                      logprobs=logprobs)
 

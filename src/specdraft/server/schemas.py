@@ -71,7 +71,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions. `logprobs` is refused when true (the engine does not return them)."""
+    """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
@@ -80,7 +80,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt, as text or token ids. `logprobs` is refused when set."""
+    """POST /v1/completions: one prompt, as text or token ids."""
 
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
     logprobs: Optional[StrictInt] = None

@@ -193,7 +193,7 @@ class Worker:
                 stats = GenerationStats()
                 choices.append(stats)
                 events = decoder.stream(generation.prompt_ids, sampling, generation.max_tokens, generation.stop,
-                                        stats=stats)
+                                        stats=stats, logprobs=generation.logprobs)
                 with closing(events):  # closing ends the drafter's request even when stopped early
                     for event in events:
                         job.put(Step(index, event, stats.depth_per_step[-1]))
