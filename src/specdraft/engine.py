@@ -271,8 +271,9 @@ class SpeculativeDecoder:
 
             # 4. commit: both caches keep the accepted path
             target.keep(length, path)
-            if wants_features:  # rows of the pass the target kept: the last token, then the accepted path
-                drafter.features(scored.hidden_states[0][[0] + [1 + node for node in path]])  # [1 + a, H]
+            kept_rows = [0] + [1 + node for node in path]  # rows of the pass kept: the last token, the accepted path
+            if wants_features:
+                drafter.features(scored.hidden_states[0][kept_rows])  # [1 + a, H]
             if k > 0:
                 drafter.commit(length, path)
             committed = [decided[3 + node] for node in path] + [next_token]
@@ -307,8 +308,7 @@ class SpeculativeDecoder:
             stats.wall_seconds = time.perf_counter() - started
             event = StepEvent(committed, kinds, pieces, k, kept_accepted, finish)
             if logprobs is not None:
-                rows = ([0] + [1 + node for node in path])[: len(committed)]  # the pass rows that decided them
-                _add_logprobs(event, logits[rows], logprobs)
+                _add_logprobs(event, logits[kept_rows[: len(committed)]], logprobs)  # the rows that decided them
             yield event
             if finish is not None:
                 return

@@ -15,31 +15,25 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.medusa import head_distributions
-from specdraft.errors import SpecdraftError
+from specdraft.drafters.feature import FeatureDrafter, head_distributions
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.draft_head import target_subset_head
 from specdraft.models.eagle import EagleDrafterModel
 from specdraft.sampling import sample
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(FeatureDrafter):
     """Draft with an EAGLE feature drafter trained for `target` (see `models.eagle`)."""
 
     name = "eagle"
-    needs_features = True
+    description = "EAGLE drafter"
 
     def __init__(self, target: CausalLM, model: EagleDrafterModel, vocab_ids: torch.Tensor,
                  min_confidence: float = 0.0) -> None:
-        if model.config.hidden_size != target.config.hidden_size:
-            raise SpecdraftError(f"This EAGLE drafter reads hidden states of size {model.config.hidden_size}; "
-                                 f"{target.name}'s are {target.config.hidden_size}.")
+        super().__init__(target, model.config.hidden_size, vocab_ids, min_confidence)
         self.model = model
         self.embed = target.model.get_input_embeddings()
-        self.vocab_head = target_subset_head(target, vocab_ids)
-        self.min_confidence = min_confidence
         self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
         self._real = 0  # cache entries built from the target's own features
 

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.errors import SpecdraftError
+from specdraft.drafters.base import Draft, DraftContext
+from specdraft.drafters.feature import FeatureDrafter, head_distributions
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.draft_head import target_subset_head
 from specdraft.models.medusa import MedusaHeads
-from specdraft.drafters.dynamic_tree import ranking
 from specdraft.sampling import sample
 from specdraft.tree import grow_best_first
 
@@ -38,26 +36,16 @@ class _Node:
     q_row: torch.Tensor | None = None  # [V]
 
 
-def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
-    """[m, V] what each row's candidates are drawn from (sampling) or ranked by (greedy: the plain softmax)."""
-    seen_rows = ctx.seen.unsqueeze(0).expand(logits.shape[0], -1) if ctx.seen is not None else None
-    return ranking(logits, ctx.params, seen_rows)
-
-
-class MedusaDrafter(Drafter):
+class MedusaDrafter(FeatureDrafter):
     """Draft with Medusa heads trained for `target` (see `models.medusa`)."""
 
     name = "medusa"
-    needs_features = True
+    description = "set of Medusa heads"
 
     def __init__(self, target: CausalLM, heads: MedusaHeads, vocab_ids: torch.Tensor,
                  min_confidence: float = 0.0) -> None:
-        if heads.config.hidden_size != target.config.hidden_size:
-            raise SpecdraftError(f"These Medusa heads read hidden states of size {heads.config.hidden_size}; "
-                                 f"{target.name}'s are {target.config.hidden_size}.")
+        super().__init__(target, heads.config.hidden_size, vocab_ids, min_confidence)
         self.heads = heads
-        self.vocab_head = target_subset_head(target, vocab_ids)
-        self.min_confidence = min_confidence
         self._feature: torch.Tensor | None = None  # [H] the newest target feature
 
     def begin(self, prompt: torch.Tensor) -> None:
