@@ -66,7 +66,7 @@ def test_q6k_kernel_matches_the_file(target_file, name, tokens):
     source.close()
     weight = dequantize(raw.numpy(), "Q6_K", (raw.shape[0], entry.shape[1]))  # [N, K]
     x = torch.randn(tokens, entry.shape[1], generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    got = gguf_matmul.block_matmul(raw, "Q6_K", x).double()  # [tokens, N]
+    got = gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw), x).double()  # [tokens, N]
     want = x.double() @ weight.double().t()
     tolerance = 1e-5 if tokens < gguf_matmul.DENSE_FROM_TOKENS else 1e-2  # wide: the weight rounded to bf16
     assert ((got - want).norm() / want.norm()).item() < tolerance

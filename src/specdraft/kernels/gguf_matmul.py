@@ -1,99 +1,126 @@
-"""Linears that multiply straight from GGUF Q6_K blocks (`gguf_matmul.c`).
+"""Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for `avx512_tiles.c`.
 
-PyTorch has kernels for 4-bit groups (Q4_K runs on them) but none for Q6_K's 6-bit codes
-with a scale per 16 weights. The C file is compiled with the system C compiler on first
-use and kept in the cache folder. It needs AVX-512 with BF16 dot products; where it cannot
-build or run, `available()` is False and the loader unpacks Q6_K to bf16 instead: the same
-function, slower and 2.4x larger.
+PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for Q6_K's 6-bit
+codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
+int8 scales, d) into tiles of 16 rows x 32 inputs, 6.5 bits a weight like the file, with no
+rounding; where the kernels cannot build or run, `available()` is False and the loader unpacks
+Q6_K to bf16 instead: the same function, slower and 2.4x larger.
 """
 
 from __future__ import annotations
 
-import ctypes
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
-from specdraft.kernels.build import compiled_library
+from specdraft.kernels import avx512_tiles
+from specdraft.kernels.int4_layout import nibble_tiles
+from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES, QK_K
 
-_SOURCE = Path(__file__).with_name("gguf_matmul.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma", "-fopenmp",
-          "-shared", "-fPIC"]
-BLOCK_BYTES = {"Q6_K": 210}  # bytes per 256 weights
+BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
 # From this many tokens a pass (a prefill) unpacks the weight to bf16 for one dense GEMM: the
-# block and int4 kernels cost about linearly per token, a dense bf16 GEMM (AMX/AVX-512) far less.
+# tile kernels cost about linearly per token past 8, a dense bf16 GEMM far less.
 DENSE_FROM_TOKENS = 32
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
-
-
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot be built or run here."""
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the GGUF block kernels")
-    if library is None:
-        return None
-    library.q6k_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_int64, ctypes.c_int64]
-    library.q6k_matmul.restype = None
-    library.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                           ctypes.c_int64, ctypes.c_int64]
-    library.int4pack_to_bf16_t.restype = None
-    library.q6k_to_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    library.q6k_to_bf16.restype = None
-    return library
+_TILE_ROWS, _TILE_INPUTS = 16, 32
+_PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries stay small
 
 
 def available() -> bool:
-    """Whether the block kernels run on this machine."""
-    return _library() is not None
+    """Whether the Q6_K tile kernel runs on this machine."""
+    return avx512_tiles.available()
 
 
-def block_matmul(raw: torch.Tensor, type_name: str, x: torch.Tensor) -> torch.Tensor:
-    """`x @ W^T` for W in GGUF blocks `raw [N, K / 256 · bytes]`; x `[tokens, K]` -> float32 `[tokens, N]`.
+@lru_cache(maxsize=1)
+def _high_bit_sources() -> torch.Tensor:
+    """For each of a tile's 128 high-bit bytes and 2-bit field f: the (row · 32 + input) whose top two code
+    bits go there, `[4 chunks · 32 bytes, 4 fields]` (the order in which `avx512_tiles.c` unpacks them).
+
+    Nibble byte 16·L + u of chunk p (L, u < 16) becomes the code bytes 16·L + 2u' + e (u' = u % 8) of pair
+    vector u // 8; that pair vector's byte m = 16·L + 2u' + e holds row 4·L + u' % 4, input
+    2·(4p + 2·(u // 8) + u' // 4) + e. Fields 0/1 cover bytes m < 32 / m ≥ 32 of pair vector 0, 2/3 of 1."""
+    sources = np.zeros((4, 32, 4), dtype=np.int64)
+    for chunk in range(4):
+        for field in range(4):
+            vector, half = divmod(field, 2)
+            for j in range(32):
+                m = j + 32 * half
+                lane, rest = divmod(m, 16)
+                u, e = divmod(rest, 2)
+                row = 4 * lane + u % 4
+                pair = 4 * chunk + 2 * vector + u // 4
+                sources[chunk, j, field] = row * _TILE_INPUTS + 2 * pair + e
+    return torch.from_numpy(sources.reshape(128, 4))
+
+
+@dataclass
+class PackedQ6K:
+    """A Q6_K matrix as tiles: `tiles [N/16 · K/32 · 416]` (uint8), `d [N/16, K/256, 16]` (float32)."""
+
+    tiles: torch.Tensor
+    d: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
+    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for `avx512_tiles.q6k_matmul`, without rounding."""
+    n, row_bytes = raw.shape
+    if raw.dtype != torch.uint8 or row_bytes % Q6K_BLOCK_BYTES or n % _TILE_ROWS:
+        raise ValueError(f"Q6_K tiles need uint8 [N, K / 256 · {Q6K_BLOCK_BYTES}] with N % 16 == 0; "
+                         f"got {tuple(raw.shape)} {raw.dtype}")
+    k = row_bytes // Q6K_BLOCK_BYTES * QK_K
+    groups = k // _TILE_INPUTS
+    tiles = torch.empty((n // _TILE_ROWS, groups, 416), dtype=torch.uint8)
+    d_tiles = torch.empty((n // _TILE_ROWS, k // QK_K, _TILE_ROWS), dtype=torch.float32)
+    sources = _high_bit_sources()
+    for start in range(0, n, _PACK_ROWS):
+        part = raw[start:start + _PACK_ROWS]
+        rows, blocks = part.shape[0], part.shape[1] // Q6K_BLOCK_BYTES
+        view = part.reshape(rows, blocks, Q6K_BLOCK_BYTES)
+        low = view[..., :128].reshape(rows, blocks, 2, 1, 64)
+        low = torch.cat([low & 0x0F, low >> 4], dim=3).reshape(rows, k)  # [rows, K] low 4 bits
+        high = view[..., 128:192].reshape(rows, blocks, 2, 1, 32)
+        high = torch.cat([(high >> s) & 0x03 for s in (0, 2, 4, 6)], dim=3).reshape(rows, k)  # [rows, K] top 2 bits
+        scales = view[..., 192:208].reshape(rows, groups, 2)  # [rows, K/32, sub-block] int8 bits
+        d = view[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, blocks)
+        block_slice = slice(start // _TILE_ROWS, (start + rows) // _TILE_ROWS)
+        nb = rows // _TILE_ROWS
+        tiles[block_slice, :, :256] = nibble_tiles(low)
+        tile_high = high.view(nb, _TILE_ROWS, groups, _TILE_INPUTS).permute(0, 2, 1, 3).reshape(nb, groups, 512)
+        fields = tile_high[..., sources]  # [nb, groups, 128, 4]
+        tiles[block_slice, :, 256:384] = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
+        tiles[block_slice, :, 384:] = scales.view(nb, _TILE_ROWS, groups, 2).permute(0, 2, 3, 1).reshape(nb, groups, 32)
+        d_tiles[block_slice] = d.view(nb, _TILE_ROWS, blocks).permute(0, 2, 1)
+    return PackedQ6K(tiles.view(-1), d_tiles, n, k)
+
+
+def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
+    """`x @ W^T` for a Q6_K matrix in tiles; x `[tokens, K]` -> float32 `[tokens, N]`.
 
     x is rounded to bf16 (as a bf16 model's activations are); the products and sums are float32.
+    A pass of DENSE_FROM_TOKENS or more unpacks the weight to bf16 for one dense GEMM.
     """
-    library = _library()
-    if library is None:
-        raise RuntimeError("the GGUF block kernels are not available on this machine")
-    x = x.to(torch.bfloat16).contiguous()
-    tokens, k = x.shape
-    n = raw.shape[0]
-    if raw.dtype != torch.uint8 or k % 256 or raw.shape[1] != k // 256 * BLOCK_BYTES[type_name] or not raw.is_contiguous():
-        raise ValueError(f"{type_name} weight must be contiguous uint8 [N, {k // 256 * BLOCK_BYTES[type_name]}] "
-                         f"for {k} inputs, got {tuple(raw.shape)} {raw.dtype}")
-    if tokens >= DENSE_FROM_TOKENS:  # a prefill: unpack once, then one dense bf16 GEMM
-        weight = torch.empty((n, k), dtype=torch.bfloat16)  # [N, K], dropped after the pass
-        library.q6k_to_bf16(raw.data_ptr(), weight.data_ptr(), n, k)
-        return torch.nn.functional.linear(x, weight).float()
-    out = torch.empty((tokens, n), dtype=torch.float32)
-    library.q6k_matmul(raw.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, tokens)
-    return out
-
-
-def int4pack_transposed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
-                        in_features: int, group_size: int) -> torch.Tensor | None:
-    """W^T `[K, N]` in bf16 from PyTorch's CPU int4 layout (N a multiple of 64), or None where the
-    kernel is unavailable. For wide passes: one dense GEMM beats the int4 kernel by far there."""
-    library = _library()
-    if library is None or out_features % 64 or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        return None
-    out = torch.empty((in_features, out_features), dtype=torch.bfloat16)
-    library.int4pack_to_bf16_t(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), out.data_ptr(),
-                               out_features, in_features, group_size)
-    return out
+    if x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    if x.shape[0] >= DENSE_FROM_TOKENS:  # a prefill: unpack once, then one dense bf16 GEMM
+        weight = avx512_tiles.q6k_dense(packed.tiles, packed.d, packed.out_features, packed.in_features)
+        return nn.functional.linear(x.to(torch.bfloat16), weight).float()
+    return avx512_tiles.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 
 class BlockLinear(nn.Module):
-    """`y = x W^T + b` with W kept in its GGUF blocks (Q6_K: 0.82 bytes a weight; bf16: 2)."""
+    """`y = x W^T + b` with W a GGUF Q6_K matrix kept as its own bits in tiles (0.82 bytes a weight; bf16: 2)."""
 
     def __init__(self, raw: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
-        self.register_buffer("raw", raw.contiguous())  # [N, K / 256 * bytes per block] uint8
+        self.packed = pack_q6k(raw)
+        self.register_buffer("tiles", self.packed.tiles)  # buffers, so the module's memory shows them
+        self.register_buffer("tile_d", self.packed.d)
         self.type_name = type_name
         self.out_features, self.in_features = raw.shape[0], in_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -103,7 +130,7 @@ class BlockLinear(nn.Module):
         return self.out_features * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
-        out = block_matmul(self.raw, self.type_name, x.reshape(-1, self.in_features))  # [tokens, N]
+        out = block_matmul(self.packed, x.reshape(-1, self.in_features))  # [tokens, N]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,5 +1,5 @@
-"""Weight-only int4 linears: our AMX kernel where the CPU has AMX (`kernels/int4_amx`), else
-PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
+"""Weight-only int4 linears on our tile kernels: AMX where the CPU grants it (`kernels/int4_amx`),
+else AVX-512 BF16 (`kernels/avx512_tiles`), else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
@@ -17,22 +17,28 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import int4_amx
-from specdraft.kernels.gguf_matmul import DENSE_FROM_TOKENS, int4pack_transposed
+from specdraft.kernels import avx512_tiles, int4_amx
+from specdraft.kernels.gguf_matmul import DENSE_FROM_TOKENS
+from specdraft.kernels.int4_layout import fits, pack
 
 _INNER_K_TILES = 2
 _PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
 
-# The kernel's cost per token is lowest at a few tokens per call and grows steeply past
-# about 8 on 2 cores, so wider passes go through in slices of this many tokens, or through
-# the dense weight when one is kept; from DENSE_FROM_TOKENS (a prefill) the packed weight
-# is unpacked to bf16 for one dense GEMM where our kernel runs.
+# PyTorch's kernel costs least per token at a few tokens per call and grows steeply past
+# about 8 on 2 cores, so wider passes go through it in slices of this many tokens, or through
+# the dense weight when one is kept. On AVX-512 tiles a pass of DENSE_FROM_TOKENS or more (a
+# prefill) unpacks the weight to bf16 for one dense GEMM; AMX stays flat up to 16 tokens a pass.
 PASS_WIDTH = 8
 
 
+def _tile_kernel():
+    """The fastest tile kernel module that runs here (`int4_amx`, `avx512_tiles`), or None."""
+    return next((kernel for kernel in (int4_amx, avx512_tiles) if kernel.available()), None)
+
+
 def int4_kernel_available() -> bool:
-    """Whether an int4 weight-only matmul runs here (ours on AMX, or this PyTorch build's CPU one)."""
-    return int4_amx.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    """Whether an int4 weight-only matmul runs here (one of ours, or this PyTorch build's CPU one)."""
+    return _tile_kernel() is not None or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,10 +54,11 @@ def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with W stored as packed 4-bit groups.
 
-    On AMX (groups of 32, N a multiple of 16) every pass runs on `kernels/int4_amx`, whose cost
-    is flat from 1 to 16 tokens. Otherwise PyTorch's kernel runs: `dense_weight`, when kept,
-    serves passes wider than `PASS_WIDTH` tokens (faster there, at the cost of its memory);
-    without it they run through the kernel in slices.
+    With groups of 32 and N a multiple of 16, passes run on a tile kernel (`kernel`): AMX
+    (flat cost from 1 to 16 tokens, every pass) or AVX-512 BF16 (each weight unpacked once per
+    8 tokens; prefills unpack the whole weight to bf16 for one dense GEMM). Otherwise PyTorch's
+    kernel runs. `dense_weight`, when kept, serves passes wider than `PASS_WIDTH` tokens (faster
+    there, at the cost of its memory).
     """
 
     def __init__(
@@ -68,11 +75,13 @@ class Int4Linear(nn.Module):
         self.group_size = k // scale.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.dense_weight = dense_weight
-        self.amx = None
-        if int4_amx.available() and int4_amx.fits(n, k, self.group_size):
-            self.amx = int4_amx.pack(codes, scale, minimum)
+        kernel, self.tiles = _tile_kernel(), None
+        if kernel is not None and fits(n, k, self.group_size):
+            self.tiles = pack(codes, scale, minimum)
+            self.tile_matmul = kernel.matmul
+            self.tile_dense = getattr(kernel, "dense", None)  # None: the kernel is flat for wide passes too
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
-                self.register_buffer(f"amx_{name}", getattr(self.amx, name))
+                self.register_buffer(f"tile_{name}", getattr(self.tiles, name))
             return
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             raise SpecdraftError("This PyTorch build has no CPU int4 kernel; load the model unpacked.")
@@ -111,8 +120,8 @@ class Int4Linear(nn.Module):
         return torch.cat(columns).float().t().contiguous()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, K] bf16 -> [tokens, N]
-        if self.amx is not None:
-            return int4_amx.matmul(self.amx, x)
+        if self.tiles is not None:
+            return self.tile_matmul(self.tiles, x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
@@ -122,14 +131,10 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
         flat = flat.to(torch.bfloat16)
-        transposed = None  # W^T [K, N] bf16 for a wide pass, where our unpacking kernel runs
-        if self.amx is None and flat.shape[0] >= DENSE_FROM_TOKENS:
-            transposed = int4pack_transposed(self.packed, self.scales_and_zeros, self.out_features,
-                                             self.in_features, self.group_size)
-        if transposed is not None:
-            out = flat @ transposed  # [tokens, N]
-        elif self.amx is not None or flat.shape[0] <= PASS_WIDTH:
-            out = self._kernel(flat)  # [tokens, N]; the AMX kernel takes any width, 16 tokens at a time
+        if flat.shape[0] >= DENSE_FROM_TOKENS and self.tiles is not None and self.tile_dense is not None:
+            out = nn.functional.linear(flat, self.tile_dense(self.tiles))  # [tokens, N]
+        elif self.tiles is not None or flat.shape[0] <= PASS_WIDTH:
+            out = self._kernel(flat)  # [tokens, N]; our kernels take any width, 8 or 16 tokens at a time
         else:
             out = torch.cat([self._kernel(flat[i:i + PASS_WIDTH]) for i in range(0, flat.shape[0], PASS_WIDTH)])
         if self.bias is not None:

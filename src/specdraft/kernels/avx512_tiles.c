@@ -1,0 +1,296 @@
+/* AVX-512 kernels with BF16 dot products (`vdpbf16ps`) for weights kept in 4-bit and 6-bit tiles:
+ * y = x W^T without unpacking W to float, for CPUs without AMX (AMD Zen 4/5, older Xeons).
+ *
+ * Why: PyTorch's CPU int4 kernel works on 4 tokens at a time and unpacks every weight again for
+ * each 4 (measured on a 2-core AMD EPYC, 28 layers of a 1.5B model: one token 17 ms, 4 tokens
+ * 25 ms, 5 tokens 50 ms), while a verify pass carries k + 1 tokens.
+ *
+ * How: a tile holds 16 output rows x 32 inputs. Its codes become the bf16 numbers 128 + q by
+ * integer ops alone (bits 0x4300 | q), as vectors that each hold one input pair (2r, 2r + 1) of
+ * the 16 rows: what `vdpbf16ps` multiplies with a broadcast pair of x (and AMX's B tile rows:
+ * `int4_amx.c` shares the 4-bit layout, see `int4_layout.py`). A tile is unpacked once per pass
+ * of up to MAX_TOKENS tokens and then costs one dot-product instruction per 32 weights per token.
+ * The scales are applied per group in float32 with S = Σ x over the group:
+ *   4-bit (w = s·(q − 8) + z, groups of 32):  y += s ⊙ C − (136 s − z) ⊙ S
+ *   Q6_K  (w = d·sc·(q − 32), sub-blocks of 16): y += s ⊙ C − 160 s ⊙ S,  s = d·sc
+ * with C = Σ x_k (128 + q_k): x · W up to float32 rounding; x is the model's bf16 activations.
+ *
+ * Each token is computed alone, in the same order whatever the pass width (two accumulator chains
+ * per group, added at its end), so a verify pass agrees bit for bit with one-token decoding. Codes
+ * are prefetched several tiles ahead (all their lines: 2x faster at 8 tokens when streaming from
+ * memory). Rows are split across OpenMP threads (PyTorch's libgomp when torch is loaded first).
+ *
+ * Q6_K tiles (`gguf_matmul.pack_q6k`, 416 bytes, 6.5 bits a weight like the file):
+ *   - 256 bytes: the low nibbles of the codes in the 4-bit layout;
+ *   - 128 bytes: for each 64 of those, 32 bytes whose four 2-bit fields give the high bits of the
+ *     bytes that the nibble unpacking makes (fields 0/1: first/second half of the first pair
+ *     vector, 2/3: of the second), so that two variable shifts and a mask put them in place;
+ *   - 32 bytes: sc of sub-block 0 (inputs 0-15) of the 16 rows, then of sub-block 1;
+ * and d as float32 [N/16][K/256][16].
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+#define SUB 16
+#define MAX_TOKENS 8
+#define INT4_TILE_BYTES 256
+#define Q6_TILE_BYTES 416
+#define PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
+
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 64 bytes of nibbles -> the code pairs of four pair vectors as bytes: `pairs[0]` holds those of
+ * pairs 4·chunk and 4·chunk + 1 of a tile, `pairs[1]` of 4·chunk + 2 and 4·chunk + 3. */
+static inline __attribute__((always_inline)) void nibble_pairs(const uint8_t *bytes, __m512i pairs[2]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i v = _mm512_loadu_si512((const void *)bytes);
+    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    pairs[0] = _mm512_unpacklo_epi8(lo, hi);
+    pairs[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* Code bytes (q < 128) -> four vectors of bf16 (128 + q) pairs: dword lane c = (w'[c][2r], w'[c][2r + 1]). */
+static inline __attribute__((always_inline)) void bf16_pair_rows(const __m512i pairs[2], __m512i rows[4]) {
+    const __m512i exponent = _mm512_set1_epi8(0x43);
+    rows[0] = _mm512_unpacklo_epi8(pairs[0], exponent);
+    rows[1] = _mm512_unpackhi_epi8(pairs[0], exponent);
+    rows[2] = _mm512_unpacklo_epi8(pairs[1], exponent);
+    rows[3] = _mm512_unpackhi_epi8(pairs[1], exponent);
+}
+
+/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a 4-bit tile, from its 64 bytes. */
+static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *bytes, __m512i rows[4]) {
+    __m512i pairs[2];
+    nibble_pairs(bytes, pairs);
+    bf16_pair_rows(pairs, rows);
+}
+/* Write a tile's float weights column[input][row] to W [N, K] in bf16 (rows n0.., inputs k0..). */
+static inline void store_tile_bf16(float column[GROUP][16], uint16_t *w, int64_t K, int64_t n0, int64_t k0) {
+    for (int c = 0; c < 16; c++)
+        for (int i = 0; i < GROUP; i += 16) {
+            __m512 a = _mm512_set_ps(column[i + 15][c], column[i + 14][c], column[i + 13][c], column[i + 12][c],
+                                     column[i + 11][c], column[i + 10][c], column[i + 9][c], column[i + 8][c],
+                                     column[i + 7][c], column[i + 6][c], column[i + 5][c], column[i + 4][c],
+                                     column[i + 3][c], column[i + 2][c], column[i + 1][c], column[i][c]);
+            _mm256_storeu_si256((__m256i *)(w + (n0 + c) * K + k0 + i), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+}
+
+/* Pair vector `rows` (dword lane c = (w'[c][2p], w'[c][2p + 1]) in bf16) -> column[2p], column[2p + 1] = s·w' − offset. */
+static inline void store_pair_columns(__m512i rows, __m512 s, __m512 offset, float *first_column, float *second_column) {
+    __m512 first = _mm512_castsi512_ps(_mm512_slli_epi32(rows, 16));
+    __m512 second = _mm512_castsi512_ps(_mm512_and_si512(rows, _mm512_set1_epi32((int)0xFFFF0000)));
+    _mm512_storeu_ps(first_column, _mm512_fmsub_ps(s, first, offset));
+    _mm512_storeu_ps(second_column, _mm512_fmsub_ps(s, second, offset));
+}
+
+/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
+/* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
+static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
+                                                            const uint16_t *block_zero, const uint16_t *x,
+                                                            const float *sums, int64_t K, int64_t groups,
+                                                            int tokens, float *y, int64_t N) {
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
+        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line), _MM_HINT_T0);
+        __m512 even[MAX_TOKENS], odd[MAX_TOKENS];
+        for (int t = 0; t < tokens; t++) even[t] = odd[t] = _mm512_setzero_ps();
+        const uint16_t *xg = x + g * GROUP;
+        for (int chunk = 0; chunk < 4; chunk++) {
+            __m512i rows[4];
+            unpack_pairs(group_codes + chunk * 64, rows);
+            for (int j = 0; j < 4; j += 2) {
+                const int pair = 4 * chunk + j;
+                for (int t = 0; t < tokens; t++) {
+                    const int32_t *xp = (const int32_t *)(xg + t * K + 2 * pair);
+                    even[t] = _mm512_dpbf16_ps(even[t], (__m512bh)rows[j], (__m512bh)_mm512_set1_epi32(xp[0]));
+                    odd[t] = _mm512_dpbf16_ps(odd[t], (__m512bh)rows[j + 1], (__m512bh)_mm512_set1_epi32(xp[1]));
+                }
+            }
+        }
+        const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
+        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z);
+        for (int t = 0; t < tokens; t++) {
+            acc[t] = _mm512_fmadd_ps(s, _mm512_add_ps(even[t], odd[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[t * groups + g]), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * N, acc[t]);
+}
+
+/* x [tokens, K] bf16 -> y [tokens, N] float32; tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens) {
+    const int64_t groups = K / GROUP, blocks = N / 16;
+    float *sums = malloc(sizeof(float) * MAX_TOKENS * groups);  /* S_g of token t at [t · groups + g] */
+    for (int t = 0; t < tokens; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 a = bf16x16_to_ps(x + t * K + g * GROUP), b = bf16x16_to_ps(x + t * K + g * GROUP + 16);
+            sums[t * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const uint8_t *codes = tiles + nb * groups * 256;
+        const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+        float *out = y + nb * 16;
+        switch (tokens) {  /* a constant token count per case keeps the accumulators in registers */
+            case 1: block_rows(codes, bs, bz, x, sums, K, groups, 1, out, N); break;
+            case 2: block_rows(codes, bs, bz, x, sums, K, groups, 2, out, N); break;
+            case 3: block_rows(codes, bs, bz, x, sums, K, groups, 3, out, N); break;
+            case 4: block_rows(codes, bs, bz, x, sums, K, groups, 4, out, N); break;
+            case 5: block_rows(codes, bs, bz, x, sums, K, groups, 5, out, N); break;
+            case 6: block_rows(codes, bs, bz, x, sums, K, groups, 6, out, N); break;
+            case 7: block_rows(codes, bs, bz, x, sums, K, groups, 7, out, N); break;
+            default: block_rows(codes, bs, bz, x, sums, K, groups, 8, out, N); break;
+        }
+    }
+    free(sums);
+}
+
+void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                        const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
+        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
+        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk);
+    }
+}
+
+/* The weight as bf16 W [N, K] (w = s·(q − 8) + z rounded to bf16), for wide passes: one dense
+ * GEMM after it beats the narrow kernel on a prefill. */
+void int4_avx512_to_bf16(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, uint16_t *w,
+                         int64_t N, int64_t K) {
+    const int64_t groups = K / GROUP, blocks = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 s = bf16x16_to_ps(scale + (nb * groups + g) * 16);
+            const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), bf16x16_to_ps(zero + (nb * groups + g) * 16));
+            float column[GROUP][16];  /* [input of the group][output row] */
+            for (int chunk = 0; chunk < 4; chunk++) {
+                __m512i rows[4];
+                unpack_pairs(tiles + (nb * groups + g) * 256 + chunk * 64, rows);
+                for (int j = 0; j < 4; j++)
+                    store_pair_columns(rows[j], s, offset, column[2 * (4 * chunk + j)], column[2 * (4 * chunk + j) + 1]);
+            }
+            store_tile_bf16(column, w, K, nb * 16, g * GROUP);
+        }
+    }
+}
+
+/* ----- Q6_K tiles ----------------------------------------------------------------------------- */
+/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
+static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, __m512i rows[4]) {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* left */
+    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  /* right */
+    __m512i pairs[2];
+    nibble_pairs(tile + chunk * 64, pairs);
+    __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32)));
+    /* (A & B) | C = ternary logic 0xEA: OR the high bits, moved to bits 4-5, into the low nibbles */
+    pairs[0] = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, shift_a), top, pairs[0], 0xEA);
+    pairs[1] = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, shift_b), top, pairs[1], 0xEA);
+    bf16_pair_rows(pairs, rows);
+}
+
+/* The 16 rows' scales s = d·sc of sub-block `sub` of a tile. */
+static inline __m512 q6_scales(const uint8_t *tile, const float *d, int sub) {
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 384 + sub * 16))));
+    return _mm512_mul_ps(sc, _mm512_loadu_ps(d));
+}
+
+/* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const uint16_t *x,
+                                                          const float *sums, int64_t K, int64_t groups, int tokens,
+                                                          float *y, int64_t N) {
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
+        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        const float *dg = d + (g / 8) * 16;
+        for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
+            __m512 first[MAX_TOKENS], second[MAX_TOKENS];  /* two chains: chunk 2·sub, chunk 2·sub + 1 */
+            for (int t = 0; t < tokens; t++) first[t] = second[t] = _mm512_setzero_ps();
+            __m512i rows_a[4], rows_b[4];
+            q6_unpack_pairs(tile, 2 * sub, rows_a);
+            q6_unpack_pairs(tile, 2 * sub + 1, rows_b);
+            const uint16_t *xs = x + g * GROUP + sub * SUB;
+            for (int j = 0; j < 4; j++)
+                for (int t = 0; t < tokens; t++) {
+                    const int32_t *xp = (const int32_t *)(xs + t * K);
+                    first[t] = _mm512_dpbf16_ps(first[t], (__m512bh)rows_a[j], (__m512bh)_mm512_set1_epi32(xp[j]));
+                    second[t] = _mm512_dpbf16_ps(second[t], (__m512bh)rows_b[j], (__m512bh)_mm512_set1_epi32(xp[4 + j]));
+                }
+            const __m512 s = q6_scales(tile, dg, sub), offset = _mm512_mul_ps(s, _mm512_set1_ps(160.0f));
+            for (int t = 0; t < tokens; t++) {
+                acc[t] = _mm512_fmadd_ps(s, _mm512_add_ps(first[t], second[t]), acc[t]);
+                acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[t * 2 * groups + 2 * g + sub]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * N, acc[t]);
+}
+
+static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+                     int tokens) {
+    const int64_t groups = K / GROUP, blocks = N / 16;
+    float *sums = malloc(sizeof(float) * MAX_TOKENS * 2 * groups);  /* S of token t, sub-block b at [t · 2G + b] */
+    for (int t = 0; t < tokens; t++)
+        for (int64_t b = 0; b < 2 * groups; b++)
+            sums[t * 2 * groups + b] = _mm512_reduce_add_ps(bf16x16_to_ps(x + t * K + b * SUB));
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
+        const float *bd = d + nb * (K / 256) * 16;
+        float *out = y + nb * 16;
+        switch (tokens) {  /* a constant token count per case keeps the accumulators in registers */
+            case 1: q6_block(block, bd, x, sums, K, groups, 1, out, N); break;
+            case 2: q6_block(block, bd, x, sums, K, groups, 2, out, N); break;
+            case 3: q6_block(block, bd, x, sums, K, groups, 3, out, N); break;
+            case 4: q6_block(block, bd, x, sums, K, groups, 4, out, N); break;
+            case 5: q6_block(block, bd, x, sums, K, groups, 5, out, N); break;
+            case 6: q6_block(block, bd, x, sums, K, groups, 6, out, N); break;
+            case 7: q6_block(block, bd, x, sums, K, groups, 7, out, N); break;
+            default: q6_block(block, bd, x, sums, K, groups, 8, out, N); break;
+        }
+    }
+    free(sums);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */
+void q6k_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+                int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
+        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
+        q6_chunk(tiles, d, x + t0 * K, y + t0 * N, N, K, chunk);
+    }
+}
+
+/* W [N, K] in bf16 from Q6_K tiles (each weight rounded once), for wide passes (one dense GEMM after). */
+void q6k_to_bf16(const uint8_t *tiles, const float *d, uint16_t *w, int64_t N, int64_t K) {
+    const int64_t groups = K / GROUP, blocks = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *tile = tiles + (nb * groups + g) * Q6_TILE_BYTES;
+            const float *dg = d + (nb * (K / 256) + g / 8) * 16;
+            float column[GROUP][16];  /* [input of the group][output row] */
+            for (int chunk = 0; chunk < 4; chunk++) {
+                const __m512 s = q6_scales(tile, dg, chunk / 2), offset = _mm512_mul_ps(s, _mm512_set1_ps(160.0f));
+                __m512i rows[4];
+                q6_unpack_pairs(tile, chunk, rows);
+                for (int j = 0; j < 4; j++)
+                    store_pair_columns(rows[j], s, offset, column[2 * (4 * chunk + j)], column[2 * (4 * chunk + j) + 1]);
+            }
+            store_tile_bf16(column, w, K, nb * 16, g * GROUP);
+        }
+    }
+}

@@ -1,0 +1,79 @@
+"""The packed 4-bit layout shared by the tile kernels (`int4_amx.c`, `avx512_tiles.c`).
+
+For each block of 16 output rows and group g of 32 inputs, 256 bytes: the code pair
+(q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is one byte, low nibble first, at
+64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4, so that two rounds of byte unpacking turn each
+64 bytes into four vectors of 16 bf16 pairs (AMX's pair-interleaved B tile rows, and the
+operand of AVX-512's `vdpbf16ps`). Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16],
+with w = s·(q − 8) + z.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # inputs per scale and minimum
+BLOCK_ROWS = 16  # outputs per tile
+_PACK_ROWS = 4096  # rows packed at a time (a multiple of BLOCK_ROWS)
+
+
+def fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether a matrix of this shape and group size can be packed for the kernel."""
+    return group_size == GROUP and out_features % BLOCK_ROWS == 0 and in_features % (2 * GROUP) == 0
+
+
+@dataclass
+class PackedInt4:
+    """A matrix in the kernel's layout: tile bytes `[N/16 · K/32 · 256]` (uint8), scale and zero
+    `[N/16, K/32, 16]` (bf16) with w = scale · (q − 8) + zero (zero = 8 · scale − minimum)."""
+
+    tiles: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `[rows, K]` (0..15, rows % 16 == 0) as tile bytes `[rows / 16, K / 32, 256]` (layout: module doc)."""
+    rows, k = codes.shape
+    blocks, groups = rows // BLOCK_ROWS, k // GROUP
+    # codes[n0 + c, k0 + 2r + e] -> a byte of tile (nb, g), low nibble e = 0, high nibble e = 1,
+    # at 64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4
+    pairs = codes.to(torch.uint8).view(blocks, BLOCK_ROWS, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    nibbles = pairs[..., 0] | (pairs[..., 1] << 4)  # [blocks, K/32, r = 16, c = 16]
+    return nibbles.view(blocks, groups, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(blocks, groups, 256)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedInt4:
+    """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]` (layout: module doc)."""
+    n, k = codes.shape
+    if not fits(n, k, k // scale.shape[1]):
+        raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
+    blocks, groups = n // BLOCK_ROWS, k // GROUP
+    tiles = torch.empty(n * k // 2, dtype=torch.uint8)
+    tile_scale = torch.empty((blocks, groups, BLOCK_ROWS), dtype=torch.bfloat16)
+    tile_zero = torch.empty_like(tile_scale)
+    for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
+        rows = slice(start, min(start + _PACK_ROWS, n))
+        part_blocks = (rows.stop - rows.start) // BLOCK_ROWS
+        tiles[rows.start * k // 2: rows.stop * k // 2] = nibble_tiles(codes[rows]).view(-1)
+        block_range = slice(rows.start // BLOCK_ROWS, rows.stop // BLOCK_ROWS)
+        part_scale = scale[rows].float()
+        tile_scale[block_range] = part_scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+        tile_zero[block_range] = (8 * part_scale - minimum[rows].float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+    return PackedInt4(tiles, tile_scale, tile_zero, n, k)
+
+
+def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
+    """Call a compiled `kernel(tiles, scale, zero, x, y, N, K, tokens)` for `x @ W^T`: x `[tokens, K]`
+    (rounded to bf16) -> float32 `[tokens, N]`."""
+    x = x.to(torch.bfloat16).contiguous()
+    if x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    out = torch.empty((x.shape[0], packed.out_features), dtype=torch.float32)
+    kernel(packed.tiles.data_ptr(), packed.scale.data_ptr(), packed.zero.data_ptr(), x.data_ptr(), out.data_ptr(),
+           packed.out_features, packed.in_features, x.shape[0])
+    return out

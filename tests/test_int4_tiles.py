@@ -1,0 +1,114 @@
+"""The int4 tile kernels (AMX, AVX-512 BF16): x · (s·q − m) to float32 rounding, the same per token
+at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
+
+import pytest
+import torch
+
+from specdraft.kernels import int4_amx, avx512_tiles, int4_layout
+from specdraft.models import quantize
+from specdraft.models.quantize import Int4Linear
+
+KERNELS = [
+    pytest.param(int4_amx, marks=pytest.mark.skipif(not int4_amx.available(), reason="no AMX (or not granted) on this CPU"),
+                 id="amx"),
+    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU"),
+                 id="avx512"),
+]
+
+
+def affine_matrix(n: int, k: int, seed: int = 0):
+    """Random codes, scale and minimum per group of 32, and the weight they stand for with the scale and
+    zero = 8·scale − minimum rounded to bf16."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.1 + 1e-3
+    minimum = (torch.rand(n, k // 32, generator=g) - 0.3) * 0.5
+    s = scale.bfloat16().float().repeat_interleave(32, 1)
+    zero = (8 * scale - minimum).bfloat16().float().repeat_interleave(32, 1)
+    weight = s * (codes.float() - 8) + zero  # [N, K]: what the kernels hold (bf16 scale and zero)
+    return codes, scale, minimum, weight
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 40])
+def test_matches_the_dequantized_weight(kernel, tokens):
+    codes, scale, minimum, weight = affine_matrix(96, 256)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
+    out = kernel.matmul(int4_layout.pack(codes, scale, minimum), x)  # [T, N]
+    expected = x.double() @ weight.double().T
+    assert out.dtype == torch.float32 and out.shape == (tokens, 96)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_token_is_computed_alone(kernel):
+    """A token's output is bit-identical whether it runs alone or among 19 (verify pass == decode step)."""
+    codes, scale, minimum, _ = affine_matrix(64, 128, seed=1)
+    packed = int4_layout.pack(codes, scale, minimum)
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    together = kernel.matmul(packed, x)
+    for i in range(19):
+        assert torch.equal(kernel.matmul(packed, x[i:i + 1])[0], together[i])
+    with pytest.raises(ValueError, match=r"\[tokens, 128\]"):
+        kernel.matmul(packed, x[:, :64])
+
+
+@pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU")
+def test_avx512_dense_weight_is_the_weight_in_bf16():
+    codes, scale, minimum, weight = affine_matrix(48, 128, seed=2)
+    dense = avx512_tiles.dense(int4_layout.pack(codes, scale, minimum))  # [N, K]
+    assert dense.dtype == torch.bfloat16 and dense.shape == (48, 128)
+    assert torch.equal(dense, weight.bfloat16())
+
+
+def test_pack_layout_and_shape_errors():
+    codes, scale, minimum, _ = affine_matrix(32, 64)
+    packed = int4_layout.pack(codes, scale, minimum)
+    assert packed.tiles.numel() == 32 * 64 // 2 and packed.scale.shape == (2, 2, 16)
+    # tile (block 0, group 0), row r = 0: pair c (codes[c, 0] low nibble, codes[c, 1] high) at 16·(c / 4) + c % 4
+    first_row = packed.tiles[torch.tensor([16 * (c // 4) + c % 4 for c in range(16)])]
+    assert torch.equal(first_row & 0x0F, codes[:16, 0]) and torch.equal(first_row >> 4, codes[:16, 1])
+    assert not int4_layout.fits(24, 64, 32) and not int4_layout.fits(32, 96, 32) and not int4_layout.fits(32, 64, 64)
+    with pytest.raises(ValueError, match="N % 16"):
+        int4_layout.pack(codes[:24], scale[:24], minimum[:24])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill (the AVX-512 kernel's dense GEMM)
+def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatch, kernel, tokens):
+    codes, scale, minimum, weight = affine_matrix(64, 128, seed=4)
+    bias = torch.randn(64)
+    monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
+    on_tiles = Int4Linear.from_affine(codes, scale, minimum, bias)
+    monkeypatch.setattr(quantize, "_tile_kernel", lambda: None)
+    on_torch = Int4Linear.from_affine(codes, scale, minimum, bias)
+    assert on_tiles.tiles is not None and on_tiles.tile_matmul is kernel.matmul and on_torch.tiles is None
+    x = torch.randn(1, tokens, 128, generator=torch.Generator().manual_seed(5)).bfloat16()  # [1, T, K]
+    expected = (x.float() @ weight.T + bias.bfloat16().float()).bfloat16().float()
+    for module in (on_tiles, on_torch):
+        out = module(x)
+        assert out.shape == (1, tokens, 64) and out.dtype == torch.bfloat16
+        # bf16 output (and, for a prefill, bf16 weights): a few units in the last place of the largest
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
+    torch.testing.assert_close(on_tiles.dequantized_weight(), on_torch.dequantized_weight(), rtol=1e-2, atol=1e-2)
+
+
+def test_int4_linear_prefers_amx_then_avx512_then_pytorch(monkeypatch):
+    monkeypatch.setattr(int4_amx, "available", lambda: True)
+    assert quantize._tile_kernel() is int4_amx
+    monkeypatch.setattr(int4_amx, "available", lambda: False)
+    monkeypatch.setattr(avx512_tiles, "available", lambda: True)
+    assert quantize._tile_kernel() is avx512_tiles
+    monkeypatch.setattr(avx512_tiles, "available", lambda: False)
+    assert quantize._tile_kernel() is None
+    codes, scale, minimum, _ = affine_matrix(32, 64, seed=7)
+    assert Int4Linear.from_affine(codes, scale, minimum).tiles is None  # PyTorch's layout instead
+
+
+def test_packing_in_row_slices_changes_nothing(monkeypatch):
+    codes, scale, minimum, _ = affine_matrix(96, 128, seed=6)
+    whole = int4_layout.pack(codes, scale, minimum)
+    monkeypatch.setattr(int4_layout, "_PACK_ROWS", 32)
+    sliced = int4_layout.pack(codes, scale, minimum)
+    for name in ("tiles", "scale", "zero"):
+        assert torch.equal(getattr(whole, name), getattr(sliced, name))
