@@ -37,7 +37,9 @@ bench: setup
 # cores). AMX is off: a default (GGML_NATIVE) build dies with SIGILL (`tilezero`) on this project's
 # CPU. Not part of setup, so `make test` and CI never build it. If an earlier build is installed,
 # `$(PY) -m pip uninstall -y llama-cpp-python` first (pip would call it already satisfied).
+# --no-deps keeps pip from touching torch; diskcache is its one requirement that setup lacks.
 peers: setup
+	$(PY) -m pip install -q diskcache
 	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(PY) -m pip install --no-deps llama-cpp-python==0.3.36
 
 clean:

@@ -335,10 +335,10 @@ def test_int4_kept_dense_weight_serves_wide_passes():
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the Q6_K tile kernel does not run here")
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, gguf_matmul.DENSE_FROM_TOKENS])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 40])
 def test_q6k_tiles_compute_the_files_weights(tokens):
-    """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding on
-    narrow passes (bf16 weights on a prefill), and each token the same alone or in a pass."""
+    """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding,
+    and each token the same alone or in a pass."""
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
     packed = gguf_matmul.pack_q6k(raw)
@@ -346,11 +346,9 @@ def test_q6k_tiles_compute_the_files_weights(tokens):
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     got = gguf_matmul.block_matmul(packed, x)  # [T, N]
     want = x.double() @ weight.double().t()
-    narrow = tokens < gguf_matmul.DENSE_FROM_TOKENS
-    assert got.dtype == torch.float32 and relative_error(got.double(), want) < (1e-6 if narrow else 1e-2)
-    if narrow:
-        for i in range(tokens):
-            assert torch.equal(gguf_matmul.block_matmul(packed, x[i:i + 1])[0], got[i])
+    assert got.dtype == torch.float32 and relative_error(got.double(), want) < 1e-6
+    for i in range(tokens):
+        assert torch.equal(gguf_matmul.block_matmul(packed, x[i:i + 1])[0], got[i])
     with pytest.raises(ValueError, match="N % 16"):
         gguf_matmul.pack_q6k(raw[:40])
 

@@ -53,14 +53,6 @@ def test_each_token_is_computed_alone(kernel):
         kernel.matmul(packed, x[:, :64])
 
 
-@pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU")
-def test_avx512_dense_weight_is_the_weight_in_bf16():
-    codes, scale, minimum, weight = affine_matrix(48, 128, seed=2)
-    dense = avx512_tiles.dense(int4_layout.pack(codes, scale, minimum))  # [N, K]
-    assert dense.dtype == torch.bfloat16 and dense.shape == (48, 128)
-    assert torch.equal(dense, weight.bfloat16())
-
-
 def test_pack_layout_and_shape_errors():
     codes, scale, minimum, _ = affine_matrix(32, 64)
     packed = int4_layout.pack(codes, scale, minimum)
@@ -74,7 +66,7 @@ def test_pack_layout_and_shape_errors():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill (the AVX-512 kernel's dense GEMM)
+@pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill
 def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatch, kernel, tokens):
     codes, scale, minimum, weight = affine_matrix(64, 128, seed=4)
     bias = torch.randn(64)

@@ -3,8 +3,8 @@ CPUs without AMX: a tile is unpacked once per pass of up to 8 tokens, so a verif
 tokens costs little more than one.
 
 - 4-bit: the layout of `int4_layout.pack` (shared with the AMX kernel); `matmul(packed, x)` is
-  `x @ W^T` in float32, `dense(packed)` the weight in bf16 for wide passes.
-- Q6_K: the tiles of `gguf_matmul.pack_q6k`; `q6k_matmul`, `q6k_dense` likewise.
+  `x @ W^T` in float32, for passes of any width (prefills too: 8 tokens at a time).
+- Q6_K: the tiles of `gguf_matmul.pack_q6k`; `q6k_matmul` likewise.
 
 The C file is compiled on first use (kernels/build.py); where it cannot build or run,
 `available()` is False and callers keep PyTorch's int4 kernel and unpack Q6_K to bf16.
@@ -27,9 +27,7 @@ _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "int4_avx512_matmul": [_POINTER] * 5 + [_SIZE] * 3,  # tiles, scale, zero, x, y, N, K, tokens
-    "int4_avx512_to_bf16": [_POINTER] * 4 + [_SIZE] * 2,  # tiles, scale, zero, w, N, K
     "q6k_matmul": [_POINTER] * 4 + [_SIZE] * 3,  # tiles, d, x, y, N, K, tokens
-    "q6k_to_bf16": [_POINTER] * 3 + [_SIZE] * 2,  # tiles, d, w, N, K
 }
 
 
@@ -61,14 +59,6 @@ def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     return run_tile_kernel(_loaded().int4_avx512_matmul, packed, x)
 
 
-def dense(packed: PackedInt4) -> torch.Tensor:
-    """The 4-bit weight `[N, K]` in bf16 (each w = s·(q − 8) + z rounded once), for a dense GEMM over a wide pass."""
-    weight = torch.empty((packed.out_features, packed.in_features), dtype=torch.bfloat16)
-    _loaded().int4_avx512_to_bf16(packed.tiles.data_ptr(), packed.scale.data_ptr(), packed.zero.data_ptr(),
-                                  weight.data_ptr(), packed.out_features, packed.in_features)
-    return weight
-
-
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
     x = x.to(torch.bfloat16).contiguous()
@@ -76,10 +66,3 @@ def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_featur
     _loaded().q6k_matmul(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1],
                          x.shape[0])
     return out
-
-
-def q6k_dense(tiles: torch.Tensor, d: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The Q6_K weight `[N, K]` in bf16 (each weight rounded once), for a dense GEMM over a wide pass."""
-    weight = torch.empty((out_features, in_features), dtype=torch.bfloat16)
-    _loaded().q6k_to_bf16(tiles.data_ptr(), d.data_ptr(), weight.data_ptr(), out_features, in_features)
-    return weight

@@ -21,9 +21,6 @@ from specdraft.kernels.int4_layout import nibble_tiles
 from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES, QK_K
 
 BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
-# From this many tokens a pass (a prefill) unpacks the weight to bf16 for one dense GEMM: the
-# tile kernels cost about linearly per token past 8, a dense bf16 GEMM far less.
-DENSE_FROM_TOKENS = 32
 _TILE_ROWS, _TILE_INPUTS = 16, 32
 _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries stay small
 
@@ -101,13 +98,9 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for a Q6_K matrix in tiles; x `[tokens, K]` -> float32 `[tokens, N]`.
 
     x is rounded to bf16 (as a bf16 model's activations are); the products and sums are float32.
-    A pass of DENSE_FROM_TOKENS or more unpacks the weight to bf16 for one dense GEMM.
     """
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
-    if x.shape[0] >= DENSE_FROM_TOKENS:  # a prefill: unpack once, then one dense bf16 GEMM
-        weight = avx512_tiles.q6k_dense(packed.tiles, packed.d, packed.out_features, packed.in_features)
-        return nn.functional.linear(x.to(torch.bfloat16), weight).float()
     return avx512_tiles.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 

@@ -18,7 +18,6 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import avx512_tiles, int4_amx
-from specdraft.kernels.gguf_matmul import DENSE_FROM_TOKENS
 from specdraft.kernels.int4_layout import fits, pack
 
 _INNER_K_TILES = 2
@@ -26,8 +25,7 @@ _PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
 
 # PyTorch's kernel costs least per token at a few tokens per call and grows steeply past
 # about 8 on 2 cores, so wider passes go through it in slices of this many tokens, or through
-# the dense weight when one is kept. On AVX-512 tiles a pass of DENSE_FROM_TOKENS or more (a
-# prefill) unpacks the weight to bf16 for one dense GEMM; AMX stays flat up to 16 tokens a pass.
+# the dense weight when one is kept. Our tile kernels take any width (8 or 16 tokens a pass).
 PASS_WIDTH = 8
 
 
@@ -54,11 +52,10 @@ def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with W stored as packed 4-bit groups.
 
-    With groups of 32 and N a multiple of 16, passes run on a tile kernel (`kernel`): AMX
-    (flat cost from 1 to 16 tokens, every pass) or AVX-512 BF16 (each weight unpacked once per
-    8 tokens; prefills unpack the whole weight to bf16 for one dense GEMM). Otherwise PyTorch's
-    kernel runs. `dense_weight`, when kept, serves passes wider than `PASS_WIDTH` tokens (faster
-    there, at the cost of its memory).
+    With groups of 32 and N a multiple of 16, every pass runs on a tile kernel (`tile_matmul`):
+    AMX (flat cost from 1 to 16 tokens) or AVX-512 BF16 (each weight unpacked once per 8
+    tokens). Otherwise PyTorch's kernel runs; `dense_weight`, when kept, then serves passes wider
+    than `PASS_WIDTH` tokens (faster there, at the cost of its memory).
     """
 
     def __init__(
@@ -79,7 +76,6 @@ class Int4Linear(nn.Module):
         if kernel is not None and fits(n, k, self.group_size):
             self.tiles = pack(codes, scale, minimum)
             self.tile_matmul = kernel.matmul
-            self.tile_dense = getattr(kernel, "dense", None)  # None: the kernel is flat for wide passes too
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"tile_{name}", getattr(self.tiles, name))
             return
@@ -131,9 +127,7 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dense_weight.to(x.dtype), bias)
         flat = flat.to(torch.bfloat16)
-        if flat.shape[0] >= DENSE_FROM_TOKENS and self.tiles is not None and self.tile_dense is not None:
-            out = nn.functional.linear(flat, self.tile_dense(self.tiles))  # [tokens, N]
-        elif self.tiles is not None or flat.shape[0] <= PASS_WIDTH:
+        if self.tiles is not None or flat.shape[0] <= PASS_WIDTH:
             out = self._kernel(flat)  # [tokens, N]; our kernels take any width, 8 or 16 tokens at a time
         else:
             out = torch.cat([self._kernel(flat[i:i + PASS_WIDTH]) for i in range(0, flat.shape[0], PASS_WIDTH)])
