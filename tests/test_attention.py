@@ -35,3 +35,16 @@ def test_few_query_attention_matches_the_definition(length, keys, mask_form):
     assert out.shape == (1, length, 6, 16) and out.dtype == torch.bfloat16 and out.is_contiguous()
     want = reference(query, key, value, allowed.view(1, 1, length, keys), 0.25)
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+
+
+def test_a_fully_hidden_row_stays_finite():
+    """A query that may see no key (a left-padded row of a batch) gives finite output, not NaN."""
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 3, 8, generator=g).bfloat16() for _ in range(3))
+    key, value = key[:, :2], value[:, :2]  # [B, 2, S=3, 8]
+    allowed = torch.ones(2, 1, 3, 3, dtype=torch.bool)
+    allowed[1, 0, 0] = False  # batch row 1, query 0: nothing visible
+    out = few_query_attention(query, key, value, allowed, scaling=0.3)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out[0].double(), reference(query[:1], key[:1], value[:1], allowed[:1], 0.3)[0],
+                               rtol=1e-2, atol=1e-2)

@@ -47,8 +47,9 @@ def few_query_attention(
     scores = scores.view(batch, kv_heads, groups, length, keys)
     if attention_mask is not None:
         mask = attention_mask.view(attention_mask.shape[0], 1, 1, length, keys)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~mask, float("-inf"))
+        if mask.dtype == torch.bool:  # the lowest finite score, not -inf: a fully hidden row (a batch's left
+            # padding) stays finite, as in eager attention, instead of NaN that would reach other rows via V
+            scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores.add_(mask.float())
     weights = scores.softmax(dim=-1).view(batch, kv_heads, groups * length, keys)
