@@ -145,3 +145,16 @@ def test_draft_cost_ignores_the_catch_up_after_plain_steps():
     policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.1)  # a plain step
     policy.observe(2, 2, draft_seconds=2.0, verify_seconds=0.1)  # the draft re-read what it missed
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)
+
+
+def test_a_requests_first_draft_does_not_set_the_draft_cost():
+    """The first draft of a request also reads the prompt into the draft model: timing it as drafting
+    once priced the model draft at several target steps a token, and k = auto then never drafted."""
+    policy = AutoK(max_k=4)
+    policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.03)  # a plain step: costs are known
+    policy.begin_request()
+    policy.observe(3, 3, draft_seconds=1.5, verify_seconds=0.04)  # prompt read + 3 tokens
+    assert policy.estimates().draft_seconds_per_token is None
+    assert policy.choose(8) > 0  # guessed at a third of a target step a token, with a fair prior: worth a draft
+    policy.observe(3, 3, draft_seconds=0.03, verify_seconds=0.04)  # caught up: timed
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)

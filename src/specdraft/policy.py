@@ -138,8 +138,9 @@ class AutoK:
         self.last_source = source if k > 0 else None
         if k == 0:
             return
-        if caught_up or est.draft_seconds_per_token is None:
-            # After other steps a draft model's first pass also reads the tokens it missed: not a draft cost.
+        if caught_up:
+            # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
+            # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
             per_token = draft_seconds if self.tree else draft_seconds / k
             old = est.draft_seconds_per_token
             est.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
