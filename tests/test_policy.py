@@ -158,3 +158,41 @@ def test_a_requests_first_draft_does_not_set_the_draft_cost():
     assert policy.choose(8) > 0  # guessed at a third of a target step a token, with a fair prior: worth a draft
     policy.observe(3, 3, draft_seconds=0.03, verify_seconds=0.04)  # caught up: timed
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)
+
+
+def test_a_draft_models_catch_up_is_shared_over_the_steps_left():
+    """Reading 700 unseen prompt tokens (2 ms each) pays with 1,000 tokens left, not with 20."""
+    policy = calibrated([30, 31, 32, 33, 34, 35, 36], draft_ms=10, alpha=0.8)
+    policy.estimates().read_seconds_per_token = 0.002
+    assert policy.catch_up_seconds(700) == pytest.approx(1.4)
+    assert policy.choose(6, unread=0, remaining=20) > 0
+    assert policy.choose(6, unread=700, remaining=1000) > 0
+    assert policy.choose(6, unread=700, remaining=20) == 0
+    for _ in range(policy.estimates().probe_interval + 1):  # no probe either: reading costs more than a step
+        assert policy.choose(6, unread=700, remaining=20) == 0
+
+
+def test_read_time_is_learnt_from_a_step_that_caught_up():
+    policy = calibrated([30, 31, 32, 33], draft_ms=10, alpha=0.8, max_k=3)
+    assert policy.estimates().read_seconds_per_token is None
+    assert policy.catch_up_seconds(80) == pytest.approx(80 * 0.010 / 8)  # the guess: an eighth of a drafted token
+    policy.observe(2, 2, draft_seconds=0.02 + 0.1, verify_seconds=0.031, unread=50)  # 2 drafted, 50 read
+    assert policy.estimates().read_seconds_per_token == pytest.approx(0.002)
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.010)  # not a caught-up step: kept
+
+
+def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_target, drafts, make_lm):
+    """First draft of a request: the whole prompt is unread (the draft model reads it lazily); later, the
+    tokens committed since its last draft; `remaining` counts down the budget."""
+    seen = []
+
+    class Recording(FixedK):
+        def choose(self, limit, source=DEFAULT_SOURCE, unread=0, remaining=None):
+            seen.append((unread, remaining))
+            return super().choose(limit, source, unread, remaining)
+
+    decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=Recording(3))
+    got = decoder.generate(PROMPT, max_new_tokens=12)
+    assert seen[0] == (len(PROMPT), 12)
+    assert all(1 <= unread <= 4 for unread, _ in seen[1:])  # at most k + 1 tokens committed per step
+    assert [r for _, r in seen] == sorted([r for _, r in seen], reverse=True) and seen[-1][1] >= 1

@@ -194,19 +194,21 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter.end(sequence.new_tensor(prompt_ids + generated))
 
-    def _choose_draft(self, ctx: DraftContext, limit: int) -> tuple[str | None, int]:
-        """Who drafts this step and how many tokens: the first source the drafter offers that the
-        policy finds worth a draft (a composed drafter offers its parts in order); (None, 0) = plain."""
+    def _choose_draft(self, ctx: DraftContext, limit: int, remaining: int) -> tuple[str | None, int, int]:
+        """Who drafts this step, how many tokens, and how many committed tokens it must read first:
+        the first source the drafter offers that the policy finds worth a draft (a composed drafter
+        offers its parts in order); (None, 0, 0) = plain."""
         declined: set[str] = set()
         while limit > 0:
             source = self.drafter.source(ctx, frozenset(declined))
             if source is None or source in declined:
                 break
-            k = self.policy.choose(limit, source)
+            unread = self.drafter.unread(ctx)
+            k = self.policy.choose(limit, source, unread=unread, remaining=remaining)
             if k > 0:
-                return source, k
+                return source, k, unread
             declined.add(source)
-        return None, 0
+        return None, 0, 0
 
     def _steps(self, sequence, seen, params, generator, max_new_tokens, text, stats, started, generated,
                logprobs=None):
@@ -221,11 +223,11 @@ class SpeculativeDecoder:
 
             # 1. propose
             t0 = time.perf_counter()
-            source, k = None, 0
+            source, k, unread = None, 0, 0
             if drafter is not None:
                 ctx = DraftContext(sequence, params, generator, seen, tree_branch=self.tree_branch if self.tree_budget
                                    else 1, max_depth=min(depth, self.policy.max_depth))
-                source, k = self._choose_draft(ctx, limit)
+                source, k, unread = self._choose_draft(ctx, limit, remaining)
             if k > 0:
                 draft = drafter.propose(ctx, k)
                 k = draft.k
@@ -298,7 +300,7 @@ class SpeculativeDecoder:
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread)
             kept_accepted = min(num_accepted, len(committed))
             stats.record_step(k, kept_accepted, source if k > 0 else None, path,
                               tree.height if tree is not None else k)

@@ -11,7 +11,14 @@ position j is accepted given the ones before it were (decayed counts, shrunk tow
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
 draft); after `probe_every` plain steps one short draft is tried so the estimate can
-recover, and each failed probe doubles the wait (up to `max_probe_every`). A new request
+recover, and each failed probe doubles the wait (up to `max_probe_every`).
+
+A draft model must first read the committed tokens it has not seen (`unread`: the prompt on
+its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
+rest of the request, so a step that drafts k is charged its share over the steps left,
+`catch_up · E[tokens | k] / remaining` (catch-up = unread × the source's measured read time per
+token): a long prompt with a short budget left stays plain, a long budget drafts. A probe is
+skipped while its catch-up would cost more than a plain step. A new request
 keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
 
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 from specdraft.errors import SpecdraftError
 
 AUTO = "auto"
+READ_GUESS = 8  # before it is timed, reading a token is guessed this many times cheaper than drafting one
 MAX_AUTO_K = 8
 FIRST_K = 3  # the first step's k, before anything is measured
 PROBE_K = 2  # the k of a probe during plain decoding
@@ -50,11 +58,11 @@ class FixedK:
     def begin_request(self) -> None:
         """Nothing to reset."""
 
-    def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None) -> int:
         return min(self.tree_budget or self.k, limit)
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None) -> None:
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0) -> None:
         """A fixed k learns nothing."""
 
 
@@ -69,6 +77,7 @@ class SourceEstimates:
     hits: list[float] = field(default_factory=list)
     tries: list[float] = field(default_factory=list)
     draft_seconds_per_token: float | None = None  # a tree: per step (its passes go by depth, not by node)
+    read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
     plain_streak: int = 0  # steps this source was asked and declined in a row
     probing: bool = False
 
@@ -120,9 +129,9 @@ class AutoK:
         self.last_source = None
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None) -> None:
-        """Learn from one step: `k` tokens drafted by `source`, `accepted` of them kept (a tree: the
-        nodes at `path`), and what it cost.
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0) -> None:
+        """Learn from one step: `k` tokens drafted by `source` after reading `unread` committed tokens,
+        `accepted` of them kept (a tree: the nodes at `path`), and what it cost.
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         self._smooth_verify(k + 1, verify_seconds)
@@ -144,6 +153,11 @@ class AutoK:
             per_token = draft_seconds if self.tree else draft_seconds / k
             old = est.draft_seconds_per_token
             est.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
+        elif unread > 0 and est.draft_seconds_per_token is not None:  # the rest of the time went to reading
+            drafting = est.draft_seconds_per_token * (1 if self.tree else k)
+            per_read = max(0.0, draft_seconds - drafting) / unread
+            old = est.read_seconds_per_token
+            est.read_seconds_per_token = per_read if old is None else old + self.smoothing * (per_read - old)
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
         verified = k if self.tree else min(accepted + 1, k)  # a chain: positions up to the first rejection
@@ -196,33 +210,50 @@ class AutoK:
         scales = [v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in enumerate(self.verify_seconds) if v is not None]
         return min(scales) * (1 + PRIOR_SLOPE * (width - 1)) if scales else None
 
+    def _draft_per_token(self, source: str) -> float:
+        """Measured seconds per drafted token (a tree: per step), or a third of a plain target step before."""
+        draft = self.estimates(source).draft_seconds_per_token
+        return self.verify_estimate(1) / 3 if draft is None else draft
+
+    def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
+        """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is measured)."""
+        if unread <= 0 or self.verify_estimate(1) is None:
+            return 0.0
+        per_read = self.estimates(source).read_seconds_per_token
+        return unread * (self._draft_per_token(source) / READ_GUESS if per_read is None else per_read)
+
     def step_seconds(self, k: int, source: str = DEFAULT_SOURCE) -> float | None:
-        """Estimated seconds of a step that drafts k, or None before anything is measured."""
+        """Estimated seconds of a step that drafts k (its catch-up aside), or None before anything is measured."""
         verify = self.verify_estimate(k + 1)
         if verify is None:
             return None
-        draft = self.estimates(source).draft_seconds_per_token
-        if draft is None:  # before the first draft: guess a third of a plain target step per token
-            draft = self.verify_estimate(1) / 3
-        return draft * (min(k, 1) if self.tree else k) + verify
+        return self._draft_per_token(source) * (min(k, 1) if self.tree else k) + verify
 
-    def choose(self, limit: int, source: str = DEFAULT_SOURCE) -> int:
-        """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`."""
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None) -> int:
+        """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`, which must
+        first read `unread` committed tokens, with `remaining` tokens left to generate (None: many)."""
         if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
         est = self.estimates(source)
         best_k, best_rate = 0, self.margin / self.step_seconds(0)
         top = min(limit, self.max_k)
         curve = self.expected_token_curve(top, source)
+        catch_up = self.catch_up_seconds(unread, source)
         for k in range(1, top + 1):
             seconds = self.step_seconds(k, source)
-            if seconds is not None and seconds > 0 and curve[k] / seconds > best_rate:
+            if seconds is None:
+                continue
+            if catch_up and remaining:  # the catch-up serves the steps left: this step's share
+                seconds += catch_up * min(1.0, curve[k] / remaining)
+            if seconds > 0 and curve[k] / seconds > best_rate:
                 best_k, best_rate = k, curve[k] / seconds
         if best_k == 0 and limit > 0:
             est.plain_streak += 1
-            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery
-                est.plain_streak, est.probing = 0, True
-                best_k = min(PROBE_K, limit)
+            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery,
+                est.plain_streak = 0                    # unless reading what it missed costs more than a step
+                if catch_up <= self.step_seconds(0):
+                    est.probing = True
+                    best_k = min(PROBE_K, limit)
         else:
             est.plain_streak = 0
         return best_k

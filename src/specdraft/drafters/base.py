@@ -84,6 +84,11 @@ class Drafter:
         """Up to `k` tokens continuing `ctx.sequence` (a tree drafter: up to `k` nodes)."""
         raise NotImplementedError
 
+    def unread(self, ctx: DraftContext) -> int:
+        """Committed tokens the source returned last must read before it can draft (a draft model's
+        catch-up: the prompt on its first draft, the tokens of plain steps after); the policy prices them."""
+        return 0
+
     def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
         """The target's final hidden states at the next n positions of the sequence, in order and
         each once (only for a drafter that `needs_features`): after `begin`, those of the prompt

@@ -37,6 +37,9 @@ class ComposedDrafter(Drafter):
         self._chosen = None
         return None
 
+    def unread(self, ctx: DraftContext) -> int:
+        return (self._chosen or self.fallback).unread(ctx)
+
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         if self._chosen is None:  # called without `source`: ask now
             self.source(ctx)

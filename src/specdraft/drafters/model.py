@@ -42,6 +42,9 @@ class ModelDrafter(Drafter):
         # never drafts never pays for the draft's prefill.
         self.model.reset()
 
+    def unread(self, ctx: DraftContext) -> int:
+        return ctx.sequence.shape[0] - self.model.cache_len
+
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         self._tree_slots = None
         if ctx.tree_branch > 1:
