@@ -17,8 +17,8 @@ A draft model must first read the committed tokens it has not seen (`unread`: th
 its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
 rest of the request, so a step that drafts k is charged its share over the steps left,
 `catch_up · E[tokens | k] / remaining` (catch-up = unread × the source's measured read time per
-token): a long prompt with a short budget left stays plain, a long budget drafts. A probe is
-skipped while its catch-up would cost more than a plain step. A new request
+token; before it is timed, a 24th of a plain target step): a long prompt with a short budget left
+stays plain, a long budget drafts. A new request
 keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from specdraft.errors import SpecdraftError
 
 AUTO = "auto"
-READ_GUESS = 8  # before it is timed, reading a token is guessed this many times cheaper than drafting one
+READ_GUESS = 24  # before it is timed, reading a token is guessed at this fraction of a plain target step
 MAX_AUTO_K = 8
 FIRST_K = 3  # the first step's k, before anything is measured
 PROBE_K = 2  # the k of a probe during plain decoding
@@ -220,7 +220,7 @@ class AutoK:
         if unread <= 0 or self.verify_estimate(1) is None:
             return 0.0
         per_read = self.estimates(source).read_seconds_per_token
-        return unread * (self._draft_per_token(source) / READ_GUESS if per_read is None else per_read)
+        return unread * (self.verify_estimate(1) / READ_GUESS if per_read is None else per_read)
 
     def step_seconds(self, k: int, source: str = DEFAULT_SOURCE) -> float | None:
         """Estimated seconds of a step that drafts k (its catch-up aside), or None before anything is measured."""
@@ -249,11 +249,9 @@ class AutoK:
                 best_k, best_rate = k, curve[k] / seconds
         if best_k == 0 and limit > 0:
             est.plain_streak += 1
-            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery,
-                est.plain_streak = 0                    # unless reading what it missed costs more than a step
-                if catch_up <= self.step_seconds(0):
-                    est.probing = True
-                    best_k = min(PROBE_K, limit)
+            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery
+                est.plain_streak, est.probing = 0, True
+                best_k = min(PROBE_K, limit)
         else:
             est.plain_streak = 0
         return best_k
