@@ -18,8 +18,9 @@ its first draft, the tokens of plain steps after). That catch-up is paid once an
 rest of the request, so a step that drafts k is charged its share over the steps left,
 `catch_up · E[tokens | k] / remaining` (catch-up = unread × the source's measured read time per
 token; before it is timed, a 24th of a plain target step): a long prompt with a short budget left
-stays plain, a long budget drafts. A new request
-keeps the measured costs, a quarter of the acceptance counts and half the wait.
+stays plain, a long budget drafts.
+
+A new request keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
 
 Trees (`tree=True`, a node budget as `max_k`): k counts nodes, E[tokens | k] = 1 + Σ_{i<k} P_i
@@ -151,13 +152,11 @@ class AutoK:
             # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
             # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
             per_token = draft_seconds if self.tree else draft_seconds / k
-            old = est.draft_seconds_per_token
-            est.draft_seconds_per_token = per_token if old is None else old + self.smoothing * (per_token - old)
+            est.draft_seconds_per_token = self._smoothed(est.draft_seconds_per_token, per_token)
         elif unread > 0 and est.draft_seconds_per_token is not None:  # the rest of the time went to reading
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
             per_read = max(0.0, draft_seconds - drafting) / unread
-            old = est.read_seconds_per_token
-            est.read_seconds_per_token = per_read if old is None else old + self.smoothing * (per_read - old)
+            est.read_seconds_per_token = self._smoothed(est.read_seconds_per_token, per_read)
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
         verified = k if self.tree else min(accepted + 1, k)  # a chain: positions up to the first rejection
@@ -166,11 +165,13 @@ class AutoK:
         for i in path if path is not None else range(accepted):
             est.hits[i] += 1.0
 
+    def _smoothed(self, old: float | None, new: float) -> float:
+        """An exponentially smoothed estimate: `new` itself when nothing was measured before."""
+        return new if old is None else old + self.smoothing * (new - old)
+
     def _smooth_verify(self, width: int, seconds: float) -> None:
-        if width >= len(self.verify_seconds):
-            return
-        old = self.verify_seconds[width]
-        self.verify_seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if width < len(self.verify_seconds):
+            self.verify_seconds[width] = self._smoothed(self.verify_seconds[width], seconds)
 
     # ----- choosing ---------------------------------------------------------------------------
     def pooled_alpha(self, source: str = DEFAULT_SOURCE) -> float:
@@ -210,11 +211,6 @@ class AutoK:
         scales = [v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in enumerate(self.verify_seconds) if v is not None]
         return min(scales) * (1 + PRIOR_SLOPE * (width - 1)) if scales else None
 
-    def _draft_per_token(self, source: str) -> float:
-        """Measured seconds per drafted token (a tree: per step), or a third of a plain target step before."""
-        draft = self.estimates(source).draft_seconds_per_token
-        return self.verify_estimate(1) / 3 if draft is None else draft
-
     def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
         """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is measured)."""
         if unread <= 0 or self.verify_estimate(1) is None:
@@ -227,7 +223,10 @@ class AutoK:
         verify = self.verify_estimate(k + 1)
         if verify is None:
             return None
-        return self._draft_per_token(source) * (min(k, 1) if self.tree else k) + verify
+        draft = self.estimates(source).draft_seconds_per_token
+        if draft is None:  # before the first caught-up draft: guess a third of a plain target step per token
+            draft = self.verify_estimate(1) / 3
+        return draft * (min(k, 1) if self.tree else k) + verify
 
     def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None) -> int:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`, which must

@@ -73,6 +73,20 @@ static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *by
     bf16_pair_rows(pairs, rows);
 }
 /* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
+/* Fetch every line of the tile PREFETCH_BYTES ahead of `tile`. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes) {
+    for (int line = 0; line < tile_bytes; line += 64)
+        _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+}
+
+/* `call(T)` with T = tokens as a constant (1..MAX_TOKENS), so the accumulators stay in registers. */
+#define WITH_CONSTANT_TOKENS(tokens, call)                                                     \
+    switch (tokens) {                                                                          \
+        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break;                \
+        case 4: call(4); break; case 5: call(5); break; case 6: call(6); break;                \
+        case 7: call(7); break; default: call(8); break;                                       \
+    }
+
 /* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
                                                             const uint16_t *block_zero, const uint16_t *x,
@@ -82,8 +96,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_ahead(group_codes, INT4_TILE_BYTES);
         __m512 even[MAX_TOKENS], odd[MAX_TOKENS];
         for (int t = 0; t < tokens; t++) even[t] = odd[t] = _mm512_setzero_ps();
         const uint16_t *xg = x + g * GROUP;
@@ -124,16 +137,9 @@ static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16
         const uint8_t *codes = tiles + nb * groups * 256;
         const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
         float *out = y + nb * 16;
-        switch (tokens) {  /* a constant token count per case keeps the accumulators in registers */
-            case 1: block_rows(codes, bs, bz, x, sums, K, groups, 1, out, N); break;
-            case 2: block_rows(codes, bs, bz, x, sums, K, groups, 2, out, N); break;
-            case 3: block_rows(codes, bs, bz, x, sums, K, groups, 3, out, N); break;
-            case 4: block_rows(codes, bs, bz, x, sums, K, groups, 4, out, N); break;
-            case 5: block_rows(codes, bs, bz, x, sums, K, groups, 5, out, N); break;
-            case 6: block_rows(codes, bs, bz, x, sums, K, groups, 6, out, N); break;
-            case 7: block_rows(codes, bs, bz, x, sums, K, groups, 7, out, N); break;
-            default: block_rows(codes, bs, bz, x, sums, K, groups, 8, out, N); break;
-        }
+#define INT4_BLOCK(T) block_rows(codes, bs, bz, x, sums, K, groups, T, out, N)
+        WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
+#undef INT4_BLOCK
     }
     free(sums);
 }
@@ -175,8 +181,7 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
-        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_ahead(tile, Q6_TILE_BYTES);
         const float *dg = d + (g / 8) * 16;
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             __m512 first[MAX_TOKENS], second[MAX_TOKENS];  /* two chains: chunk 2·sub, chunk 2·sub + 1 */
@@ -213,16 +218,9 @@ static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, fl
         const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
         const float *bd = d + nb * (K / 256) * 16;
         float *out = y + nb * 16;
-        switch (tokens) {  /* a constant token count per case keeps the accumulators in registers */
-            case 1: q6_block(block, bd, x, sums, K, groups, 1, out, N); break;
-            case 2: q6_block(block, bd, x, sums, K, groups, 2, out, N); break;
-            case 3: q6_block(block, bd, x, sums, K, groups, 3, out, N); break;
-            case 4: q6_block(block, bd, x, sums, K, groups, 4, out, N); break;
-            case 5: q6_block(block, bd, x, sums, K, groups, 5, out, N); break;
-            case 6: q6_block(block, bd, x, sums, K, groups, 6, out, N); break;
-            case 7: q6_block(block, bd, x, sums, K, groups, 7, out, N); break;
-            default: q6_block(block, bd, x, sums, K, groups, 8, out, N); break;
-        }
+#define Q6_BLOCK(T) q6_block(block, bd, x, sums, K, groups, T, out, N)
+        WITH_CONSTANT_TOKENS(tokens, Q6_BLOCK)
+#undef Q6_BLOCK
     }
     free(sums);
 }

@@ -3,7 +3,7 @@
 `pack(codes, scale, minimum)` lays a matrix out for the kernel (the same bytes as 4-bit codes
 plus a bf16 scale and offset per group of 32); `matmul(packed, x)` is `x @ W^T` in float32. The
 C file is compiled on first use (kernels/build.py); where AMX is missing or not granted by the
-operating system, `available()` is False and callers take `int4_avx512` or PyTorch's kernel.
+operating system, `available()` is False and callers take `avx512_tiles` or PyTorch's kernel.
 """
 
 from __future__ import annotations
