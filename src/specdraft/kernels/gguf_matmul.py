@@ -63,7 +63,11 @@ class PackedQ6K:
 
 
 def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
-    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for `avx512_tiles.q6k_matmul`, without rounding."""
+    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for `avx512_tiles.q6k_matmul`, without rounding.
+
+    `raw` is only sliced by rows, 4096 at a time: a loader may pass an object with `shape`, `dtype`
+    and row slicing that reads each slice from the file, so the raw matrix is never whole in memory.
+    """
     n, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % Q6K_BLOCK_BYTES or n % _TILE_ROWS:
         raise ValueError(f"Q6_K tiles need uint8 [N, K / 256 · {Q6K_BLOCK_BYTES}] with N % 16 == 0; "

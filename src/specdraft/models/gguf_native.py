@@ -29,6 +29,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
 from specdraft.models.gguf_blocks import q4k_affine, unpack_rows
+from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
 
 NATIVE_ARCHITECTURES = ("qwen2",)
@@ -131,6 +132,10 @@ class _TensorFile:
             raise SpecdraftError(f"The GGUF file ends inside tensor {entry.name!r}: it is truncated.")
         return out
 
+    def lazy_rows(self, entry: TensorEntry) -> "_LazyRows":
+        """A matrix's raw rows that are read from the file only when sliced (for packing big ones)."""
+        return _LazyRows(self, entry)
+
     def unpacked(self, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor as `dtype`, unpacked slice by slice (a matrix is [out, in])."""
         if len(entry.shape) == 1:
@@ -145,6 +150,19 @@ class _TensorFile:
         self.file.close()
 
 
+class _LazyRows:
+    """Raw rows `[rows, bytes per row]` (uint8) of one matrix; `[start:stop]` reads them from the file."""
+
+    dtype = torch.uint8
+
+    def __init__(self, source: _TensorFile, entry: TensorEntry) -> None:
+        self.source, self.entry = source, entry
+        self.shape = (entry.shape[0], entry.n_bytes // entry.shape[0])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.source.rows(self.entry, rows.start or 0, rows.stop)
+
+
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
             pack: bool) -> nn.Module:
     """The module for one GGUF linear: packed for Q4_K and Q6_K (where their kernels run), else unpacked."""
@@ -153,7 +171,7 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         codes, scale, minimum = q4k_affine(source.rows(weight))
         return Int4Linear.from_affine(codes, scale, minimum, bias)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
-        return gguf_matmul.BlockLinear(source.rows(weight), weight.type_name, in_features, bias)
+        return gguf_matmul.BlockLinear(source.lazy_rows(weight), weight.type_name, in_features, bias)
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
     linear.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
@@ -183,7 +201,7 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         grouped["lm_head"] = {"weight": grouped["model.embed_tokens"]["weight"]}
     source = _TensorFile(path)
     try:
-        for name, entries in grouped.items():
+        for i, (name, entries) in enumerate(grouped.items()):
             weight = entries["weight"]
             if name == "model.embed_tokens":
                 module = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype)
@@ -194,6 +212,8 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
                 bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
                 module = _linear(source, weight, bias, dtype, pack)
             model.set_submodule(name, module)
+            if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
+                trim_heap()
     finally:
         source.close()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
 import os
 import shutil
@@ -16,36 +14,10 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.heap import compact_heap
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-@contextlib.contextmanager
-def compact_heap():
-    """Load or convert weights without leaving the process at its loading peak.
-
-    Inside, blocks from 4 MiB up are mapped on their own (glibc's threshold otherwise rises
-    after large blocks are freed, and the loaders' slices of up to 32 MiB then fragment the
-    heap: seen, a peak 1.4 GB above the live size while re-quantizing the draft's head).
-    After, freed memory goes back to the OS and the threshold is set to 32 MiB, so decoding's
-    short-lived buffers (up to a layer's unpacked weight in a prefill) are reused, not
-    re-mapped. A no-op without glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 4 << 20)
-    except (OSError, AttributeError):
-        libc = None
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.malloc_trim(0)
-            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
