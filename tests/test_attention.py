@@ -4,6 +4,7 @@ with grouped key/value heads, for every mask form transformers and the tree pass
 import pytest
 import torch
 
+from specdraft.kernels import attention_avx512
 from specdraft.models.attention import few_query_attention
 
 
@@ -48,3 +49,73 @@ def test_a_fully_hidden_row_stays_finite():
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out[0].double(), reference(query[:1], key[:1], value[:1], allowed[:1], 0.3)[0],
                                rtol=1e-2, atol=1e-2)
+
+
+kernel_runs = pytest.mark.skipif(not attention_avx512.available(), reason="no AVX-512 BF16 attention kernel here")
+
+
+def random_states(length, keys, dim, seed, heads=12, kv_heads=2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, length, dim, generator=g).bfloat16(),
+            torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16(),
+            torch.randn(1, kv_heads, keys, dim, generator=g).bfloat16())
+
+
+@kernel_runs
+@pytest.mark.parametrize("length, keys, dim, mask_form", [(1, 300, 128, "none"), (5, 77, 64, "bool"),
+                                                          (8, 1000, 128, "additive"), (3, 17, 32, "bool")])
+def test_attention_kernel_matches_the_definition(length, keys, dim, mask_form):
+    query, key, value = random_states(length, keys, dim, seed=length)
+    allowed = torch.ones(length, keys, dtype=torch.bool)
+    if mask_form != "none":
+        allowed = torch.arange(keys) <= torch.arange(keys - length, keys).unsqueeze(1)
+    mask = {"none": None, "bool": allowed.view(1, 1, length, keys),
+            "additive": torch.zeros(1, 1, length, keys, dtype=torch.bfloat16).masked_fill(
+                ~allowed, torch.finfo(torch.bfloat16).min)}[mask_form]
+    assert attention_avx512.supports(query, key, value)
+    out = attention_avx512.attend(query, key, value, mask, dim ** -0.5)
+    assert out.shape == (1, length, 12, dim) and out.dtype == torch.bfloat16
+    want = reference(query, key, value, allowed.view(1, 1, length, keys), dim ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+
+
+@kernel_runs
+def test_attention_kernel_gives_each_query_the_same_bits_in_any_pass():
+    """A verify pass's queries equal one-token passes bit for bit (so verification agrees with decoding)."""
+    query, key, value = random_states(6, 50, 128, seed=3)
+    causal = (torch.arange(50) <= torch.arange(44, 50).unsqueeze(1)).view(1, 1, 6, 50)
+    together = attention_avx512.attend(query, key, value, causal, 0.1)  # [1, 6, 12, 128]
+    for t in range(6):
+        alone = attention_avx512.attend(query[:, :, t:t + 1], key[:, :, :45 + t], value[:, :, :45 + t], None, 0.1)
+        assert torch.equal(alone[:, 0], together[:, t])
+
+
+@kernel_runs
+def test_attention_kernel_reads_a_cache_cut_back_in_place():
+    """Keys and values that are views of a larger buffer (a cache with spare room) give the same result."""
+    query, key, value = random_states(2, 40, 64, seed=4)
+    buffer_k, buffer_v = torch.randn(1, 2, 70, 64).bfloat16(), torch.randn(1, 2, 70, 64).bfloat16()
+    buffer_k[:, :, :40], buffer_v[:, :, :40] = key, value
+    assert torch.equal(attention_avx512.attend(query, buffer_k[:, :, :40], buffer_v[:, :, :40], None, 0.2),
+                       attention_avx512.attend(query, key, value, None, 0.2))
+
+
+@kernel_runs
+def test_attention_kernel_fully_hidden_row_averages_the_values():
+    """Like the PyTorch path: a row that sees nothing gets uniform weights, finite output."""
+    query, key, value = random_states(2, 5, 32, seed=5, heads=4, kv_heads=2)
+    allowed = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
+    allowed[0, 0, 1] = True
+    out = attention_avx512.attend(query, key, value, allowed, 1.0)
+    assert torch.isfinite(out.float()).all()
+    mean = value.double().mean(dim=2).repeat_interleave(2, dim=1)  # [1, 4, 32]
+    torch.testing.assert_close(out[0, 0].double(), mean[0], rtol=1e-2, atol=1e-2)
+
+
+@kernel_runs
+def test_few_query_attention_takes_the_kernel_for_bf16_batches_of_one():
+    query, key, value = random_states(1, 30, 64, seed=6)
+    assert torch.equal(few_query_attention(query, key, value, None, 0.125),
+                       attention_avx512.attend(query, key, value, None, 0.125))
+    batch = [torch.cat([s, s]) for s in (query, key, value)]  # batch 2: PyTorch's path
+    assert not attention_avx512.supports(*batch)

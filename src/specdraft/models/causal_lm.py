@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.attention import use_grouped_sdpa
+from specdraft.models.kv_cache import growing_cache
 
 
 @dataclass
@@ -81,7 +82,7 @@ class CausalLM:
     # ----- the cache ---------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the whole sequence."""
-        self._cache = DynamicCache(config=self.config)
+        self._cache = growing_cache(self.config)
         # Sliding-window layers otherwise drop states past their window, and could not be cut back.
         self._cache.activate_past_recording()
         self.cache_len = 0

@@ -1,0 +1,78 @@
+"""Few-query attention over a bf16 cache in C with AVX-512 BF16 (`attention_avx512.c`): the CPU
+path of `models.attention.few_query_attention` where it builds and runs.
+
+Measured (1.5B target, 28 layers, 300 cached keys, one query, 2 cores): see the C file's notes
+and `few_query_attention`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdraft.kernels.build import compiled_library
+
+_SOURCE = Path(__file__).with_name("attention_avx512.c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+_MAX_DIM = 256
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 attention kernel")
+    if library is None:
+        return None
+    function = library.few_query_attention_bf16
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    function.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel runs on this machine."""
+    return _library() is not None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether these tensors can take the kernel: CPU, bf16, batch 1, head size a multiple of 32 up to 256."""
+    dim = query.shape[-1]
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and query.shape[0] == 1 and dim % 32 == 0 and dim <= _MAX_DIM and available())
+
+
+def _rows_contiguous(states: torch.Tensor) -> torch.Tensor:
+    """A cache tensor `[1, kv_heads, S, d]` whose rows of d lie one after another (heads may lie apart)."""
+    return states if states.stride(-1) == 1 and states.stride(-2) == states.shape[-1] else states.contiguous()
+
+
+def attend(
+    query: torch.Tensor,  # [1, heads, T, d] bf16
+    key: torch.Tensor,  # [1, kv_heads, S, d] bf16
+    value: torch.Tensor,  # [1, kv_heads, S, d] bf16
+    attention_mask: torch.Tensor | None,  # [1, 1, T, S] bool (True = attend) or additive; None = all visible
+    scaling: float,
+) -> torch.Tensor:  # [1, T, heads, d] bf16
+    """softmax(q kᵀ · scaling + mask) v for each query head and token (`supports` must hold)."""
+    _, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    if key.stride(1) != value.stride(1):
+        key, value = key.contiguous(), value.contiguous()
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape(length, keys)  # [T, S]
+        if mask.dtype == torch.bool:  # the lowest finite score: a fully hidden row stays finite (uniform weights)
+            mask = torch.zeros(length, keys).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        else:
+            mask = mask.float().contiguous()
+    query = query.contiguous()
+    out = torch.empty((1, length, heads, dim), dtype=torch.bfloat16)
+    _library().few_query_attention_bf16(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if mask is None else mask.data_ptr(), out.data_ptr(),
+        heads, kv_heads, length, keys, dim, key.stride(1), scaling,
+    )
+    return out

@@ -1,0 +1,147 @@
+"""Decoder layers of a packed Qwen2-family model with fewer kernel calls.
+
+A decoding step calls the tile kernels once per projection: seven calls a layer, each with its
+own conversions and output. Projections that read the same input (q, k and v; gate and up)
+are stacked here into one matrix a kernel reads in one call: the tiles of both layouts
+(`int4_layout.pack`, `gguf_matmul.pack_q6k`) are blocks of 16 output rows, so stacking is
+concatenation, and each output row is computed exactly as before (same code, same order), so
+the model's outputs are unchanged bit for bit. Projections of different block types (a Q6_K
+`v` among Q4_K `q` and `k`, as Q4_K_M files mix them) run as one call per type.
+
+Measured (1.5B Q4_K_M target, 2 cores, AVX-512): gate and up of 28 layers, 11.35 ms as two
+calls, 10.42 ms as one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, eager_attention_forward
+
+from specdraft.kernels import gguf_matmul
+from specdraft.kernels.int4_layout import PackedInt4
+from specdraft.models.heap import trim_heap
+from specdraft.models.quantize import Int4Linear
+
+
+def _run_kind(linear: nn.Module) -> str | None:
+    """Which stackable kind a projection is (`int4`, `q6k`), None when it cannot be stacked."""
+    if isinstance(linear, Int4Linear) and linear.tiles is not None and linear.dense_weight is None:
+        return "int4"
+    if isinstance(linear, gguf_matmul.BlockLinear):
+        return "q6k"
+    return None
+
+
+class StackedProjection(nn.Module):
+    """Projections of one input stacked by rows: `forward(x [..., K])` -> float32 `[..., ΣN]`, biases added.
+
+    Consecutive parts of the same kind share one kernel call.
+    """
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.runs: list[tuple[object, object]] = []  # (kernel function, packed matrix)
+        start = 0
+        while start < len(parts):
+            kind = _run_kind(parts[start])
+            stop = start + 1
+            while stop < len(parts) and _run_kind(parts[stop]) == kind:
+                stop += 1
+            self.runs.append(self._stack(kind, parts[start:stop], len(self.runs)))
+            start = stop
+        biases = [part.bias.float() if part.bias is not None else torch.zeros(part.out_features) for part in parts]
+        has_bias = any(part.bias is not None for part in parts)
+        self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None  # [ΣN] float32, the parts' values
+
+    def _stack(self, kind: str, parts: list[nn.Module], index: int) -> tuple[object, object]:
+        n = sum(part.out_features for part in parts)
+        if kind == "int4":
+            packed = PackedInt4(torch.cat([p.tiles.tiles for p in parts]), torch.cat([p.tiles.scale for p in parts]),
+                                torch.cat([p.tiles.zero for p in parts]), n, self.in_features)
+            for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
+                self.register_buffer(f"run{index}_{name}", getattr(packed, name))
+            return parts[0].tile_matmul, packed
+        packed = gguf_matmul.PackedQ6K(torch.cat([p.packed.tiles for p in parts]), torch.cat([p.packed.d for p in parts]),
+                                       n, self.in_features)
+        self.register_buffer(f"run{index}_tiles", packed.tiles)
+        self.register_buffer(f"run{index}_d", packed.d)
+        return gguf_matmul.block_matmul, packed
+
+    def num_packed_weights(self) -> int:
+        """How many weights the stacked matrices hold."""
+        return self.out_features * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> float32 [..., ΣN]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [tokens, K]
+        outs = [matmul(packed, flat) for matmul, packed in self.runs]  # [tokens, N_run] each
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [tokens, ΣN]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class StackedMLP(nn.Module):
+    """Qwen2's MLP, `down(silu(gate x) · up x)`, with gate and up in one kernel call."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.intermediate = mlp.gate_proj.out_features
+        self.gate_up = StackedProjection([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., H] bf16
+        gate_up = self.gate_up(x).to(x.dtype)  # [..., 2I]: rounded as the separate projections' outputs were
+        return self.down_proj(self.act_fn(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+
+
+class StackedAttention(nn.Module):
+    """Qwen2's attention (same steps as transformers' `Qwen2Attention.forward`) with q, k and v in one pass."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
+                     "is_causal", "sliding_window"):
+            setattr(self, name, getattr(attention, name))
+        self.q_size, self.kv_size = attention.q_proj.out_features, attention.k_proj.out_features
+        self.qkv = StackedProjection([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = attention.o_proj
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+        input_shape = hidden_states.shape[:-1]  # [B, T]
+        qkv = self.qkv(hidden_states).to(hidden_states.dtype)  # [B, T, q + 2 kv]
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, d]
+        key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
+        value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                           sliding_window=self.sliding_window, **kwargs)  # [B, T, heads, d]
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
+
+
+def stack_projections(model: nn.Module) -> int:
+    """Swap each Qwen2-style decoder layer's attention and MLP for stacked ones where every
+    projection runs on a tile kernel (outputs unchanged); returns how many layers changed."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or getattr(model.config, "model_type", None) != "qwen2":
+        return 0
+    changed = 0
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = [getattr(attention, f"{n}_proj", None) for n in "qkv"] + [getattr(mlp, "gate_proj", None),
+                                                                                   getattr(mlp, "up_proj", None)]
+        if any(p is None or _run_kind(p) is None for p in projections):
+            continue
+        layer.self_attn, layer.mlp = StackedAttention(attention), StackedMLP(mlp)
+        trim_heap()  # the replaced projections' memory goes back now, not at the end of loading
+        changed += 1
+    return changed

@@ -1,0 +1,62 @@
+"""The growing KV cache layer holds what transformers' DynamicLayer holds, through appends, growth,
+crops and in-place edits, without copying the cache on every append."""
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from specdraft.models import kv_cache
+from specdraft.models.kv_cache import GrowingLayer, growing_cache
+from conftest import tiny_config
+
+
+def states(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, length, 8, generator=g), torch.randn(1, 2, length, 8, generator=g)  # [B, kv, T, d]
+
+
+def test_growing_layer_matches_dynamic_layer(monkeypatch):
+    monkeypatch.setattr(kv_cache, "SPARE_TOKENS", 4)  # grow often
+    growing, dynamic = GrowingLayer(), DynamicLayer()
+    script = [("add", 5), ("add", 1), ("add", 3), ("crop", -2), ("add", 6), ("edit", 0), ("add", 1), ("crop", -7),
+              ("add", 9)]
+    for step, (action, n) in enumerate(script):
+        if action == "add":
+            key, value = states(n, seed=step)
+            got, want = growing.update(key, value), dynamic.update(key, value)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        elif action == "crop":
+            growing.crop(n)
+            dynamic.crop(n)
+        else:  # CausalLM.keep rewrites rows in place
+            for layer in (growing, dynamic):
+                layer.keys[:, :, 2] = layer.keys[:, :, 4]
+                layer.values[:, :, 2] = layer.values[:, :, 4]
+        assert torch.equal(growing.keys, dynamic.keys) and torch.equal(growing.values, dynamic.values)
+        assert growing.get_seq_length() == dynamic.get_seq_length()
+
+
+def test_appends_write_in_place_until_the_buffer_is_full(monkeypatch):
+    monkeypatch.setattr(kv_cache, "SPARE_TOKENS", 8)
+    layer = GrowingLayer()
+    layer.update(*states(3, seed=0))
+    buffer = layer.key_buffer
+    assert buffer.shape[-2] == 11
+    for seed in range(1, 9):
+        layer.update(*states(1, seed=seed))
+    assert layer.key_buffer is buffer and layer.keys.data_ptr() == buffer.data_ptr()  # 11 tokens: no copy yet
+    layer.update(*states(1, seed=9))
+    assert layer.key_buffer is not buffer and layer.keys.shape[-2] == 12
+
+
+def test_reset_starts_over_and_sliding_layers_stay_as_they_are():
+    layer = GrowingLayer()
+    layer.update(*states(4, seed=0))
+    layer.reset()
+    key, value = states(2, seed=1)
+    got = layer.update(key, value)
+    assert torch.equal(got[0], key) and torch.equal(got[1], value)
+    config = tiny_config(layers=2)
+    config.use_sliding_window, config.sliding_window = True, 8
+    config.layer_types = ["full_attention", "sliding_attention"]
+    assert [type(layer).__name__ for layer in growing_cache(config).layers] == ["GrowingLayer",
+                                                                               "DynamicSlidingWindowLayer"]

@@ -1,0 +1,88 @@
+"""Stacked projections (q, k, v in one kernel call; gate and up in one) change no output bit."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specdraft.kernels import gguf_matmul
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES
+from specdraft.models.quantize import Int4Linear, quantize_int4
+from specdraft.models.stacked_layers import StackedAttention, StackedMLP, StackedProjection, stack_projections
+
+tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
+                                          torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
+
+
+def int4_model(seed: int = 0) -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2 (hidden 64: the tile kernels' smallest) with every linear re-quantized to 4 bits."""
+    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).bfloat16().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    quantize_int4(model)
+    return model
+
+
+def passes(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
+    """Logits of a prefill and passes of 1, 5 and 3 tokens over the cache: [1, T, V] each."""
+    lm = CausalLM(model)
+    lm.reset()
+    generator = torch.Generator().manual_seed(1)
+    return [lm.forward(torch.randint(0, 96, (1, n), generator=generator), logits_to_keep=n).logits
+            for n in (11, 1, 5, 3)]
+
+
+@tiles_run
+def test_stacked_layers_give_the_same_logits_bit_for_bit():
+    model = int4_model()
+    stacked = copy.deepcopy(model)
+    assert stack_projections(stacked) == 2
+    layer = stacked.model.layers[0]
+    assert isinstance(layer.self_attn, StackedAttention) and isinstance(layer.mlp, StackedMLP)
+    assert len(layer.self_attn.qkv.runs) == 1 and len(layer.mlp.gate_up.runs) == 1  # one kernel call each
+    for want, got in zip(passes(model), passes(stacked)):
+        assert torch.equal(want, got)
+    assert CausalLM(stacked).num_parameters() == CausalLM(model).num_parameters()
+
+
+def test_models_without_tile_kernels_are_left_alone():
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).eval()  # plain nn.Linear projections
+    assert stack_projections(model) == 0
+    assert isinstance(model.model.layers[0].mlp.gate_proj, nn.Linear)
+
+
+def random_q6k_linear(rows: int, cols: int, seed: int) -> gguf_matmul.BlockLinear:
+    """A Q6_K linear of random codes and scales with small positive d."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 256, Q6K_BLOCK_BYTES), dtype=np.uint8)
+    raw[..., 208:210] = np.frombuffer(rng.uniform(1e-3, 2e-3, (rows, cols // 256)).astype(np.float16).tobytes(),
+                                      dtype=np.uint8).reshape(rows, cols // 256, 2)
+    return gguf_matmul.BlockLinear(torch.from_numpy(raw.reshape(rows, -1)), "Q6_K", cols, torch.randn(rows))
+
+
+@tiles_run
+@pytest.mark.skipif(not gguf_matmul.available(), reason="no Q6_K tile kernel here")
+def test_mixed_block_types_run_one_call_per_type_with_the_same_outputs():
+    """q and k in 4 bits, v in Q6_K (a Q4_K_M file's mix): two calls, each part's rows as computed alone."""
+    generator = torch.Generator().manual_seed(2)
+    q = Int4Linear.quantize(nn.Linear(512, 64, bias=True))
+    k = Int4Linear.quantize(nn.Linear(512, 32, bias=True))
+    v = random_q6k_linear(32, 512, seed=3)
+    stacked = StackedProjection([q, k, v])
+    assert len(stacked.runs) == 2 and stacked.out_features == 128
+    x = torch.randn(2, 5, 512, generator=generator).bfloat16()  # [B, T, K]
+    out = stacked(x)  # [2, 5, 128] float32
+    parts = [q(x), k(x), v(x)]  # each rounded to bf16, as the layers use them
+    assert torch.equal(out.to(torch.bfloat16), torch.cat(parts, dim=-1))
