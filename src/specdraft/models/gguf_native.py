@@ -31,7 +31,7 @@ from specdraft.kernels import gguf_matmul
 from specdraft.models.gguf_blocks import q4k_affine, unpack_rows
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
-from specdraft.models.stacked_layers import stack_projections
+from specdraft.models.fast_layers import fast_decoder_layers
 
 NATIVE_ARCHITECTURES = ("qwen2",)
 
@@ -223,5 +223,5 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         raise SpecdraftError(f"The GGUF file {path.name} lacks tensors for {', '.join(missing[:5])}; "
                              "load it with --gguf-weights unpacked.")
     model.config.tie_word_embeddings = False  # head and embedding are separate modules now
-    stack_projections(model)
+    fast_decoder_layers(model)
     return model.eval()

@@ -15,7 +15,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.heap import compact_heap
-from specdraft.models.stacked_layers import stack_projections
+from specdraft.models.fast_layers import fast_decoder_layers
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -232,7 +232,7 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     with compact_heap():
         scored = restrict_draft_vocab(prepared, vocab)
         swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
-        stack_projections(model)
+        fast_decoder_layers(model)
     print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens "
           f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)
     tags = [tag for tag in (quant if quant == "int4" else "", f"vocab {scored}" if vocab else "") if tag]

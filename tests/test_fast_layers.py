@@ -7,12 +7,14 @@ import pytest
 import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from specdraft.kernels import gguf_matmul
+from specdraft.kernels import gguf_matmul, layer_ops
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES
 from specdraft.models.quantize import Int4Linear, quantize_int4
-from specdraft.models.stacked_layers import StackedAttention, StackedMLP, StackedProjection, stack_projections
+from specdraft.models import fast_layers
+from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers
 
 tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
                                           torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
@@ -43,10 +45,13 @@ def passes(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 
 
 @tiles_run
-def test_stacked_layers_give_the_same_logits_bit_for_bit():
+def test_stacked_layers_give_the_same_logits_bit_for_bit(monkeypatch):
     model = int4_model()
     stacked = copy.deepcopy(model)
-    assert stack_projections(stacked) == 2
+    with monkeypatch.context() as patch:  # the reference: the same norms, projections one by one
+        patch.setattr(fast_layers, "_run_kind", lambda linear: None)
+        assert fast_decoder_layers(model) == 0
+    assert fast_decoder_layers(stacked) == 2
     layer = stacked.model.layers[0]
     assert isinstance(layer.self_attn, StackedAttention) and isinstance(layer.mlp, StackedMLP)
     assert len(layer.self_attn.qkv.runs) == 1 and len(layer.mlp.gate_up.runs) == 1  # one kernel call each
@@ -59,7 +64,7 @@ def test_models_without_tile_kernels_are_left_alone():
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2)).eval()  # plain nn.Linear projections
-    assert stack_projections(model) == 0
+    assert fast_decoder_layers(model) == 0
     assert isinstance(model.model.layers[0].mlp.gate_proj, nn.Linear)
 
 
@@ -86,3 +91,29 @@ def test_mixed_block_types_run_one_call_per_type_with_the_same_outputs():
     out = stacked(x)  # [2, 5, 128] float32
     parts = [q(x), k(x), v(x)]  # each rounded to bf16, as the layers use them
     assert torch.equal(out.to(torch.bfloat16), torch.cat(parts, dim=-1))
+
+
+@pytest.mark.skipif(not layer_ops.available(), reason="no AVX-512 BF16 layer operations here")
+def test_native_rms_norm_matches_transformers_and_each_row_stands_alone():
+    norm = Qwen2RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(256))
+    norm = norm.bfloat16()
+    x = (3 * torch.randn(2, 7, 256)).bfloat16()  # [B, T, H]
+    native = NativeRMSNorm(norm)
+    got, want = native(x), norm(x)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)  # a bf16 step at most
+    assert (got != want).float().mean() < 0.02  # almost every value the same bits
+    assert torch.equal(native(x[1:, 3:4]), got[1:, 3:4])  # a row alone gives the same bits
+
+
+def test_fast_layers_swap_norms_only_where_the_kernel_runs():
+    model = int4_model()
+    fast_decoder_layers(model)
+    kinds = {type(layer.input_layernorm).__name__ for layer in model.model.layers}
+    assert kinds == ({"NativeRMSNorm"} if layer_ops.available() else {"Qwen2RMSNorm"})
+    float_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    fast_decoder_layers(float_model)  # float32 weights: PyTorch's norm stays
+    assert type(float_model.model.norm).__name__ == "Qwen2RMSNorm"

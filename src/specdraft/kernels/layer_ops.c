@@ -1,0 +1,37 @@
+/* Small per-token operations of a decoder layer in AVX-512, for bf16 activations on the CPU.
+ *
+ * Why: PyTorch runs an RMSNorm as seven dispatched ops (to float32, pow, mean, add, rsqrt, mul,
+ * back to bf16, times the weight); a 1.5B model has 57 norms a step, about 1.4 ms of a 31 ms
+ * decoding step on 2 cores, for work worth microseconds.
+ *
+ * rms_norm_bf16: y = w ⊙ bf16(x / sqrt(mean(x²) + eps)) per row, rounded to bf16 (nearest even)
+ * as transformers' Qwen2/Llama RMSNorm rounds; the sum of squares is float32 in a fixed order, so
+ * a row's result does not depend on the other rows of the pass. Rows of `dim` (a multiple of 16).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 round_bf16(__m512 v) {  /* to the nearest bf16 and back to float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * dim;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 16) {
+            __m512 v = bf16x16_to_ps(row + c);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+        for (int64_t c = 0; c < dim; c += 16) {
+            __m512 normed = round_bf16(_mm512_mul_ps(bf16x16_to_ps(row + c), scale));
+            __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(normed, bf16x16_to_ps(weight + c)));
+            _mm256_storeu_si256((__m256i *)(y + r * dim + c), out);
+        }
+    }
+}

@@ -1,0 +1,40 @@
+"""Per-token decoder-layer operations in C for bf16 activations (`layer_ops.c`): RMSNorm."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdraft.kernels.build import compiled_library
+
+_SOURCE = Path(__file__).with_name("layer_ops.c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 layer operations")
+    if library is None:
+        return None
+    library.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    library.rms_norm_bf16.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels run on this machine."""
+    return _library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight ⊙ bf16(x / sqrt(mean(x²) + eps))` over the last dimension: x `[..., dim]` bf16 (CPU, dim % 16 == 0),
+    weight `[dim]` bf16 -> bf16 `[..., dim]`."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
