@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 from specdraft.kernels import gguf_matmul, layer_ops
 from specdraft.models.causal_lm import CausalLM
@@ -21,9 +21,10 @@ tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8)
 
 
 def int4_model(seed: int = 0) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2 (hidden 64: the tile kernels' smallest) with every linear re-quantized to 4 bits."""
+    """A 2-layer Qwen2 (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's) with every linear
+    re-quantized to 4 bits."""
     config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
                          eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).bfloat16().eval()
@@ -117,3 +118,24 @@ def test_fast_layers_swap_norms_only_where_the_kernel_runs():
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
     fast_decoder_layers(float_model)  # float32 weights: PyTorch's norm stays
     assert type(float_model.model.norm).__name__ == "Qwen2RMSNorm"
+
+
+@pytest.mark.skipif(not layer_ops.available(), reason="no AVX-512 BF16 layer operations here")
+@pytest.mark.parametrize("dim, tokens", [(128, 1), (64, 5), (32, 8)])
+def test_native_rotary_gives_transformers_bits(dim, tokens):
+    """q and k heads of a stacked q|k|v row rotated in place equal `apply_rotary_pos_emb` in bf16; v untouched."""
+    heads, kv_heads = 4, 2
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(1, tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angles = 40 * torch.rand(1, tokens, dim // 2, generator=g)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).bfloat16()  # [1, T, d]
+    sin = torch.cat([angles.sin()] * 2, dim=-1).bfloat16()
+    q = qkv[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2)
+    k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rotated = qkv.clone()
+    layer_ops.rotary_(rotated, heads + kv_heads, dim, cos, sin)
+    assert torch.equal(rotated[..., : heads * dim].view(1, tokens, heads, dim).transpose(1, 2), want_q)
+    assert torch.equal(rotated[..., heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim)
+                       .transpose(1, 2), want_k)
+    assert torch.equal(rotated[..., (heads + kv_heads) * dim :], qkv[..., (heads + kv_heads) * dim :])

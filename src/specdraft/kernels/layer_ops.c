@@ -7,6 +7,11 @@
  * rms_norm_bf16: y = w ⊙ bf16(x / sqrt(mean(x²) + eps)) per row, rounded to bf16 (nearest even)
  * as transformers' Qwen2/Llama RMSNorm rounds; the sum of squares is float32 in a fixed order, so
  * a row's result does not depend on the other rows of the pass. Rows of `dim` (a multiple of 16).
+ *
+ * rotary_bf16: rotary position embedding in place on the first `heads` heads of each token's row
+ * (a stacked q|k|v projection's q and k heads), x·cos + rotate_half(x)·sin with every product and
+ * the sum rounded to bf16, as transformers' bf16 ops round them (the same bits). cos and sin are
+ * [tokens][dim]; dim / 2 a multiple of 16.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,6 +37,26 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64
             __m512 normed = round_bf16(_mm512_mul_ps(bf16x16_to_ps(row + c), scale));
             __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(normed, bf16x16_to_ps(weight + c)));
             _mm256_storeu_si256((__m256i *)(y + r * dim + c), out);
+        }
+    }
+}
+
+void rotary_bf16(uint16_t *rows, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim,
+                 const uint16_t *cos, const uint16_t *sin) {
+    const int64_t half = dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x = rows + t * row_stride + h * dim;
+            for (int64_t i = 0; i < half; i += 16) {
+                __m512 first = bf16x16_to_ps(x + i), second = bf16x16_to_ps(x + half + i);
+                __m512 out1 = _mm512_sub_ps(round_bf16(_mm512_mul_ps(first, bf16x16_to_ps(c + i))),
+                                            round_bf16(_mm512_mul_ps(second, bf16x16_to_ps(s + i))));
+                __m512 out2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(second, bf16x16_to_ps(c + half + i))),
+                                            round_bf16(_mm512_mul_ps(first, bf16x16_to_ps(s + half + i))));
+                _mm256_storeu_si256((__m256i *)(x + i), (__m256i)_mm512_cvtneps_pbh(out1));
+                _mm256_storeu_si256((__m256i *)(x + half + i), (__m256i)_mm512_cvtneps_pbh(out2));
+            }
         }
     }
 }

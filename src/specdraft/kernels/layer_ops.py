@@ -1,4 +1,4 @@
-"""Per-token decoder-layer operations in C for bf16 activations (`layer_ops.c`): RMSNorm."""
+"""Per-token decoder-layer operations in C for bf16 activations (`layer_ops.c`): RMSNorm, rotary embedding."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.rms_norm_bf16.restype = None
+    library.rotary_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+    library.rotary_bf16.restype = None
     return library
 
 
@@ -38,3 +40,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out
+
+
+def rotary_(rows: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place on the first `heads` heads of size `dim` of each row: rows `[1, T, ≥ heads·dim]`
+    bf16 contiguous (a stacked q|k|v output), cos and sin `[1, T, dim]` bf16; the bits of transformers'
+    `apply_rotary_pos_emb` in bf16."""
+    if not rows.is_contiguous() or rows.shape[-1] < heads * dim or dim % 32:
+        raise ValueError(f"rotary_ needs contiguous rows of at least {heads}·{dim} values, dim % 32 == 0")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _library().rotary_bf16(rows.data_ptr(), rows.shape[1], rows.shape[-1], heads, dim, cos.data_ptr(), sin.data_ptr())

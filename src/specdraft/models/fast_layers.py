@@ -113,17 +113,22 @@ class StackedAttention(nn.Module):
         self.q_size, self.kv_size = attention.q_proj.out_features, attention.k_proj.out_features
         self.qkv = StackedProjection([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
+        self.native_rotary = self.head_dim % 32 == 0 and layer_ops.available()
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
         input_shape = hidden_states.shape[:-1]  # [B, T]
         qkv = self.qkv(hidden_states).to(hidden_states.dtype)  # [B, T, q + 2 kv]
+        cos, sin = position_embeddings  # [B, T, d]
+        native_rotary = self.native_rotary and qkv.shape[0] == 1 and qkv.dtype == cos.dtype == torch.bfloat16
+        if native_rotary:  # q and k heads rotated in place, in one call
+            layer_ops.rotary_(qkv, (self.q_size + self.kv_size) // self.head_dim, self.head_dim, cos, sin)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, d]
         key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
         value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if not native_rotary:
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
