@@ -167,3 +167,39 @@ def test_narrowed_draft_vocab_stays_exact(tiny_target, drafts, make_lm):
     sampled = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(prepare_draft(draft, "int4", copy=True, vocab=40)), k=4)
     out = sampled.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=3), max_new_tokens=30)
     assert len(out.token_ids) == 30 and out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("context", [1, 8, 29, 30, 0])
+def test_draft_context_window_stays_exact(tiny_target, drafts, make_lm, context, tree):
+    """A draft that reads only the prompt's last `context` tokens (positions counted from there) drafts
+    from what it read; the output still equals plain decoding, chains and trees alike."""
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[2], max_new_tokens=30).token_ids
+    draft = make_lm(drafts["identical"])
+    drafter = ModelDrafter(draft, min_confidence=0.0, context=context)
+    options = dict(tree_budget=8, tree_branch=2) if tree else {}
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=3, **options)
+    length, first = len(PROMPTS[2]), True
+    for event in spec.stream(PROMPTS[2], max_new_tokens=30):
+        if first:  # the first draft read at most `context` prompt tokens (+ the draft tokens it fed)
+            assert draft.cache_len <= (context or length) + 3
+            first = False
+        length += len(event.token_ids)
+    got = spec.generate(PROMPTS[2], max_new_tokens=30)
+    assert got.token_ids == expected and got.stats.drafted > 0
+
+
+def test_draft_context_prices_only_the_window(tiny_target, drafts, make_lm):
+    """`unread` (what k=auto charges for the draft's catch-up) counts the window, not the whole prompt."""
+    from specdraft.drafters.base import DraftContext
+
+    drafter = ModelDrafter(make_lm(drafts["close"]), context=8)
+    drafter.begin(torch.tensor(PROMPTS[2]))
+    ctx = DraftContext(torch.tensor(PROMPTS[2]), SamplingParams(), torch.Generator(), None)
+    assert drafter.unread(ctx) == 8
+    drafter.propose(ctx, 2)
+    grown = DraftContext(torch.tensor(PROMPTS[2] + [5, 6]), SamplingParams(), torch.Generator(), None)
+    drafter.commit(len(PROMPTS[2]), [])  # nothing accepted: the draft keeps the window only
+    assert drafter.unread(grown) == 2
+    with pytest.raises(Exception, match="draft-context"):
+        ModelDrafter(make_lm(drafts["close"]), context=-1)

@@ -16,7 +16,7 @@ from specdraft.drafters.composed import ComposedDrafter
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.medusa import MedusaDrafter
-from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE, ModelDrafter
+from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
 from specdraft.errors import SpecdraftError
@@ -41,7 +41,7 @@ class DrafterInfo:
 def _build_model(options: dict, draft_model=None, **_resources) -> Drafter:
     if draft_model is None:
         raise SpecdraftError("The 'model' drafter needs a draft model: pass --draft NAME_OR_PATH.")
-    return ModelDrafter(draft_model, min_confidence=options["draft-confidence"])
+    return ModelDrafter(draft_model, min_confidence=options["draft-confidence"], context=options["draft-context"])
 
 
 def _build_ngram(options: dict, **_resources) -> Drafter:
@@ -81,7 +81,8 @@ def _build_eagle(options: dict, target_model=None, **_resources) -> Drafter:
 
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
-                         _build_model, True, {"draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+                         _build_model, True, {"draft-confidence": DEFAULT_MIN_CONFIDENCE,
+                                              "draft-context": DEFAULT_CONTEXT}),
     "ngram": DrafterInfo("prompt lookup: proposes what followed the last n tokens earlier in prompt or output "
                          "(no model, c ≈ 0)", _build_ngram, False,
                          {"ngram-max": DEFAULT_MAX_N, "ngram-min": DEFAULT_MIN_N}),

@@ -13,6 +13,7 @@ from specdraft.sampling import sample, warp
 
 # Stop drafting once the chain's estimated survival falls below this (measured: README).
 DEFAULT_MIN_CONFIDENCE = 0.35
+DEFAULT_CONTEXT = 64  # prompt tokens the draft reads at most (0 = all; measured: README, Drafters)
 
 
 class ModelDrafter(Drafter):
@@ -25,15 +26,25 @@ class ModelDrafter(Drafter):
     probabilities for its tokens (its estimate that the whole chain survives) falls below
     it, drafting more would mostly be wasted. The stop depends only on what the draft has
     already drawn, so verification stays exact.
+
+    `context` (> 0) caps how much of a long prompt the draft reads: only its last `context`
+    tokens, at positions counted from there (rotary attention sees only relative positions).
+    The draft's prefill is its largest cost on long prompts (RAG, summaries, extraction), where
+    answers are often short; drafts stay proposals, so the output is unchanged. 0 reads it all.
     """
 
     name = "model"
 
-    def __init__(self, model: CausalLM, min_confidence: float = DEFAULT_MIN_CONFIDENCE) -> None:
+    def __init__(self, model: CausalLM, min_confidence: float = DEFAULT_MIN_CONFIDENCE,
+                 context: int = DEFAULT_CONTEXT) -> None:
         if not 0.0 <= min_confidence < 1.0:
             raise SpecdraftError(f"min draft confidence must be in [0, 1), got {min_confidence}.")
+        if context < 0:
+            raise SpecdraftError(f"--draft-context must be >= 0 (0 = the whole prompt), got {context}.")
         self.model = model
         self.min_confidence = min_confidence
+        self.context = context
+        self._skipped = 0  # prompt tokens before the draft's window: sequence position = draft position + this
         self._fed_draft = 0  # draft tokens fed into the cache during the last proposal
         self._tree_slots: list[int | None] | None = None  # per tree token: where the cache holds it (None: unfed)
 
@@ -41,9 +52,22 @@ class ModelDrafter(Drafter):
         # No prefill here: the first proposal reads the prompt, so a request (or a policy) that
         # never drafts never pays for the draft's prefill.
         self.model.reset()
+        self._skipped = 0
+
+    def _read(self) -> int:
+        """How many tokens of the committed sequence the draft cache covers (read or skipped)."""
+        return self._skipped + self.model.cache_len
+
+    def _unread_tokens(self, sequence: torch.Tensor) -> torch.Tensor:  # [T] -> [1, T'] what the draft must read
+        if self.model.cache_len == 0 and self.context and sequence.shape[0] - self._skipped > self.context:
+            self._skipped = sequence.shape[0] - self.context  # a first read of a long prompt: its last `context`
+        return sequence[self._read():].unsqueeze(0)
 
     def unread(self, ctx: DraftContext) -> int:
-        return ctx.sequence.shape[0] - self.model.cache_len
+        length = ctx.sequence.shape[0]
+        if self.model.cache_len == 0 and self.context:
+            return min(length, self.context)
+        return length - self._read()
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         self._tree_slots = None
@@ -53,7 +77,7 @@ class ModelDrafter(Drafter):
 
     def _propose_chain(self, ctx: DraftContext, k: int) -> Draft:
         model, params = self.model, ctx.params
-        feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, T] committed tokens not yet seen (all at first)
+        feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen (the prompt at first)
         seen = ctx.seen
         tokens, dists = [], []
         chain_confidence = 1.0
@@ -89,13 +113,13 @@ class ModelDrafter(Drafter):
         """A dynamic tree of up to `budget` tokens (see `dynamic_tree`), one draft pass per level."""
         model = self.model
         base = ctx.sequence.shape[0]
-        feed = ctx.sequence[model.cache_len:].unsqueeze(0)  # [1, T] committed tokens not yet seen
+        feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen
         root_logits = model.forward(feed, logits_to_keep=1).logits[0]  # [1, V] after the root
 
         def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
                    parents: list[int]) -> torch.Tensor:
             # Depth-d tokens sit at position base - 1 + d (the root, the last committed token, at base - 1).
-            offsets = torch.full((len(frontier),), base - 1 + depth - model.cache_len, device=block.device)  # [m]
+            offsets = torch.full((len(frontier),), base - 1 + depth - self._read(), device=block.device)  # [m]
             return model.forward(block, len(frontier), offsets=offsets, visible=visible).logits[0]  # [m, V]
 
         grown = grow_dynamic_tree(root_logits, expand, ctx, budget, self.min_confidence)
@@ -104,6 +128,7 @@ class ModelDrafter(Drafter):
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         # The cache holds the sequence up to prev_len plus the fed draft tokens; keep the accepted ones.
+        prev_len -= self._skipped  # in the draft cache's positions
         if self._tree_slots is None:
             self.model.truncate(prev_len + min(len(path), self._fed_draft))
             return

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from specdraft.drafters import DEFAULT_DRAFTER
-from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
+from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE
 from specdraft.analysis.diagnose import DIAGNOSE_K
@@ -56,6 +56,10 @@ def generate(
         None, "--draft-confidence",
         help=f"model drafters: stop a draft once the draft's own estimate that the whole chain is accepted falls "
              f"below this (0 = always k; default {DEFAULT_MIN_CONFIDENCE})."),
+    draft_context: Optional[int] = typer.Option(
+        None, "--draft-context", min=0,
+        help=f"model: the draft reads at most the prompt's last N tokens (its prefill is the largest cost on long "
+             f"prompts; the output is unchanged; 0 = all; default {DEFAULT_CONTEXT})."),
     ngram_max: Optional[int] = typer.Option(None, "--ngram-max", help=f"ngram: longest tail to look up (default {DEFAULT_MAX_N})."),
     ngram_min: Optional[int] = typer.Option(None, "--ngram-min", help=f"ngram: shortest tail to look up (default {DEFAULT_MIN_N})."),
     suffix_min_match: Optional[int] = typer.Option(
@@ -101,7 +105,8 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, ngram_max, ngram_min,
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_context,
+              ngram_max, ngram_min,
               suffix_min_match, suffix_min_score, suffix_factor, exit_layer, trained, tree_budget, tree_branch,
               draft_quant, draft_vocab,
               temperature, top_k, top_p, min_p,
@@ -129,7 +134,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
-    options = drafter_flags(draft_confidence=draft_confidence, ngram_max=ngram_max, ngram_min=ngram_min,
+    options = drafter_flags(draft_confidence=draft_confidence, draft_context=draft_context, ngram_max=ngram_max,
+                            ngram_min=ngram_min,
                             suffix_min_match=suffix_min_match, suffix_min_score=suffix_min_score,
                             suffix_factor=suffix_factor, exit_layer=exit_layer, trained=trained)
     target_lm, draft_lm = load_models(target, draft, drafter if method == Method.spec else None, options,

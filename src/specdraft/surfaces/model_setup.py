@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def drafter_flags(*, draft_confidence=None, ngram_max=None, ngram_min=None, suffix_min_match=None,
+def drafter_flags(*, draft_confidence=None, draft_context=None, ngram_max=None, ngram_min=None, suffix_min_match=None,
                   suffix_min_score=None, suffix_factor=None, exit_layer=None, trained=None) -> dict[str, Any]:
     """The drafter options given on the command line, keyed by flag name (None = not given)."""
-    return {"draft-confidence": draft_confidence, "ngram-max": ngram_max, "ngram-min": ngram_min,
+    return {"draft-confidence": draft_confidence, "draft-context": draft_context, "ngram-max": ngram_max, "ngram-min": ngram_min,
             "suffix-min-match": suffix_min_match, "suffix-min-score": suffix_min_score,
             "suffix-factor": suffix_factor, "exit-layer": exit_layer, "trained": trained}
 

@@ -14,7 +14,7 @@ from specdraft.errors import SpecdraftError
 err = Console(stderr=True, soft_wrap=True)
 
 # The options of `specdraft generate` that `serve` takes as they are (declared once, in cli.generate).
-SHARED_OPTIONS = ("target", "draft", "drafter", "k", "draft_confidence", "ngram_max", "ngram_min", "suffix_min_match",
+SHARED_OPTIONS = ("target", "draft", "drafter", "k", "draft_confidence", "draft_context", "ngram_max", "ngram_min", "suffix_min_match",
                   "suffix_min_score", "suffix_factor", "exit_layer", "trained", "tree_budget", "tree_branch",
                   "draft_quant", "draft_vocab", "dtype", "device", "gguf_weights")
 
