@@ -58,16 +58,20 @@ class ModelDrafter(Drafter):
         """How many tokens of the committed sequence the draft cache covers (read or skipped)."""
         return self._skipped + self.model.cache_len
 
+    def _skip(self, length: int) -> int:
+        """The sequence's tokens the draft does not read: on a first read of `length` tokens, all but the
+        last `context`; afterwards, what that first read skipped."""
+        if self.model.cache_len == 0 and self.context:
+            return max(0, length - self.context)
+        return self._skipped
+
     def _unread_tokens(self, sequence: torch.Tensor) -> torch.Tensor:  # [T] -> [1, T'] what the draft must read
-        if self.model.cache_len == 0 and self.context and sequence.shape[0] - self._skipped > self.context:
-            self._skipped = sequence.shape[0] - self.context  # a first read of a long prompt: its last `context`
+        self._skipped = self._skip(sequence.shape[0])
         return sequence[self._read():].unsqueeze(0)
 
     def unread(self, ctx: DraftContext) -> int:
         length = ctx.sequence.shape[0]
-        if self.model.cache_len == 0 and self.context:
-            return min(length, self.context)
-        return length - self._read()
+        return length - self._skip(length) - self.model.cache_len
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         self._tree_slots = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
 from specdraft.kernels import gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
@@ -150,7 +150,7 @@ class NativeRMSNorm(nn.Module):
 
 def _native_norm_fits(norm: nn.Module) -> bool:
     weight = getattr(norm, "weight", None)
-    return (type(norm).__name__ == "Qwen2RMSNorm" and weight is not None and weight.dtype == torch.bfloat16
+    return (isinstance(norm, Qwen2RMSNorm) and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available())
 
 
@@ -161,14 +161,13 @@ def fast_decoder_layers(model: nn.Module) -> int:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or getattr(model.config, "model_type", None) != "qwen2":
         return 0
+    if _native_norm_fits(model.model.norm):
+        model.model.norm = NativeRMSNorm(model.model.norm)
+    stacked = 0
     for layer in layers:
         for name in ("input_layernorm", "post_attention_layernorm"):
             if _native_norm_fits(getattr(layer, name)):
                 setattr(layer, name, NativeRMSNorm(getattr(layer, name)))
-    if _native_norm_fits(model.model.norm):
-        model.model.norm = NativeRMSNorm(model.model.norm)
-    changed = 0
-    for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         projections = [getattr(attention, f"{n}_proj", None) for n in "qkv"] + [getattr(mlp, "gate_proj", None),
                                                                                    getattr(mlp, "up_proj", None)]
@@ -176,5 +175,5 @@ def fast_decoder_layers(model: nn.Module) -> int:
             continue
         layer.self_attn, layer.mlp = StackedAttention(attention), StackedMLP(mlp)
         trim_heap()  # the replaced projections' memory goes back now, not at the end of loading
-        changed += 1
-    return changed
+        stacked += 1
+    return stacked

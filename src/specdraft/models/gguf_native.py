@@ -28,10 +28,10 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
+from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_blocks import q4k_affine, unpack_rows
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
-from specdraft.models.fast_layers import fast_decoder_layers
 
 NATIVE_ARCHITECTURES = ("qwen2",)
 

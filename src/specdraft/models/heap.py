@@ -23,8 +23,9 @@ def _libc():
 def trim_heap() -> None:
     """Give freed heap pages back to the OS (a loader calls it between tensors: the few-MiB
     temporaries of unpacking them otherwise pile up as freed but resident pages)."""
-    if _libc() is not None:
-        _libc().malloc_trim(0)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.heap import compact_heap
 from specdraft.models.fast_layers import fast_decoder_layers
+from specdraft.models.heap import compact_heap
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
