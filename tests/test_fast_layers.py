@@ -1,4 +1,5 @@
-"""Stacked projections (q, k, v in one kernel call; gate and up in one) change no output bit."""
+"""Stacked projections (q, k, v in one kernel call; gate and up in one), native norms and rotary, and the
+fused layer stack (one C call a pass) change no output bit."""
 
 import copy
 
@@ -9,8 +10,11 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import gguf_matmul, layer_ops
+from specdraft.kernels import decoder_avx512, gguf_matmul, layer_ops
+from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.early_exit import early_exit_view
+from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES
 from specdraft.models.quantize import Int4Linear, quantize_int4
 from specdraft.models import fast_layers
@@ -139,3 +143,90 @@ def test_native_rotary_gives_transformers_bits(dim, tokens):
     assert torch.equal(rotated[..., heads * dim : (heads + kv_heads) * dim].view(1, tokens, kv_heads, dim)
                        .transpose(1, 2), want_k)
     assert torch.equal(rotated[..., (heads + kv_heads) * dim :], qkv[..., (heads + kv_heads) * dim :])
+
+
+# ----- the fused decoder: the whole layer stack in one C call ----------------------------------------------
+fused_run = pytest.mark.skipif(not decoder_avx512.available(), reason="no AVX-512 BF16 decoder kernel here")
+
+
+def mixed_model() -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2 (hidden 256, heads of 64) in 4 bits whose first layer has v and down in Q6_K (a Q4_K_M mix)."""
+    config = Qwen2Config(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = Qwen2ForCausalLM(config).bfloat16().eval()
+    quantize_int4(model)
+    layer = model.model.layers[0]
+    layer.self_attn.v_proj = random_q6k_linear(128, 256, seed=6)
+    layer.mlp.down_proj = random_q6k_linear(256, 512, seed=7)
+    layer.mlp.down_proj.bias = None
+    return model
+
+
+def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
+    """Logits and hidden states of a prefill, chain passes, a tree pass and passes after cutting the cache back."""
+    lm = CausalLM(model)
+    generator = torch.Generator().manual_seed(3)
+    tokens = lambda n: torch.randint(0, 96, (1, n), generator=generator)  # noqa: E731
+    out = [lm.forward(tokens(11), logits_to_keep=11).logits]
+    for n in (1, 5, 3):
+        step = lm.forward(tokens(n), logits_to_keep=n, hidden_to_keep=n)
+        out += [step.logits, step.hidden_states]
+    lm.truncate(lm.cache_len - 4)  # a rejected draft
+    # A tree: a root's two children, and a grandchild of the first (depths 1, 1, 2).
+    visible = torch.tensor([[True, False, False], [False, True, False], [True, False, True]])
+    out.append(lm.forward(tokens(3), logits_to_keep=3, offsets=torch.tensor([0, 0, 1]), visible=visible).logits)
+    lm.keep(lm.cache_len - 3, [0, 2])  # the accepted path
+    out.append(lm.forward(tokens(2), logits_to_keep=2).logits)
+    return out
+
+
+@tiles_run
+@fused_run
+@pytest.mark.parametrize("build", [int4_model, mixed_model])
+def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, monkeypatch):
+    model = build()
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None and len(fused.table) == 2
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
+    want = pass_sequence(model)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+@tiles_run
+@fused_run
+def test_fused_decoder_belongs_to_its_model_copies_and_views():
+    model = int4_model()
+    fast_decoder_layers(model)
+    want = pass_sequence(model)
+    twin = copy.deepcopy(model)
+    assert fused_decoder(twin) is not fused_decoder(model)  # its own table, pointing into its own tensors
+    with torch.no_grad():  # the original's weights change: the copy must not notice
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.zero_()
+    assert all(torch.equal(w, g) for w, g in zip(want, pass_sequence(twin)))
+    view = early_exit_view(CausalLM(twin), 1)
+    assert len(fused_decoder(view.model).table) == 1 and len(fused_decoder(twin).table) == 2
+    fast_decoder_layers(twin)  # layers swapped again: what was kept is forgotten
+    assert fused_decoder(twin) is not None
+
+
+def test_fused_decoder_needs_every_layer_on_tile_kernels():
+    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).bfloat16()
+    fast_decoder_layers(dense)
+    assert fused_decoder(dense) is None
+
+
+@fused_run
+@pytest.mark.skipif(not decoder_avx512.same_silu_as_torch(), reason="PyTorch's exp is not reachable here")
+def test_silu_mul_gives_pytorch_bits():
+    g = torch.Generator().manual_seed(0)
+    for scale in (1.0, 8.0, 200.0):
+        gate_up = (scale * torch.randn(3, 2 * 128, generator=g)).bfloat16()
+        want = torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:]
+        assert torch.equal(decoder_avx512.silu_mul(gate_up), want)

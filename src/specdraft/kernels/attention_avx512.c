@@ -18,6 +18,8 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "bf16_vectors.h"
 #include <stdlib.h>
 
 #define MAX_DIM 256
@@ -38,10 +40,6 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,

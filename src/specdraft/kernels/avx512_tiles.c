@@ -34,6 +34,8 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "bf16_vectors.h"
 #include <stdlib.h>
 
 #define GROUP 32
@@ -42,10 +44,6 @@
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
-
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 /* 64 bytes of nibbles -> the code pairs of four pair vectors as bytes: `pairs[0]` holds those of
  * pairs 4·chunk and 4·chunk + 1 of a tile, `pairs[1]` of 4·chunk + 2 and 4·chunk + 3. */
@@ -91,7 +89,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
                                                             const uint16_t *block_zero, const uint16_t *x,
                                                             const float *sums, int64_t K, int64_t groups,
-                                                            int tokens, float *y, int64_t N) {
+                                                            int tokens, float *y, int64_t ldy) {
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -119,12 +117,12 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
             acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[t * groups + g]), acc[t]);
         }
     }
-    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * N, acc[t]);
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* x [tokens, K] bf16 -> y [tokens, N] float32; tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
 static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens) {
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     float *sums = malloc(sizeof(float) * MAX_TOKENS * groups);  /* S_g of token t at [t · groups + g] */
     for (int t = 0; t < tokens; t++)
@@ -137,7 +135,7 @@ static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16
         const uint8_t *codes = tiles + nb * groups * 256;
         const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
         float *out = y + nb * 16;
-#define INT4_BLOCK(T) block_rows(codes, bs, bz, x, sums, K, groups, T, out, N)
+#define INT4_BLOCK(T) block_rows(codes, bs, bz, x, sums, K, groups, T, out, ldy)
         WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
 #undef INT4_BLOCK
     }
@@ -148,7 +146,7 @@ void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint1
                         const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk);
+        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
     }
 }
 
@@ -176,7 +174,7 @@ static inline __m512 q6_scales(const uint8_t *tile, const float *d, int sub) {
 /* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
 static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const uint16_t *x,
                                                           const float *sums, int64_t K, int64_t groups, int tokens,
-                                                          float *y, int64_t N) {
+                                                          float *y, int64_t ldy) {
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -203,11 +201,11 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
             }
         }
     }
-    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * N, acc[t]);
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
 static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
-                     int tokens) {
+                     int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     float *sums = malloc(sizeof(float) * MAX_TOKENS * 2 * groups);  /* S of token t, sub-block b at [t · 2G + b] */
     for (int t = 0; t < tokens; t++)
@@ -218,7 +216,7 @@ static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, fl
         const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
         const float *bd = d + nb * (K / 256) * 16;
         float *out = y + nb * 16;
-#define Q6_BLOCK(T) q6_block(block, bd, x, sums, K, groups, T, out, N)
+#define Q6_BLOCK(T) q6_block(block, bd, x, sums, K, groups, T, out, ldy)
         WITH_CONSTANT_TOKENS(tokens, Q6_BLOCK)
 #undef Q6_BLOCK
     }
@@ -230,6 +228,6 @@ void q6k_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *
                 int64_t tokens) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        q6_chunk(tiles, d, x + t0 * K, y + t0 * N, N, K, chunk);
+        q6_chunk(tiles, d, x + t0 * K, y + t0 * N, N, K, chunk, N);
     }
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,17 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def source_text(source: Path) -> bytes:
+    """`source` and, recursively, every file it includes by `#include "name"` (so a change to any of
+    them makes a new build)."""
+    text = source.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
+        text += source_text(source.with_name(name.decode()))
+    return text
+
+
 def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str], what: str) -> ctypes.CDLL | None:
-    """`source` built with `flags` (cached by a hash of both), or None where it cannot be built or run here
+    """`source` built with `flags` (cached by a hash of both and of what it includes), or None where it cannot be built or run here
     (`SPECDRAFT_NO_NATIVE_KERNELS` set, a CPU flag missing, no compiler, a failed build)."""
     if os.environ.get("SPECDRAFT_NO_NATIVE_KERNELS") or not required_cpu_flags <= cpu_flags():
         return None
@@ -31,7 +41,7 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
         return None
     from specdraft.models.registry import cache_dir
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source_text(source) + " ".join(flags).encode()).hexdigest()[:16]
     built = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if not built.is_file():
         built.parent.mkdir(parents=True, exist_ok=True)

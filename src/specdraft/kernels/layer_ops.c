@@ -16,13 +16,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m512 round_bf16(__m512 v) {  /* to the nearest bf16 and back to float32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+#include "bf16_vectors.h"
 
 void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {

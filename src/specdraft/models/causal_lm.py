@@ -13,7 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.attention import use_grouped_sdpa
+from specdraft.models.attention import FEW_QUERIES, use_grouped_sdpa
+from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.kv_cache import growing_cache
 
 
@@ -165,6 +166,15 @@ class CausalLM:
         if offsets is None:
             offsets = torch.arange(length, device=tokens.device)
         mask = None if visible is None else self._attention_mask(length, visible)
+        # Passes over a cache (and single tokens) may run fused: the same function, the layers in one C
+        # call; prefills keep PyTorch's batched attention, as `attention.grouped_sdpa_forward` does.
+        fused = fused_decoder(self.model) if length <= FEW_QUERIES and (self.cache_len or length == 1) else None
+        if fused is not None:
+            hidden = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
+                               None if mask is None else mask.view(length, -1).float().contiguous())  # [1, T, H]
+            self.cache_len += length
+            return ForwardOutput(logits=fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden),
+                                 hidden_states=hidden[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)
         out = self.model(
             input_ids=tokens,
             position_ids=(offsets + self.cache_len).unsqueeze(0),

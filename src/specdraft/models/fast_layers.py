@@ -26,6 +26,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_
 from specdraft.kernels import gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.heap import trim_heap
+
+FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
 from specdraft.models.quantize import Int4Linear
 
 
@@ -161,6 +163,7 @@ def fast_decoder_layers(model: nn.Module) -> int:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or getattr(model.config, "model_type", None) != "qwen2":
         return 0
+    model.__dict__.pop(FUSED_ATTRIBUTE, None)  # what fused_decoder kept describes the layers as they were
     if _native_norm_fits(model.model.norm):
         model.model.norm = NativeRMSNorm(model.model.norm)
     stacked = 0

@@ -19,17 +19,27 @@ class GrowingLayer(DynamicLayer):
     """`DynamicLayer` whose appends write into a buffer `[B, heads, capacity, d]` instead of concatenating."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        length = self.reserve(key_states, value_states, key_states.shape[-2])
+        needed = length + key_states.shape[-2]
+        self.key_buffer[..., length:needed, :] = key_states
+        self.value_buffer[..., length:needed, :] = value_states
+        self.advance(needed)
+        return self.keys, self.values
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, tokens: int) -> int:
+        """Make room in the buffers for `tokens` more tokens shaped like `key_states`/`value_states`
+        `[B, heads, *, d]`; returns how many the layer holds now."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.key_buffer = self.value_buffer = None
         length = self.keys.shape[-2] if self.keys.numel() else 0
-        needed = length + key_states.shape[-2]
-        if not self._holds(length, key_states, needed):
-            self._grow(length, key_states, value_states, needed)
-        self.key_buffer[..., length:needed, :] = key_states
-        self.value_buffer[..., length:needed, :] = value_states
-        self.keys, self.values = self.key_buffer[..., :needed, :], self.value_buffer[..., :needed, :]
-        return self.keys, self.values
+        if not self._holds(length, key_states, length + tokens):
+            self._grow(length, key_states, value_states, length + tokens)
+        return length
+
+    def advance(self, length: int) -> None:
+        """Hold the buffers' first `length` tokens (written there in place)."""
+        self.keys, self.values = self.key_buffer[..., :length, :], self.value_buffer[..., :length, :]
 
     def _holds(self, length: int, key_states: torch.Tensor, needed: int) -> bool:
         """Whether the buffer has room and `keys`/`values` are still views of its first tokens."""

@@ -1,0 +1,146 @@
+"""A Qwen2 model's decoder layers as one C call for passes of a few tokens (`kernels/decoder_avx512.c`).
+
+After `fast_layers.fast_decoder_layers`, every projection of a packed model runs on a tile kernel,
+yet a decoding step still spent about a sixth of its time (the bundled 0.5B draft: a third) in
+Python and PyTorch dispatch between the kernels. `FusedDecoder` hands the whole layer stack to C:
+the embedding, rotary tables, final norm and LM head stay in PyTorch (once a pass), the layers run
+without returning. It computes what the PyTorch path computes, bit for bit (tested), and writes
+the pass's keys and values into the model's `GrowingLayer` caches in place, so the two paths can
+take turns on one cache.
+
+`fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
+MLP on the AVX-512 tile kernels, native norms, no sliding window), else returns None; it is kept on
+the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul
+from specdraft.kernels.int4_layout import PackedInt4
+from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
+from specdraft.models.quantize import Int4Linear
+
+
+
+def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
+    """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on AVX-512 tiles."""
+    if isinstance(projection, StackedProjection):
+        runs = []
+        for matmul, packed in projection.runs:
+            if matmul is avx512_tiles.matmul and isinstance(packed, PackedInt4):
+                runs.append((decoder_avx512.INT4, packed))
+            elif matmul is gguf_matmul.block_matmul:
+                runs.append((decoder_avx512.Q6K, packed))
+            else:
+                return None
+        return runs, projection.bias
+    bias = None if projection.bias is None else projection.bias.detach().float().contiguous()
+    if isinstance(projection, Int4Linear):
+        if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul is not avx512_tiles.matmul:
+            return None
+        return [(decoder_avx512.INT4, projection.tiles)], bias
+    if isinstance(projection, gguf_matmul.BlockLinear):
+        return [(decoder_avx512.Q6K, projection.packed)], bias
+    return None
+
+
+def _describe(target: decoder_avx512.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None) -> None:
+    target.bias = 0 if bias is None else bias.data_ptr()
+    target.runs = len(runs)
+    for slot, (kind, packed) in zip(target.run, runs):
+        slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
+        if kind == decoder_avx512.INT4:
+            slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
+        else:
+            slot.scale, slot.zero = packed.d.data_ptr(), 0
+
+
+class FusedDecoder:
+    """Runs a Qwen2 model's decoder layers for a pass of a few tokens in one C call."""
+
+    def __init__(self, model: nn.Module, layer_projections: list[list[tuple[list, torch.Tensor | None]]]) -> None:
+        base, config = model.model, model.config
+        self.layers = base.layers  # the list these describe (an early-exit view has its own)
+        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
+        self.head = model.get_output_embeddings()
+        attention = base.layers[0].self_attn
+        self.head_dim, self.kv_heads = attention.head_dim, attention.kv_size // attention.head_dim
+        self.sizes = (config.hidden_size, attention.q_size // attention.head_dim, self.kv_heads, self.head_dim,
+                      base.layers[0].mlp.intermediate)
+        self.eps, self.scaling = float(base.layers[0].input_layernorm.variance_epsilon), float(attention.scaling)
+        self.table = (decoder_avx512.Layer * len(base.layers))()
+        self._alive = []  # tensors the table points to (biases converted here)
+        for entry, layer, projections in zip(self.table, base.layers, layer_projections):
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, (runs, bias) in zip(("qkv", "o", "gate_up", "down"), projections):
+                _describe(getattr(entry, name), runs, bias)
+                self._alive.append(bias)
+
+    @torch.inference_mode()
+    def run(self, cache, cache_len: int, tokens: torch.Tensor, positions: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+        """The final-normed hidden states `[1, T, H]` of `tokens` `[1, T]` at `positions` `[1, T]`, their keys and
+        values appended to `cache` (which holds `cache_len` tokens); `mask` `[T, cache_len + T]` additive float32,
+        or None for a causal pass."""
+        length = tokens.shape[1]
+        hidden = self.embed(tokens)[0].contiguous()  # [T, H] bf16
+        cos, sin = self.rotary(hidden, positions)  # [1, T, d] each
+        template = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
+        for entry, layer in zip(self.table, cache.layers):
+            if layer.reserve(template, template, length) != cache_len:
+                raise RuntimeError("the cache does not hold cache_len tokens")
+            entry.keys, entry.values = layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()
+            entry.capacity = layer.key_buffer.shape[-2]
+        decoder_avx512.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
+                                  cos[0].contiguous(), sin[0].contiguous(), mask)
+        for layer in cache.layers:
+            layer.advance(cache_len + length)
+        return self.norm(hidden).unsqueeze(0)  # [1, T, H]
+
+
+def _qualifies(model: nn.Module) -> list | None:
+    """Per layer, its four projections as runs (see `_runs`), if every layer can run fused; else None."""
+    base = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    layers = getattr(base, "layers", None)
+    if (layers is None or getattr(config, "model_type", None) != "qwen2" or not decoder_avx512.available()
+            or getattr(config, "use_sliding_window", False) or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
+        return None
+    described = []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if not (isinstance(attention, StackedAttention) and isinstance(mlp, StackedMLP) and attention.native_rotary
+                and isinstance(layer.input_layernorm, NativeRMSNorm)
+                and isinstance(layer.post_attention_layernorm, NativeRMSNorm)):
+            return None
+        projections = [_runs(p) for p in (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)]
+        if any(p is None or len(p[0]) > decoder_avx512.MAX_RUNS for p in projections):
+            return None
+        described.append(projections)
+    return described
+
+
+class _Kept:
+    """What `fused_decoder` keeps on a model: the layer list it looked at and its verdict. Not copied with
+    the model (a copy's tensors lie elsewhere)."""
+
+    def __init__(self, layers: nn.Module | None, fused: FusedDecoder | None) -> None:
+        self.layers, self.fused = layers, fused
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+
+def fused_decoder(model: nn.Module) -> FusedDecoder | None:
+    """The model's FusedDecoder (built on first use), or None where its layers cannot run fused."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    kept = model.__dict__.get(FUSED_ATTRIBUTE)
+    if kept is None or kept.layers is not layers:  # an early-exit view has a list of its own
+        described = _qualifies(model)
+        kept = _Kept(layers, FusedDecoder(model, described) if described is not None else None)
+        model.__dict__[FUSED_ATTRIBUTE] = kept
+    return kept.fused
