@@ -22,7 +22,7 @@ from specdraft.models.kv_cache import growing_cache
 class ForwardOutput:
     """Logits of the positions asked for, and the final hidden states when asked."""
 
-    logits: torch.Tensor  # [1, T', V]
+    logits: torch.Tensor  # [1, T', V] float32 (the model's values, e.g. its bf16 logits, widened exactly)
     hidden_states: torch.Tensor | None = None  # [1, T'', hidden] (after the final norm)
 
 
@@ -152,6 +152,9 @@ class CausalLM:
         """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them (and
         final hidden states for the last `hidden_to_keep`, when > 0).
 
+        Logits come widened to float32 (exactly): on the CPU an argmax over 151,936 bf16 values took
+        0.50 ms and over float32 0.09 ms, and every step takes several.
+
         `offsets` and `visible` run a tree pass (see `tree.TreeLayout.block_attention`): tokens
         share positions by depth and see only their ancestors among the last S keys.
         """
@@ -173,7 +176,8 @@ class CausalLM:
             hidden = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
                                None if mask is None else mask.view(length, -1).float().contiguous())  # [1, T, H]
             self.cache_len += length
-            return ForwardOutput(logits=fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden),
+            logits = fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
+            return ForwardOutput(logits=logits.float(),
                                  hidden_states=hidden[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)
         out = self.model(
             input_ids=tokens,
@@ -186,7 +190,7 @@ class CausalLM:
         )
         self.cache_len += length
         hidden = out.hidden_states[-1][:, -hidden_to_keep:] if hidden_to_keep > 0 else None
-        return ForwardOutput(logits=out.logits, hidden_states=hidden)
+        return ForwardOutput(logits=out.logits.float(), hidden_states=hidden)
 
     def prefill(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:  # tokens: [1, T]
         """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself).
