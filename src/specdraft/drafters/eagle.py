@@ -33,6 +33,7 @@ class EagleDrafter(FeatureDrafter):
                  min_confidence: float = 0.0) -> None:
         super().__init__(target, model.config.hidden_size, vocab_ids, min_confidence)
         self.model = model
+        self.run_in_int4(self.model)
         self.embed = target.model.get_input_embeddings()
         self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
         self._real = 0  # cache entries built from the target's own features
@@ -52,9 +53,8 @@ class EagleDrafter(FeatureDrafter):
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Feed pairs (features[i], tokens[i]) at positions start.. and return the predicted next features. # [n, H]"""
-        dtype = self.vocab_head.inner.weight.dtype
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        return self.model(features.to(dtype), self.embed(tokens).to(dtype), positions)
+        return self.model(features.to(self.dtype), self.embed(tokens).to(self.dtype), positions)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -96,9 +96,8 @@ class EagleDrafter(FeatureDrafter):
         def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
                    parents: list[int]) -> torch.Tensor:
             inputs = torch.stack([root_feature[0] if parents[node] < 0 else after[parents[node]] for node in frontier])
-            dtype = self.vocab_head.inner.weight.dtype
             positions = torch.full((len(frontier),), start + depth - 1, device=block.device)  # [m]
-            predicted = self.model(inputs.to(dtype), self.embed(block[0]).to(dtype), positions, visible=visible)
+            predicted = self.model(inputs.to(self.dtype), self.embed(block[0]).to(self.dtype), positions, visible=visible)
             after.update(zip(frontier, predicted))
             return self.vocab_head(predicted)  # [m, V]
 

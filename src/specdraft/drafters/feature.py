@@ -10,6 +10,7 @@ from specdraft.drafters.dynamic_tree import ranking
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import target_subset_head
+from specdraft.models.quantize import int4_kernel_available, quantize_int4
 
 
 def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
@@ -31,4 +32,14 @@ class FeatureDrafter(Drafter):
             raise SpecdraftError(f"This {self.description} reads hidden states of size {hidden_size}; "
                                  f"{target.name}'s are {target.config.hidden_size}.")
         self.vocab_head = target_subset_head(target, vocab_ids)
+        self.dtype = self.vocab_head.inner.weight.dtype  # what features are cast to (kept when the head goes int4)
         self.min_confidence = min_confidence
+
+    def run_in_int4(self, module: torch.nn.Module) -> None:
+        """On the CPU, swap the linears of `module` (the trained weights) and of the vocabulary head for int4
+        kernels, as `--draft-quant auto` does for a draft model: a bandwidth-bound draft token then reads a
+        quarter of the bytes (the shipped EAGLE drafter in float32: 4.9 ms for its head, 2.5 ms for its layer).
+        Drafts only propose differently; the output stays exact, q being what they were drawn from."""
+        if self.vocab_head.ids.device.type == "cpu" and int4_kernel_available():
+            quantize_int4(module)
+            quantize_int4(self.vocab_head)

@@ -46,6 +46,7 @@ class MedusaDrafter(FeatureDrafter):
                  min_confidence: float = 0.0) -> None:
         super().__init__(target, heads.config.hidden_size, vocab_ids, min_confidence)
         self.heads = heads
+        self.run_in_int4(self.heads)
         self._feature: torch.Tensor | None = None  # [H] the newest target feature
 
     def begin(self, prompt: torch.Tensor) -> None:
@@ -63,7 +64,7 @@ class MedusaDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         depth = min(k, self.heads.config.num_heads, ctx.max_depth or k)
-        feature = self._feature.to(self.vocab_head.inner.weight.dtype).unsqueeze(0)  # [1, H]
+        feature = self._feature.to(self.dtype).unsqueeze(0)  # [1, H]
         logits = self.vocab_head(self.heads(feature)[0, :depth])  # [depth, V]
         probs = head_distributions(logits, ctx)  # [depth, V]
         if ctx.tree_branch > 1:
