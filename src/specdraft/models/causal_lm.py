@@ -48,7 +48,11 @@ class CausalLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The dtype of the model's hidden states: what its input embedding gives (a packed model also holds
+        float32 parameters, so its first parameter's dtype can mislead)."""
+        with torch.inference_mode():
+            token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            return self.model.get_input_embeddings()(token).dtype
 
     @property
     def vocab_size(self) -> int:
