@@ -160,7 +160,8 @@ def test_narrowed_draft_vocab_stays_exact(tiny_target, drafts, make_lm):
     head = narrowed.model.get_output_embeddings()
     assert isinstance(head, SubsetHead) and narrowed.vocab_size == draft.vocab_size
     logits = narrowed.forward(torch.tensor([PROMPTS[0]]), logits_to_keep=1).logits[0, -1]  # [V]
-    assert torch.isinf(logits[40:]).all() and torch.isfinite(logits[:40]).all()
+    assert len(head.ids) == 48 and head.ids.tolist() == list(range(48))  # rounded up to the kernels' 16 rows
+    assert torch.isinf(logits[48:]).all() and torch.isfinite(logits[:48]).all()
     expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[0], max_new_tokens=40)
     got = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(narrowed), k=4).generate(PROMPTS[0], max_new_tokens=40)
     assert got.token_ids == expected.token_ids

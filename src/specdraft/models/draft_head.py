@@ -9,6 +9,8 @@ the distribution the draft actually sampled from, whatever its support.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -70,7 +72,10 @@ def restrict_draft_vocab(draft: CausalLM, keep: int) -> int:
         special.update(draft.tokenizer.all_special_ids)
         special.update(range(len(draft.tokenizer), vocab))  # ids the tokenizer adds past its base vocabulary
         special.update(i for i in draft.tokenizer.added_tokens_decoder if i < vocab)
-    ids = sorted(set(range(min(keep, vocab))) | {i for i in special if 0 <= i < vocab})
+    chosen = set(range(min(keep, vocab))) | {i for i in special if 0 <= i < vocab}
+    # Rows in a multiple of 16, the int4 tile kernels' block (a head of any other size stays dense bf16: slower).
+    chosen.update(islice((i for i in range(keep, vocab) if i not in chosen), -len(chosen) % 16))
+    ids = sorted(chosen)
     if len(ids) >= vocab:
         return vocab
     draft.model.set_output_embeddings(SubsetHead.from_linear(head, torch.tensor(ids, dtype=torch.long, device=head.weight.device)))
