@@ -499,16 +499,16 @@ def test_bench_free_drafters_without_a_draft_model(tiny_model_dirs, tiny_prompts
 def test_a_method_can_name_its_own_draft_model(tiny_model_dirs, tiny_prompts, tmp_path):
     """`draft=PATH` runs that draft instead of the run's --draft (here the target itself: every draft accepted)."""
     out = tmp_path / "own"
-    own = f"spec:k=3;draft-quant=none;draft={tiny_model_dirs['target']}"
+    own = f"spec:drafter=model;k=3;draft-quant=none;draft={tiny_model_dirs['target']}"
     result = CliRunner().invoke(app, [
         "bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
-        "--prompts", str(tiny_prompts), "--methods", f"ar,spec:k=3;draft-quant=none,{own}", "--max-prompts", "1",
+        "--prompts", str(tiny_prompts), "--methods", f"ar,spec:drafter=model;k=3;draft-quant=none,{own}", "--max-prompts", "1",
         "--max-new-tokens", "24", "--dtype", "float32", "--threads", "1", "--out", str(out),
     ])
     assert result.exit_code == 0, result.output
     methods = json.loads((out / "summary.json").read_text())["methods"]
     assert methods[own]["greedy_exact"] == 1.0 and methods[own]["acceptance_rate"] == 1.0
-    assert methods["spec:k=3;draft-quant=none"]["acceptance_rate"] < 1.0
+    assert methods["spec:drafter=model;k=3;draft-quant=none"]["acceptance_rate"] < 1.0
     missing = CliRunner().invoke(app, [
         "bench", "--target", str(tiny_model_dirs["target"]), "--prompts", str(tiny_prompts),
         "--methods", f"ar,spec:draft={tmp_path / 'nowhere'}", "--out", str(tmp_path / "o2")])

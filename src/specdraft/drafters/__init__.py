@@ -22,7 +22,10 @@ from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH
 from specdraft.errors import SpecdraftError
 
 
-DEFAULT_DRAFTER = "model"
+# Prompt lookup where it finds a match and the cost model finds it worth a draft, else the draft model.
+# Measured (docs/benchmarks/issue4d, 28 prompts): 1.25x ar overall against 1.17x for `model` alone, no
+# category below 1.01x (`model`: summarization 0.94x).
+DEFAULT_DRAFTER = "ngram+model"
 
 
 @dataclass(frozen=True)

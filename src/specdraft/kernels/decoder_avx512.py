@@ -18,6 +18,7 @@ _SOURCE = Path(__file__).with_name("decoder_avx512.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
+MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in attention_avx512.c)
 INT4, Q6K = 0, 1  # run kinds
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 

@@ -24,7 +24,6 @@ from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, Stacked
 from specdraft.models.quantize import Int4Linear
 
 
-
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
     """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on AVX-512 tiles."""
     if isinstance(projection, StackedProjection):
@@ -107,13 +106,15 @@ def _qualifies(model: nn.Module) -> list | None:
     base = getattr(model, "model", None)
     config = getattr(model, "config", None)
     layers = getattr(base, "layers", None)
-    if (layers is None or getattr(config, "model_type", None) != "qwen2" or not decoder_avx512.available()
-            or getattr(config, "use_sliding_window", False) or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
+    if (not layers or getattr(config, "model_type", None) != "qwen2" or not decoder_avx512.available()
+            or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+            or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
         return None
     described = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         if not (isinstance(attention, StackedAttention) and isinstance(mlp, StackedMLP) and attention.native_rotary
+                and attention.head_dim <= decoder_avx512.MAX_HEAD_DIM
                 and isinstance(layer.input_layernorm, NativeRMSNorm)
                 and isinstance(layer.post_attention_layernorm, NativeRMSNorm)):
             return None
