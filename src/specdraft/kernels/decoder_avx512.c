@@ -53,7 +53,7 @@ typedef struct {
 
 /* exp of 16 float32 values. PyTorch's SiLU uses SLEEF's `Sleef_expf16_u10` (exported by libtorch_cpu);
  * `use_exp` hands its address over so that SiLU here gives the same bits. Until then (or where it is
- * missing) a polynomial stands in: 2^n · p(r), |r| <= ln2 / 2, relative error about 2e-7. */
+ * missing) `exp_reduced` stands in (relative error about 2e-7). */
 typedef __m512 (*exp16_function)(__m512);
 static exp16_function exp16 = NULL;
 
@@ -61,20 +61,7 @@ void use_exp(void *function) { exp16 = (exp16_function)function; }
 
 static inline __m512 exp_ps(__m512 x) {
     if (exp16) return exp16(x);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return exp_reduced(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f)));
 }
 
 /* out [rows][inter] = bf16(bf16(silu(gate)) · up), gate_up [rows][2·inter] bf16 (gate first); inter % 16 == 0. */
