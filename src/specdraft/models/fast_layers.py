@@ -118,7 +118,10 @@ class StackedAttention(nn.Module):
         self.native_rotary = self.head_dim % 32 == 0 and layer_ops.available()
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, past_key_values=None, **kwargs) -> tuple[torch.Tensor, None]:
+                attention_mask: torch.Tensor | None, cache=None, past_key_values=None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+        # transformers >= 5.24 names the cache `cache` (`past_key_values` before)
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]  # [B, T]
         qkv = self.qkv(hidden_states).to(hidden_states.dtype)  # [B, T, q + 2 kv]
         cos, sin = position_embeddings  # [B, T, d]
@@ -131,8 +134,8 @@ class StackedAttention(nn.Module):
         value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if not native_rotary:
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                            sliding_window=self.sliding_window, **kwargs)  # [B, T, heads, d]
