@@ -73,13 +73,18 @@ def test_models_without_tile_kernels_are_left_alone():
     assert isinstance(model.model.layers[0].mlp.gate_proj, nn.Linear)
 
 
-def random_q6k_linear(rows: int, cols: int, seed: int) -> gguf_matmul.BlockLinear:
-    """A Q6_K linear of random codes and scales with small positive d."""
+def random_q6k_raw(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q6_K bytes `[rows, cols / 256 · 210]` of random codes and scales with small positive d."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // 256, Q6K_BLOCK_BYTES), dtype=np.uint8)
     raw[..., 208:210] = np.frombuffer(rng.uniform(1e-3, 2e-3, (rows, cols // 256)).astype(np.float16).tobytes(),
                                       dtype=np.uint8).reshape(rows, cols // 256, 2)
-    return gguf_matmul.BlockLinear(torch.from_numpy(raw.reshape(rows, -1)), "Q6_K", cols, torch.randn(rows))
+    return raw.reshape(rows, -1)
+
+
+def random_q6k_linear(rows: int, cols: int, seed: int) -> gguf_matmul.BlockLinear:
+    """A Q6_K linear of `random_q6k_raw` weights and a random bias."""
+    return gguf_matmul.BlockLinear(torch.from_numpy(random_q6k_raw(rows, cols, seed)), "Q6_K", cols, torch.randn(rows))
 
 
 @tiles_run

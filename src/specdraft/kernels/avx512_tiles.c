@@ -151,17 +151,22 @@ void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint1
 }
 
 /* ----- Q6_K tiles ----------------------------------------------------------------------------- */
-/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
-static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, __m512i rows[4]) {
+/* The 6-bit code bytes of pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile, as `nibble_pairs` lays them out. */
+static inline __attribute__((always_inline)) void q6_code_pairs(const uint8_t *tile, int chunk, __m512i pairs[2]) {
     const __m512i top = _mm512_set1_epi8(0x30);
     const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* left */
     const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  /* right */
-    __m512i pairs[2];
     nibble_pairs(tile + chunk * 64, pairs);
     __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32)));
     /* (A & B) | C = ternary logic 0xEA: OR the high bits, moved to bits 4-5, into the low nibbles */
     pairs[0] = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, shift_a), top, pairs[0], 0xEA);
     pairs[1] = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, shift_b), top, pairs[1], 0xEA);
+}
+
+/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
+static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, __m512i rows[4]) {
+    __m512i pairs[2];
+    q6_code_pairs(tile, chunk, pairs);
     bf16_pair_rows(pairs, rows);
 }
 

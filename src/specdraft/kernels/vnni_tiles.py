@@ -1,0 +1,94 @@
+"""Prompt passes on int8 activations (`vnni_tiles.c`): the 4-bit and Q6_K tiles of `avx512_tiles`
+times activations quantized per group of 32, on AVX-512 VNNI integer dot products.
+
+A prompt pass is compute-bound; these kernels do twice the multiply-adds an instruction of the
+bf16 ones. They compute a slightly different function (activations keep about 8 bits), so they run
+only inside `prompt_pass()`, which `CausalLM.prefill` opens: plain and speculative decoding prefill a
+prompt alike, and every pass that scores a draft keeps the bf16 kernels. Set
+`SPECDRAFT_PROMPT_INT8=0` to keep prompt passes on the bf16 kernels too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from specdraft.kernels.build import compiled_library
+
+_SOURCE = Path(__file__).with_name("vnni_tiles.c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
+          "-shared", "-fPIC"]
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "int4_q8_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # tiles, scale, zero, x, y, N, K, tokens, bf16 tokens
+    "q6k_q8_matmul": [_POINTER] * 4 + [_SIZE] * 4,  # tiles, d, x, y, N, K, tokens, bf16 tokens
+}
+# None outside a prompt pass; inside, how many leading rows of each matmul stay on the bf16 kernels
+_BF16_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdraft_prompt_pass", default=None)
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 VNNI prompt kernels")
+    if library is None:
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, None
+    return library
+
+
+def available() -> bool:
+    """Whether the int8-activation kernels run on this machine."""
+    return _library() is not None
+
+
+def enabled() -> bool:
+    """Whether prompt passes use them: available, and not turned off by `SPECDRAFT_PROMPT_INT8=0`."""
+    return os.environ.get("SPECDRAFT_PROMPT_INT8", "1") != "0" and available()
+
+
+@contextlib.contextmanager
+def prompt_pass(starts_sequence: bool = False):
+    """Within it (this thread or task), tile matmuls run on int8 activations where `enabled()`.
+
+    `starts_sequence`: the pass begins at position 0, whose token stays on the bf16 kernels. A
+    sequence's first token is the model's attention sink, with activations hundreds of times the
+    others' in a few channels (Sun et al. 2024, "Massive activations"): int8 groups cannot hold
+    them (measured, the 1.5B target: logits 10% off at that position, 1-1.5% elsewhere).
+    """
+    token = _BF16_ROWS.set(1 if starts_sequence else 0)
+    try:
+        yield
+    finally:
+        _BF16_ROWS.reset(token)
+
+
+def active() -> bool:
+    """Whether the current matmul belongs to a prompt pass that should run on int8 activations."""
+    return _BF16_ROWS.get() is not None and enabled()
+
+
+def int4_kernel():
+    """The 4-bit prompt kernel with `avx512_tiles.int4_avx512_matmul`'s signature (for `active()` passes)."""
+    bf16_rows = _BF16_ROWS.get() or 0
+    return lambda *args: library().int4_q8_matmul(*args, bf16_rows)
+
+
+def q6k_kernel():
+    """The Q6_K prompt kernel with `avx512_tiles.q6k_matmul`'s signature (for `active()` passes)."""
+    bf16_rows = _BF16_ROWS.get() or 0
+    return lambda *args: library().q6k_q8_matmul(*args, bf16_rows)
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (`int4_q8_matmul`, `q6k_q8_matmul`)."""
+    loaded = _library()
+    if loaded is None:
+        raise RuntimeError("the AVX-512 VNNI prompt kernels are not available on this machine")
+    return loaded

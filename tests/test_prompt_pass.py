@@ -1,0 +1,114 @@
+"""Prompt passes on int8 activations (`kernels/vnni_tiles`): the 4-bit and Q6_K tiles times activations
+quantized per group of 32, only inside `prompt_pass()` (which `CausalLM.prefill` opens), each token
+computed alone; speculation stays exact against plain decoding with them."""
+
+import pytest
+import torch
+
+from specdraft import SpeculativeDecoder
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.kernels import avx512_tiles, gguf_matmul, int4_layout, vnni_tiles
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.gguf_blocks import dequantize
+from test_fast_layers import int4_model, random_q6k_raw
+from test_int4_tiles import affine_matrix
+
+pytestmark = pytest.mark.skipif(not vnni_tiles.available(), reason="no AVX-512 VNNI + BF16 on this CPU")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def int4_case(tokens: int):
+    codes, scale, minimum, weight = affine_matrix(96, 512, seed=tokens)
+    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
+    return (lambda inputs: avx512_tiles.matmul(int4_layout.pack(codes, scale, minimum), inputs)), x, x.double() @ weight.double().T
+
+
+def q6k_case(tokens: int):
+    raw = random_q6k_raw(48, 512, seed=tokens)
+    packed = gguf_matmul.pack_q6k(torch.from_numpy(raw))
+    weight = dequantize(raw, "Q6_K", (48, 512))  # [N, K]
+    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    return (lambda inputs: gguf_matmul.block_matmul(packed, inputs)), x, x.double() @ weight.double().T
+
+
+@pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 40])
+def test_prompt_pass_rounds_activations_to_8_bits_and_nothing_else(case, tokens):
+    """Outside a prompt pass: float32 rounding of x · W (1e-5); inside: int8 activations per group of 32,
+    about 0.5% on Gaussian inputs (the step is max|x| / 127), and not the bf16 path's bits."""
+    matmul, x, want = case(tokens)
+    assert relative_error(matmul(x), want) < 1e-5
+    with vnni_tiles.prompt_pass():
+        got = matmul(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert 1e-3 < relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
+def test_prompt_pass_computes_each_token_alone(case):
+    """A token's output has the same bits in any pass width, so a prompt may be cut into passes anywhere."""
+    matmul, x, _ = case(19)
+    with vnni_tiles.prompt_pass():
+        together = matmul(x)
+        for i in range(19):
+            assert torch.equal(matmul(x[i:i + 1])[0], together[i])
+
+
+@pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
+def test_a_sequences_first_token_stays_on_the_bf16_kernels(case):
+    """`starts_sequence`: row 0 (the attention sink) gets the bf16 kernel's bits, the others the int8 ones."""
+    matmul, x, _ = case(9)
+    plain = matmul(x)
+    with vnni_tiles.prompt_pass():
+        int8 = matmul(x)
+    with vnni_tiles.prompt_pass(starts_sequence=True):
+        mixed = matmul(x)
+        assert torch.equal(matmul(x[:1]), plain[:1])
+    assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1:], int8[1:]) and not torch.equal(int8[0], plain[0])
+
+
+def test_prompt_pass_can_be_switched_off(monkeypatch):
+    matmul, x, _ = int4_case(4)
+    plain = matmul(x)
+    monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "0")
+    with vnni_tiles.prompt_pass():
+        assert not vnni_tiles.active() and torch.equal(matmul(x), plain)
+    monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "1")
+    with vnni_tiles.prompt_pass():
+        assert vnni_tiles.active() and not torch.equal(matmul(x), plain)
+    assert not vnni_tiles.active()  # the pass ends with its block
+
+
+def cache_keys(lm: CausalLM) -> torch.Tensor:
+    return torch.cat([layer.keys.float().flatten() for layer in lm._cache.layers])
+
+
+def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
+    """`prefill` fills the cache on int8 activations (close to, not equal to, the bf16 kernels'); a pass
+    over the cache is the same function as before."""
+    lm = CausalLM(int4_model())
+    prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    keys, logits = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", mode)
+        lm.reset()
+        lm.prefill(prompt[:, :-1])
+        keys[mode] = cache_keys(lm)
+        logits[mode] = lm.forward(prompt[:, -1:]).logits
+    assert not torch.equal(keys["0"], keys["1"]) and relative_error(keys["1"], keys["0"]) < 5e-2
+    lm.reset()
+    lm.forward(prompt[:, :-1])  # a plain forward of the same tokens: the bf16 kernels
+    assert torch.equal(cache_keys(lm), keys["0"])
+
+
+def test_greedy_spec_equals_ar_with_prompt_passes():
+    """Plain and speculative decoding of a packed model prefill alike, so greedy outputs match exactly."""
+    target = int4_model(seed=2)
+    for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 60))):
+        expected = SpeculativeDecoder(CausalLM(target)).generate(prompt, max_new_tokens=30)
+        spec = SpeculativeDecoder(CausalLM(target), NgramDrafter(), k=3)
+        got = spec.generate(prompt, max_new_tokens=30)
+        assert got.token_ids == expected.token_ids and got.stats.drafted > 0
