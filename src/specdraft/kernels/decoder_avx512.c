@@ -67,6 +67,7 @@ static inline __m512 exp_ps(__m512 x) {
 /* out [rows][inter] = bf16(bf16(silu(gate)) · up), gate_up [rows][2·inter] bf16 (gate first); inter % 16 == 0. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
     const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
         for (int64_t c = 0; c < inter; c += 16) {
