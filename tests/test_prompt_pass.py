@@ -5,7 +5,7 @@ computed alone; speculation stays exact against plain decoding with them."""
 import pytest
 import torch
 
-from specdraft import SpeculativeDecoder
+from specdraft import ModelDrafter, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.kernels import avx512_tiles, gguf_matmul, int4_layout, vnni_tiles
 from specdraft.models.causal_lm import CausalLM
@@ -104,11 +104,24 @@ def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
     assert torch.equal(cache_keys(lm), keys["0"])
 
 
-def test_greedy_spec_equals_ar_with_prompt_passes():
-    """Plain and speculative decoding of a packed model prefill alike, so greedy outputs match exactly."""
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
+    """Plain and speculative decoding of a packed model prefill alike, so greedy outputs match exactly;
+    the target's prefill and a draft model's first read of the prompt run as prompt passes, nothing else."""
+    opened = []
+    real = vnni_tiles.prompt_pass
+    def recorded(starts_sequence=False):
+        opened.append(starts_sequence)
+        return real(starts_sequence)
+
+    monkeypatch.setattr(vnni_tiles, "prompt_pass", recorded)
     target = int4_model(seed=2)
     for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 60))):
         expected = SpeculativeDecoder(CausalLM(target)).generate(prompt, max_new_tokens=30)
-        spec = SpeculativeDecoder(CausalLM(target), NgramDrafter(), k=3)
-        got = spec.generate(prompt, max_new_tokens=30)
+        assert opened == [True]
+        opened.clear()
+        draft = NgramDrafter() if drafter == "ngram" else ModelDrafter(CausalLM(int4_model(seed=5)), min_confidence=0.0)
+        got = SpeculativeDecoder(CausalLM(target), draft, k=3).generate(prompt, max_new_tokens=30)
         assert got.token_ids == expected.token_ids and got.stats.drafted > 0
+        assert opened == ([True] if drafter == "ngram" else [True, True])
+        opened.clear()

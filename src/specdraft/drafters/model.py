@@ -86,7 +86,8 @@ class ModelDrafter(Drafter):
         tokens, dists = [], []
         chain_confidence = 1.0
         for i in range(k):
-            logits = model.forward(feed, logits_to_keep=1).logits[0]  # [1, V]
+            # a first read (the prompt's window) as a prompt pass: cheaper, and drafts are only proposals
+            logits = model.forward(feed, logits_to_keep=1, prompt=model.cache_len == 0).logits[0]  # [1, V]
             if seen is not None and tokens:  # the draft token just fed is part of the next prefix
                 seen = seen.index_fill(0, tokens[-1], True)
             if params.greedy and params.repetition_penalty == 1.0:
@@ -118,7 +119,7 @@ class ModelDrafter(Drafter):
         model = self.model
         base = ctx.sequence.shape[0]
         feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen
-        root_logits = model.forward(feed, logits_to_keep=1).logits[0]  # [1, V] after the root
+        root_logits = model.forward(feed, logits_to_keep=1, prompt=model.cache_len == 0).logits[0]  # [1, V] after the root
 
         def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
                    parents: list[int]) -> torch.Tensor:

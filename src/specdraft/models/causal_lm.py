@@ -156,6 +156,7 @@ class CausalLM:
         hidden_to_keep: int = 0,
         offsets: torch.Tensor | None = None,  # [T] positions relative to cache_len (tree: depths); None = 0..T-1
         visible: torch.Tensor | None = None,  # [T, S] bool: which of the last S keys each token sees; None = causal
+        prompt: bool = False,
     ) -> ForwardOutput:
         """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them (and
         final hidden states for the last `hidden_to_keep`, when > 0).
@@ -165,7 +166,14 @@ class CausalLM:
 
         `offsets` and `visible` run a tree pass (see `tree.TreeLayout.block_attention`): tokens
         share positions by depth and see only their ancestors among the last S keys.
+
+        `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
+        AVX-512 VNNI (`kernels/vnni_tiles`: 1.4x faster kernels, a slightly different function). For
+        the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft.
         """
+        if prompt:
+            with vnni_tiles.prompt_pass(starts_sequence=self.cache_len == 0):
+                return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
         length = tokens.shape[1]
@@ -204,12 +212,9 @@ class CausalLM:
         """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself).
         With `hidden`, returns their final hidden states. # [T, H]
 
-        Packed tile weights multiply int8 activations here where the CPU has AVX-512 VNNI
-        (`kernels/vnni_tiles`: 1.4x faster kernels, a slightly different function). Plain and
-        speculative decoding prefill alike, and no pass that scores a draft runs this way, so
-        speculation stays exact against plain decoding."""
+        A prompt pass (see `forward`): plain and speculative decoding prefill alike, and no pass
+        that scores a draft runs this way, so speculation stays exact against plain decoding."""
         if tokens.shape[1] == 0:
             return tokens.new_zeros(0, self.config.hidden_size, dtype=self.dtype) if hidden else None
-        with vnni_tiles.prompt_pass(starts_sequence=self.cache_len == 0):
-            out = self.forward(tokens, logits_to_keep=1, hidden_to_keep=tokens.shape[1] if hidden else 0)
+        out = self.forward(tokens, logits_to_keep=1, hidden_to_keep=tokens.shape[1] if hidden else 0, prompt=True)
         return out.hidden_states[0] if hidden else None
