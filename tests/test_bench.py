@@ -14,6 +14,8 @@ from specdraft.bench import (METHODS, BenchConfig, ExactnessError, check_exactne
 from specdraft.bench.methods import Models
 from specdraft.bench.runner import append_record, read_records
 from specdraft.errors import SpecdraftError
+from specdraft.models.loading import load_model
+from specdraft.text import encode_messages
 from specdraft.surfaces.cli import app
 
 # ----- summary arithmetic on synthetic records ---------------------------------------------------------
@@ -274,7 +276,8 @@ def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--turns", "2"], "not supported yet"),
+    (["--turns", "3"], "--turns must be 1"),
+    (["--turns", "2", "--no-chat"], "drop --no-chat"),
     (["--methods", "ar,beam"], "Unknown method 'beam'"),
     (["--categories", "maths"], "Unknown category 'maths'"),
 ])
@@ -513,3 +516,25 @@ def test_a_method_can_name_its_own_draft_model(tiny_model_dirs, tiny_prompts, tm
         "bench", "--target", str(tiny_model_dirs["target"]), "--prompts", str(tiny_prompts),
         "--methods", f"ar,spec:draft={tmp_path / 'nowhere'}", "--out", str(tmp_path / "o2")])
     assert missing.exit_code == 2 and "No such file or folder" in missing.output
+
+
+def test_second_turns_continue_from_ars_reply(tiny_config, tmp_path):
+    """--turns 2: each multi-turn question's second turn runs after its first, on the chat of the first turn,
+    ar's reply and the second turn, for every method; single-turn questions run once."""
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text(json.dumps({"question_id": 7, "category": "chat", "turns": ["def add(a, b)", "for i in range"]})
+                    + "\n" + json.dumps({"question_id": 8, "category": "chat", "turns": ["The quick brown fox"]}) + "\n")
+    result = run_bench(tiny_config(prompts=path, turns=2))
+    assert [(r["question_id"], r["method"]) for r in result.records] == [
+        (7, "ar"), (7, "spec:k=2"), ("7:turn2", "ar"), ("7:turn2", "spec:k=2"), (8, "ar"), (8, "spec:k=2")]
+    by_key = {(r["question_id"], r["method"]): r for r in result.records}
+    target = load_model(tiny_config().target, dtype="float32")
+    reply = target.tokenizer.decode(by_key[(7, "ar")]["token_ids"], skip_special_tokens=True)
+    chat = encode_messages(target.tokenizer, [{"role": "user", "content": "def add(a, b)"},
+                                              {"role": "assistant", "content": reply},
+                                              {"role": "user", "content": "for i in range"}])
+    assert by_key[("7:turn2", "ar")]["prompt_tokens"] == len(chat) > by_key[(7, "ar")]["prompt_tokens"]
+    assert by_key[("7:turn2", "spec:k=2")]["token_ids"] == by_key[("7:turn2", "ar")]["token_ids"]
+    assert result.summary["settings"]["turns"] == 2 and result.summary["methods"]["spec:k=2"]["greedy_exact"] == 1.0
+    again = run_bench(tiny_config(prompts=path, turns=2))  # resumed: everything is there, second turns included
+    assert again.records == result.records

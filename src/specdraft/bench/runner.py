@@ -5,8 +5,8 @@ check each method can run (a peer's optional package, a GGUF target) before load
 load the target (and the draft, when a method needs it) once
 skip (prompt, method) pairs OUT/results.jsonl already holds under the same settings
 warm up each method that still has work (a short generation, not recorded)
-for prompt in prompts:                     # methods interleaved per prompt: drift cancels
-    for method in methods:
+for prompt in prompts (and, with --turns 2, each multi-turn question's second turn right after its first):
+    for method in methods:                 # methods interleaved per prompt: drift cancels
         run, append one record to OUT/results.jsonl, flush
 judge greedy divergences from ar with the near-tie rule (needs the target)
 write OUT/summary.json, the PNG plots and OUT/report.md; raise ExactnessError if a greedy output differs
@@ -42,7 +42,7 @@ from specdraft.exactness import compare_greedy
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import check_compatible, load_model
-from specdraft.text import encode_prompt
+from specdraft.text import encode_messages, encode_prompt
 
 RESULTS, SUMMARY, REPORT = "results.jsonl", "summary.json", "report.md"
 
@@ -173,20 +173,44 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
     return Models(target, draft, others, target_spec=config.target)
 
 
+SECOND_TURN = ":turn2"  # what a question's id gets for its second turn (records, report)
+
+
+def second_turn(prompt: Prompt) -> Prompt:
+    """The second turn of a multi-turn question, as a question of its own (id `<id>:turn2`, same category)."""
+    return Prompt(f"{prompt.question_id}{SECOND_TURN}", prompt.category, prompt.turns)
+
+
+def _check_room(question_id: Hashable, ids: list[int], models: Models, config: BenchConfig) -> list[int]:
+    """`ids`, if they leave room for --max-new-tokens in every model; else a clear error."""
+    for model in filter(None, (models.target, models.draft, *models.other_drafts.values())):
+        if len(ids) + config.max_new_tokens > model.max_context:
+            raise SpecdraftError(
+                f"Question {question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "
+                f"{config.max_new_tokens} that passes {model.name}'s context of {model.max_context}. "
+                "Lower --max-new-tokens or leave that prompt out."
+            )
+    return ids
+
+
 def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> dict[Hashable, list[int]]:
     """Token ids of each prompt's first turn; each must leave room for --max-new-tokens in every model."""
-    encoded = {}
-    for prompt in prompts:
-        ids = encode_prompt(models.target.tokenizer, prompt.turns[0], chat=config.chat)
-        for model in filter(None, (models.target, models.draft, *models.other_drafts.values())):
-            if len(ids) + config.max_new_tokens > model.max_context:
-                raise SpecdraftError(
-                    f"Question {prompt.question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "
-                    f"{config.max_new_tokens} that passes {model.name}'s context of {model.max_context}. "
-                    "Lower --max-new-tokens or leave that prompt out."
-                )
-        encoded[prompt.question_id] = ids
-    return encoded
+    return {prompt.question_id: _check_room(prompt.question_id,
+                                            encode_prompt(models.target.tokenizer, prompt.turns[0], chat=config.chat),
+                                            models, config)
+            for prompt in prompts}
+
+
+def _encode_second_turn(prompt: Prompt, answer_ids: list[int], models: Models, config: BenchConfig) -> list[int]:
+    """The conversation (first turn, `answer_ids` as the assistant's reply, second turn) through the chat template.
+
+    Every method continues from the same reply (`ar`'s, else the first method's), so the second
+    turns time the same prompt everywhere; exact methods would have written that reply anyway."""
+    tokenizer = models.target.tokenizer
+    reply = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": prompt.turns[0]}, {"role": "assistant", "content": reply},
+                {"role": "user", "content": prompt.turns[1]}]
+    return _check_room(prompt.question_id, encode_messages(tokenizer, messages), models, config)
 
 
 def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput, temperature: float,
@@ -251,10 +275,10 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     after every file is written, when a greedy method's output differs from `ar` beyond a near-tie.
     """
     methods = parse_methods(config.methods) if isinstance(config.methods, str) else list(config.methods)
-    if config.turns == 2:
-        raise SpecdraftError("--turns 2 (continuing multi-turn questions) is not supported yet; use --turns 1.")
-    if config.turns != 1:
-        raise SpecdraftError(f"--turns must be 1 (or, later, 2), got {config.turns}.")
+    if config.turns not in (1, 2):
+        raise SpecdraftError(f"--turns must be 1 (first turns) or 2 (continue multi-turn questions), got {config.turns}.")
+    if config.turns == 2 and config.chat is False:
+        raise SpecdraftError("--turns 2 continues a conversation through the chat template; drop --no-chat.")
     if config.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {config.max_new_tokens}.")
     if config.threads is not None and config.threads < 1:
@@ -282,10 +306,20 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         results_path = out / RESULTS
         done = {(r["question_id"], r["method"]): r for r in read_records(results_path)
                 if r["method"] in sids and r.get("settings_id") == sids[r["method"]]}
-        todo = [(p, s) for p in prompts for s in methods if (p.question_id, s.label) not in done]
+        # each question's first turn, then (--turns 2) its second, every method on each
+        seconds = {second_turn(p).question_id: p for p in prompts if config.turns == 2 and len(p.turns) > 1}
+        asked = [turn for p in prompts for turn in ([p, second_turn(p)] if second_turn(p).question_id in seconds else [p])]
+        todo = [(p, s) for p in asked for s in methods if (p.question_id, s.label) not in done]
+        reference = next((s.label for s in methods if s.name == "ar"), None)
+
+        def ids_of(turn: Prompt) -> list[int]:  # a second turn's: once its first turn's reply is there
+            if turn.question_id not in prompt_ids:
+                reply = done[(seconds[turn.question_id].question_id, reference or methods[0].label)]["token_ids"]
+                prompt_ids[turn.question_id] = _encode_second_turn(turn, reply, models, config)
+            return prompt_ids[turn.question_id]
 
         if todo:  # one short, unrecorded generation per method that still has work
-            first_ids = prompt_ids[todo[0][0].question_id]
+            first_ids = prompt_ids[prompts[0].question_id]
             warmup = max(1, min(config.warmup_tokens, config.max_new_tokens))
             for spec in {s.label: s for _, s in todo}.values():
                 spec.info.run(models, first_ids, dataclasses.replace(params[spec.label], max_new_tokens=warmup))
@@ -294,15 +328,16 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
             task = progress.add_task("", total=len(todo))
             for prompt, spec in todo:
                 progress.update(task, description=f"question {prompt.question_id} / {spec.label}")
-                ids = prompt_ids[prompt.question_id]
+                ids = ids_of(prompt)
                 output = spec.info.run(models, ids, params[spec.label])
                 record = _record(prompt, spec, ids, output, params[spec.label].sampling.temperature, sids[spec.label])
                 append_record(results_path, record)
                 done[(prompt.question_id, spec.label)] = record
                 progress.advance(task)
 
-        records = [done[(p.question_id, s.label)] for p in prompts for s in methods]
-        reference = next((s.label for s in methods if s.name == "ar"), None)
+        for prompt in asked:  # (a resumed run: second turns whose ids were not needed above)
+            ids_of(prompt)
+        records = [done[(p.question_id, s.label)] for p in asked for s in methods]
         near_ties, divergences = judge_divergences(records, reference, models.target, prompt_ids)
         summary = {
             "machine": machine_info(models.target.device),

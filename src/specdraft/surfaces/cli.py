@@ -226,7 +226,8 @@ def bench(
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts",
                                               help="At most N prompts per category, in file order."),
-    turns: int = typer.Option(1, "--turns", help="1: the first turn of each question (2: not supported yet)."),
+    turns: int = typer.Option(1, "--turns", help="1: the first turn of each question; 2: also the second turn of "
+                              "multi-turn ones (as `<id>:turn2`), continuing the chat from ar's first reply."),
     methods: str = typer.Option("ar,spec", "--methods",
                                 help="Comma list of NAME or NAME:key=value;key=value, NAME one of ar, spec, hf-ar, "
                                      "hf-assisted, hf-prompt-lookup, llama-cpp (needs `make peers`); "
