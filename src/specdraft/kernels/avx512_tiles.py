@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from specdraft.kernels import vnni_tiles
-from specdraft.kernels.build import compiled_library
+from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
 _SOURCE = Path(__file__).with_name("avx512_tiles.c")
@@ -34,13 +34,7 @@ _SIGNATURES = {
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 tile kernels")
-    if library is None:
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
-    return library
+    return bind(compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 tile kernels"), _SIGNATURES)
 
 
 def available() -> bool:

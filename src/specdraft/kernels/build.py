@@ -53,3 +53,12 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
             return None
         os.replace(partial, built)
     return ctypes.CDLL(str(built))
+
+
+def bind(library: ctypes.CDLL | None, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """`library` with each function of `signatures` given its argument types (and no result), or None."""
+    if library is not None:
+        for name, argtypes in signatures.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, None
+    return library

@@ -17,7 +17,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from specdraft.kernels.build import compiled_library
+from specdraft.kernels.build import bind, compiled_library
 
 _SOURCE = Path(__file__).with_name("vnni_tiles.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
@@ -34,13 +34,7 @@ _BF16_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdra
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 VNNI prompt kernels")
-    if library is None:
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
-    return library
+    return bind(compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 VNNI prompt kernels"), _SIGNATURES)
 
 
 def available() -> bool:
