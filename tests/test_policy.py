@@ -12,7 +12,7 @@ PROMPT = [5, 17, 42, 8, 59, 3]
 def calibrated(verify_ms: list[float], draft_ms: float, alpha: float, max_k: int = 6) -> AutoK:
     """An AutoK with given pass costs (index = tokens per pass) and a settled acceptance estimate."""
     policy = AutoK(max_k=max_k)
-    policy.verify_seconds = [None] + [ms / 1000 for ms in verify_ms]
+    policy.verify_seconds = [None] + [None if ms is None else ms / 1000 for ms in verify_ms]
     est = policy.estimates()
     est.draft_seconds_per_token = draft_ms / 1000
     est.hits = [alpha * 1000] * max_k
@@ -65,6 +65,28 @@ def test_poor_acceptance_falls_back_to_plain_decoding_and_probes_less_often():
     for _ in range(3):
         policy.begin_request()
     assert policy.estimates().probe_interval == policy.probe_every
+
+
+def test_a_probe_that_earns_a_token_resets_the_wait():
+    """A probe of 2 with one token accepted is not a failure (at α 0.7 half of all probes of 2 lose their
+    second token): the wait goes back to `probe_every`; one with nothing accepted doubles it."""
+    policy = calibrated([100, 120, 140, 160, 180, 200, 220], draft_ms=30, alpha=0.1)
+    est = policy.estimates()
+    for accepted, interval in ((0, 16), (0, 32), (1, 8), (0, 16)):
+        while policy.choose(10) == 0:
+            policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.1)
+        policy.observe(2, accepted, draft_seconds=0.06, verify_seconds=0.12)
+        assert est.probe_interval == interval
+
+
+def test_a_pass_is_never_priced_above_a_measured_wider_one():
+    """A slow first measurement of a rarely used width (150 ms for 2 tokens, against 110 for 3) does not
+    keep that width unused: it is priced as the wider pass."""
+    policy = calibrated([100, 150, 110, None, 130, None, None], draft_ms=10, alpha=0.8)
+    assert policy.verify_estimate(2) == pytest.approx(0.110)
+    assert policy.verify_estimate(1) == pytest.approx(0.100) and policy.verify_estimate(5) == pytest.approx(0.130)
+    # width 4, unmeasured: the prior scaled from the cheapest width for its size (3), under the measured 5
+    assert policy.verify_estimate(4) == pytest.approx(0.110 / (1 + 2 * 0.08) * (1 + 3 * 0.08))
 
 
 def test_a_new_request_keeps_costs_and_little_of_the_acceptance():

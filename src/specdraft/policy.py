@@ -11,7 +11,7 @@ position j is accepted given the ones before it were (decayed counts, shrunk tow
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
 draft); after `probe_every` plain steps one short draft is tried so the estimate can
-recover, and each failed probe doubles the wait (up to `max_probe_every`).
+recover, and each probe that gets nothing accepted doubles the wait (up to `max_probe_every`).
 
 A draft model must first read the committed tokens it has not seen (`unread`: the prompt on
 its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
@@ -140,9 +140,9 @@ class AutoK:
             self.last_source = None
             return
         est = self.estimates(source)
-        if est.probing:  # a failed probe waits twice as long for the next one; a full one resets
-            full = k > 0 and (accepted > 0 if self.tree else accepted == k)
-            est.probe_interval = self.probe_every if full else min(2 * est.probe_interval, self.max_probe_every)
+        if est.probing:  # a probe that got nothing accepted waits twice as long for the next one; else it resets
+            earned = k > 0 and accepted > 0
+            est.probe_interval = self.probe_every if earned else min(2 * est.probe_interval, self.max_probe_every)
             est.probing = False
         caught_up = self.last_source == source
         self.last_source = source if k > 0 else None
@@ -205,11 +205,17 @@ class AutoK:
 
     def verify_estimate(self, width: int) -> float | None:
         """Seconds of a target pass over `width` tokens: measured, or else the optimistic prior
-        V(1) · (1 + PRIOR_SLOPE · (width − 1)) scaled from the measured widths (None before any)."""
+        V(1) · (1 + PRIOR_SLOPE · (width − 1)) scaled from the measured widths (None before any);
+        never more than a measured wider pass (a slow first pass of a rarely used width would
+        otherwise keep that width unused, its estimate never corrected)."""
+        measured = [(w, v) for w, v in enumerate(self.verify_seconds) if v is not None]
+        if not measured:
+            return None
         if self.verify_seconds[width] is not None:
-            return self.verify_seconds[width]
-        scales = [v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in enumerate(self.verify_seconds) if v is not None]
-        return min(scales) * (1 + PRIOR_SLOPE * (width - 1)) if scales else None
+            estimate = self.verify_seconds[width]
+        else:
+            estimate = min(v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in measured) * (1 + PRIOR_SLOPE * (width - 1))
+        return min([estimate] + [v for w, v in measured if w > width])
 
     def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
         """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is measured)."""
