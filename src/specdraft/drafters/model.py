@@ -119,7 +119,8 @@ class ModelDrafter(Drafter):
         model = self.model
         base = ctx.sequence.shape[0]
         feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen
-        root_logits = model.forward(feed, logits_to_keep=1, prompt=model.cache_len == 0).logits[0]  # [1, V] after the root
+        first_read = model.cache_len == 0  # the prompt's window: a prompt pass, as in the chain
+        root_logits = model.forward(feed, logits_to_keep=1, prompt=first_read).logits[0]  # [1, V] after the root
 
         def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
                    parents: list[int]) -> torch.Tensor:

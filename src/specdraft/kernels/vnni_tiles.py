@@ -68,16 +68,12 @@ def active() -> bool:
     return _BF16_ROWS.get() is not None and enabled()
 
 
-def int4_kernel():
-    """The 4-bit prompt kernel with `avx512_tiles.int4_avx512_matmul`'s signature (for `active()` passes)."""
+def kernel(name: str):
+    """Prompt kernel `name` (`int4_q8_matmul`, `q6k_q8_matmul`) with the signature of its bf16 counterpart in
+    `avx512_tiles` (for `active()` passes): the pass's leading bf16 rows are bound here."""
     bf16_rows = _BF16_ROWS.get() or 0
-    return lambda *args: library().int4_q8_matmul(*args, bf16_rows)
-
-
-def q6k_kernel():
-    """The Q6_K prompt kernel with `avx512_tiles.q6k_matmul`'s signature (for `active()` passes)."""
-    bf16_rows = _BF16_ROWS.get() or 0
-    return lambda *args: library().q6k_q8_matmul(*args, bf16_rows)
+    function = getattr(library(), name)
+    return lambda *args: function(*args, bf16_rows)
 
 
 def library() -> ctypes.CDLL:
