@@ -1,4 +1,4 @@
-"""What `specdraft theory` and `specdraft diagnose` print: rich tables and coloured text."""
+"""What `specdraft theory`, `specdraft costs` and `specdraft diagnose` print: rich tables and coloured text."""
 
 from __future__ import annotations
 
@@ -47,6 +47,40 @@ def speedup_table(grid: Sequence[Sequence[TheoryCell]], c: float) -> Table:
 
 
 # ----- diagnose -----------------------------------------------------------------------------------------------
+# ----- costs --------------------------------------------------------------------------------------------------
+def pass_cost_table(costs) -> Table:
+    """The target's pass time by width (and the draft's per token), with the rates they imply."""
+    table = Table(title=f"target pass time after {costs.context} cached tokens ({costs.device}, {costs.threads} threads)")
+    table.add_column("tokens in the pass", justify="right")
+    table.add_column("ms", justify="right")
+    table.add_column("× one token", justify="right")
+    for width, seconds in sorted(costs.pass_seconds.items()):
+        table.add_row(str(width), f"{seconds * 1e3:.1f}", f"{costs.pass_ratio(width):.2f}")
+    if costs.draft_seconds is not None:
+        table.add_row("draft, 1", f"{costs.draft_seconds * 1e3:.1f}", f"c = {costs.draft_ratio:.2f}", style="cyan")
+    slope, gmacs = costs.extra_token_seconds, costs.extra_token_gmacs
+    draft = "" if costs.draft_seconds is None else \
+        f"; the draft reads {costs.draft_bytes / 1e9:.2f} GB a token: {costs.draft_gb_per_s:.1f} GB/s"
+    table.caption = (f"memory streams {costs.stream_gb_per_s:.1f} GB/s; a one-token pass reads "
+                     f"{costs.target_bytes / 1e9:.2f} GB of weights: {costs.weights_gb_per_s:.1f} GB/s; each further "
+                     f"token adds {_fmt(None if slope is None else slope * 1e3, '.1f')} ms: "
+                     f"{_fmt(gmacs, '.0f')} G multiply-adds/s{draft}")
+    return table
+
+
+def prediction_table(report) -> Table:
+    """The best k and expected speedup per α: with the draft, with a free draft, and if passes were flat."""
+    table = Table(title="expected speedup over plain decoding, best k (0 = plain)")
+    table.add_column("α", justify="right")
+    columns = ([("this draft", report.draft)] if report.draft else []) + \
+        [("free draft (n-gram)", report.free), ("free draft, flat passes", report.flat)]
+    for name, _ in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+    for i, alpha in enumerate(report.alphas):
+        table.add_row(f"{alpha:g}", *(f"{rows[i].speedup:.2f}× (k={rows[i].k})" for _, rows in columns))
+    return table
+
+
 def agreement_text(pieces: Sequence[str], agreement: Sequence[bool]) -> Text:
     """The output text, each token green where the draft's top-1 agreed with the target's, red where not."""
     text = Text()

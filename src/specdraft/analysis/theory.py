@@ -6,7 +6,9 @@ before it were), a chain of k draft tokens commits in expectation
     τ(α, k) = (1 - α^(k+1)) / (1 - α)        (τ = k + 1 at α = 1; τ = 1 at α = 0)
 
 tokens per target step, and a step costs 1 + k·c target steps, c being one drafted token's
-time over one target step's time, so the expected speedup is τ / (1 + k·c).
+time over one target step's time, so the expected speedup is τ / (1 + k·c). That takes a pass
+over k + 1 tokens to cost what one token costs; where it does not (a CPU's cores, see
+`costs`), the 1 becomes the measured ratio V(k + 1) / V(1).
 
 Note the two α's: DESIGN.md's acceptance rate `accepted / drafted` counts every draft token,
 also those after a rejection that were never tested, so it is lower than the per-token α these
@@ -28,9 +30,11 @@ def expected_tau(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Expected speedup over plain decoding: τ(α, k) / (1 + k·c)."""
-    return expected_tau(alpha, k) / (1.0 + k * c)
+def expected_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) -> float:
+    """Expected speedup over plain decoding: τ(α, k) / (k·c + verify_ratio), `verify_ratio` being a pass
+    over k + 1 tokens' time over a one-token pass's (1: extra tokens are free, as the classic formula
+    assumes; `costs` measures it)."""
+    return expected_tau(alpha, k) / (k * c + verify_ratio)
 
 
 def best_k(alpha: float, ks: Sequence[int], c: float) -> int:

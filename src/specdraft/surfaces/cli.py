@@ -323,6 +323,49 @@ def theory(
 
 
 @app.command()
+def costs(
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
+    draft: Optional[str] = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to time ('' for none)."),
+    draft_quant: str = typer.Option("auto", "--draft-quant",
+                                    help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU)."),
+    widths: str = typer.Option("1,2,3,4,5,6,7,8", "--widths", help="Target pass widths to time: a comma list with 1."),
+    context: int = typer.Option(300, "--context", help="Cached tokens before each timed pass."),
+    repeats: int = typer.Option(7, "--repeats", help="Timed passes per width (the median is kept)."),
+    alpha: str = typer.Option("0.5,0.6,0.7,0.8,0.9", "--alpha", help="Per-token acceptance α to predict for."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the measurements and predictions to this JSON file."),
+) -> None:
+    """Time this machine: the target's pass by width, the draft per token, memory rate; expected speedup by α."""
+    import torch
+
+    from specdraft.analysis.costs import measure_costs, predict
+    from specdraft.analysis.render import pass_cost_table, prediction_table
+    from specdraft.analysis.theory import parse_list
+    from specdraft.models.loading import load_model, prepare_draft
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        alphas, pass_widths = parse_list(alpha, float, "--alpha"), parse_list(widths, int, "--widths")
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device), draft_quant) if draft else None
+        target_lm = load_model(target, dtype=dtype, device=device)
+        report = predict(measure_costs(target_lm, draft_lm, pass_widths, context, repeats), alphas)
+        if out is not None:
+            out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    except SpecdraftError as error:
+        _fail(str(error))
+    except OSError as error:
+        _fail(f"Cannot write {out}: {error.strerror or error}.")
+    console = Console()
+    console.print(pass_cost_table(report.costs))
+    console.print(prediction_table(report))
+    if out is not None:
+        err.print(f"wrote {out}", highlight=False)
+
+
+@app.command()
 def diagnose(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
     draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to compare with the target, or early-exit:L "
