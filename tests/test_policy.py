@@ -4,7 +4,7 @@ import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
-from specdraft.policy import DEFAULT_SOURCE, AutoK, FixedK, make_policy
+from specdraft.policy import ANSWER_FLOOR, DEFAULT_SOURCE, AutoK, FixedK, make_policy
 
 PROMPT = [5, 17, 42, 8, 59, 3]
 
@@ -192,6 +192,33 @@ def test_a_draft_models_catch_up_is_shared_over_the_steps_left():
     assert policy.choose(6, unread=700, remaining=20) == 0
 
 
+def test_the_catch_up_waits_until_the_answer_has_shown_it_is_long():
+    """The budget does not say where an answer ends: the read is shared over as many tokens as the answer
+    has run (at least ANSWER_FLOOR), so a dear read waits and a cheap one does not."""
+    policy = calibrated([30, 31, 32, 33, 34, 35, 36], draft_ms=10, alpha=0.8)
+    policy.estimates().read_seconds_per_token = 0.002
+    assert policy.expected_left(0, 1000) == ANSWER_FLOOR and policy.expected_left(300, 1000) == 300
+    assert policy.expected_left(300, 50) == 50 and policy.expected_left(None, 1000) == 1000
+    assert policy.expected_left(5, None) == ANSWER_FLOOR
+    assert policy.choose(6, unread=700, remaining=1000, generated=0) == 0  # 1.4 s over ~16 tokens: no
+    assert policy.choose(6, unread=700, remaining=1000, generated=900) > 0  # over 900: yes
+    assert policy.choose(6, unread=10, remaining=1000, generated=0) > 0  # 20 ms: at once
+
+
+def test_no_probe_whose_catch_up_could_not_pay_back():
+    """After a long plain streak a probe is due, but reading 60 missed tokens (0.12 s) in an answer expected to
+    run ~16 more tokens (0.5 s of plain steps) is more than a tenth of that: it waits for a longer answer."""
+    policy = calibrated([30, 33, 40, 47], draft_ms=12, alpha=0.2, max_k=3)
+    policy.estimates().read_seconds_per_token = 0.002
+    short = [policy.choose(3, unread=60, remaining=100, generated=5) for _ in range(3 * policy.probe_every)]
+    assert short == [0] * len(short)
+    assert policy.estimates().plain_streak > policy.probe_every  # overdue
+    assert policy.choose(3, unread=60, remaining=1000, generated=400) == 2  # 0.12 s against 400 tokens: probed
+    assert policy.estimates().probing
+    cheap = calibrated([30, 33, 40, 47], draft_ms=12, alpha=0.2, max_k=3)
+    assert [cheap.choose(3, unread=2, generated=5) for _ in range(cheap.probe_every + 1)][-1] == 2
+
+
 def test_read_time_is_learnt_from_a_step_that_caught_up():
     policy = calibrated([30, 31, 32, 33], draft_ms=10, alpha=0.8, max_k=3)
     assert policy.estimates().read_seconds_per_token is None
@@ -207,12 +234,13 @@ def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_targ
     seen = []
 
     class Recording(FixedK):
-        def choose(self, limit, source=DEFAULT_SOURCE, unread=0, remaining=None):
-            seen.append((unread, remaining))
-            return super().choose(limit, source, unread, remaining)
+        def choose(self, limit, source=DEFAULT_SOURCE, unread=0, remaining=None, generated=None):
+            seen.append((unread, remaining, generated))
+            return super().choose(limit, source, unread, remaining, generated)
 
     decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=Recording(3))
     got = decoder.generate(PROMPT, max_new_tokens=12)
-    assert seen[0] == (len(PROMPT), 12)
-    assert all(1 <= unread <= 4 for unread, _ in seen[1:])  # at most k + 1 tokens committed per step
-    assert [r for _, r in seen] == sorted([r for _, r in seen], reverse=True) and seen[-1][1] >= 1
+    assert seen[0] == (len(PROMPT), 12, 0)
+    assert all(1 <= unread <= 4 for unread, _, _ in seen[1:])  # at most k + 1 tokens committed per step
+    assert [r for _, r, _ in seen] == sorted([r for _, r, _ in seen], reverse=True) and seen[-1][1] >= 1
+    assert all(r + g == 12 for _, r, g in seen)  # the answer so far and the budget left

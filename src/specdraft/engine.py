@@ -194,7 +194,7 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter.end(sequence.new_tensor(prompt_ids + generated))
 
-    def _choose_draft(self, ctx: DraftContext, limit: int, remaining: int) -> tuple[str | None, int, int]:
+    def _choose_draft(self, ctx: DraftContext, limit: int, remaining: int, generated: int) -> tuple[str | None, int, int]:
         """Who drafts this step, how many tokens, and how many committed tokens it must read first:
         the first source the drafter offers that the policy finds worth a draft (a composed drafter
         offers its parts in order); (None, 0, 0) = plain."""
@@ -204,7 +204,7 @@ class SpeculativeDecoder:
             if source is None or source in declined:
                 break
             unread = self.drafter.unread(ctx)
-            k = self.policy.choose(limit, source, unread=unread, remaining=remaining)
+            k = self.policy.choose(limit, source, unread=unread, remaining=remaining, generated=generated)
             if k > 0:
                 return source, k, unread
             declined.add(source)
@@ -227,7 +227,7 @@ class SpeculativeDecoder:
             if drafter is not None:
                 ctx = DraftContext(sequence, params, generator, seen, tree_branch=self.tree_branch if self.tree_budget
                                    else 1, max_depth=min(depth, self.policy.max_depth))
-                source, k, unread = self._choose_draft(ctx, limit, remaining)
+                source, k, unread = self._choose_draft(ctx, limit, remaining, len(generated))
             if k > 0:
                 draft = drafter.propose(ctx, k)
                 k = draft.k

@@ -11,14 +11,19 @@ position j is accepted given the ones before it were (decayed counts, shrunk tow
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
 draft); after `probe_every` plain steps one short draft is tried so the estimate can
-recover, and each probe that gets nothing accepted doubles the wait (up to `max_probe_every`).
+recover, and each probe that gets nothing accepted doubles the wait (up to `max_probe_every`); a probe
+whose catch-up (below) would take more than a tenth of the answer's expected time left waits too.
 
 A draft model must first read the committed tokens it has not seen (`unread`: the prompt on
 its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
-rest of the request, so a step that drafts k is charged its share over the steps left,
-`catch_up · E[tokens | k] / remaining` (catch-up = unread × the source's measured read time per
-token; before it is timed, a 24th of a plain target step): a long prompt with a short budget left
-stays plain, a long budget drafts.
+rest of the request, so a step that drafts k is charged its share over the tokens the answer has
+left, `catch_up · E[tokens | k] / left` (catch-up = unread × the source's measured read time per
+token; before it is timed, a 24th of a plain target step). Where the answer ends is unknown, and
+the budget says little (a two-line answer under a 128-token budget paid a whole prompt read for
+one draft: 0.90x plain decoding on short answers): `left` is as many tokens as the answer has run
+so far (an answer that has run g tokens is as likely to end before 2g as after, under a
+scale-free prior on its length; Gott's "Lindy" estimate), at least `ANSWER_FLOOR`, at most the
+budget left. A dear read waits until the answer has shown it is long; a cheap one is not held back.
 
 A new request keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
@@ -40,6 +45,8 @@ READ_GUESS = 24  # before it is timed, reading a token is guessed at this fracti
 MAX_AUTO_K = 8
 FIRST_K = 3  # the first step's k, before anything is measured
 PROBE_K = 2  # the k of a probe during plain decoding
+ANSWER_FLOOR = 16  # tokens an answer is expected to run on at least, however short it is so far
+PROBE_READ_SHARE = 0.1  # a probe may spend at most this share of the answer's expected time left on catching up
 # Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
@@ -59,7 +66,8 @@ class FixedK:
     def begin_request(self) -> None:
         """Nothing to reset."""
 
-    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None) -> int:
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None,
+               generated: int | None = None) -> int:
         return min(self.tree_budget or self.k, limit)
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
@@ -234,9 +242,19 @@ class AutoK:
             draft = self.verify_estimate(1) / 3
         return draft * (min(k, 1) if self.tree else k) + verify
 
-    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None) -> int:
+    def expected_left(self, generated: int | None, remaining: int | None) -> float | None:
+        """Tokens the answer is expected to run on (module doc): max(generated, ANSWER_FLOOR), at most
+        `remaining` (the budget left); without `generated`, the budget; None: many."""
+        if generated is None:
+            return remaining
+        left = max(generated, ANSWER_FLOOR)
+        return left if remaining is None else min(left, remaining)
+
+    def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None,
+               generated: int | None = None) -> int:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`, which must
-        first read `unread` committed tokens, with `remaining` tokens left to generate (None: many)."""
+        first read `unread` committed tokens, with `remaining` tokens of budget left (None: many) and
+        `generated` tokens of the answer so far (None: unknown, the budget alone prices the catch-up)."""
         if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
         est = self.estimates(source)
@@ -244,17 +262,21 @@ class AutoK:
         top = min(limit, self.max_k)
         curve = self.expected_token_curve(top, source)
         catch_up = self.catch_up_seconds(unread, source)
+        left = self.expected_left(generated, remaining)
         for k in range(1, top + 1):
             seconds = self.step_seconds(k, source)
             if seconds is None:
                 continue
-            if catch_up and remaining:  # the catch-up serves the steps left: this step's share
-                seconds += catch_up * min(1.0, curve[k] / remaining)
+            if catch_up and left:  # the catch-up serves the tokens left: this step's share
+                seconds += catch_up * min(1.0, curve[k] / left)
             if seconds > 0 and curve[k] / seconds > best_rate:
                 best_k, best_rate = k, curve[k] / seconds
         if best_k == 0 and limit > 0:
             est.plain_streak += 1
-            if est.plain_streak > est.probe_interval:  # a short draft now and then, to notice a recovery
+            # A short draft now and then, to notice a recovery; not while its catch-up would cost more than a
+            # PROBE_READ_SHARE of the time the answer is expected to have left (it could never pay back).
+            affordable = not left or catch_up <= PROBE_READ_SHARE * left * self.step_seconds(0)
+            if est.plain_streak > est.probe_interval and affordable:
                 est.plain_streak, est.probing = 0, True
                 best_k = min(PROBE_K, limit)
         else:
