@@ -58,12 +58,27 @@ def test_rates_implied_by_the_measurements():
     assert costs.draft_ratio is None
 
 
+def test_the_memory_rates_drift_is_shown():
+    from specdraft.analysis.render import pass_cost_table
+    from rich.console import Console
+
+    steady, moved = costs_with({1: 0.03, 2: 0.032}), costs_with({1: 0.03, 2: 0.032})
+    steady.stream_after_gb_per_s, moved.stream_after_gb_per_s = 35.0, 20.0
+    assert steady.stream_drift == approx(1 / 34) and moved.stream_drift == approx(0.7)
+
+    def shown(costs):
+        console = Console(width=400, record=True)
+        console.print(pass_cost_table(costs))
+        return console.export_text()
+    assert "moved" not in shown(steady) and "moved 70%" in shown(moved)
+
+
 def test_measure_on_a_tiny_model(make_lm):
     target = make_lm(tiny_model(tiny_config(), seed=1))
     draft = make_lm(tiny_model(tiny_config(), seed=2))
     costs = measure_costs(target, draft, widths=[3, 1, 2], context=16, repeats=2)
     assert sorted(costs.pass_seconds) == [1, 2, 3] and all(s > 0 for s in costs.pass_seconds.values())
-    assert costs.draft_seconds > 0 and costs.stream_gb_per_s > 0
+    assert costs.draft_seconds > 0 and costs.stream_gb_per_s > 0 and costs.stream_after_gb_per_s > 0
     assert costs.draft_bytes == weight_bytes(draft) and costs.draft_gb_per_s > 0
     assert target.cache_len == 0  # left as found: empty
     model = target.model

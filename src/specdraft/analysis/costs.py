@@ -12,7 +12,8 @@ fixed slope. That slope, not only the draft's cost, decides which k pays:
 with V(t) the target's measured time for a pass over t tokens and c the draft's time per token
 over V(1) (see `theory.expected_speedup`). `measure_costs` times V(t) and the draft on random
 tokens after a context of `context` tokens (round-robin over the widths, so drift on a shared
-machine spreads over all of them alike) and the memory's streaming rate; `CostReport` turns them
+machine spreads over all of them alike) and the memory's streaming rate before and after (on a
+shared host it moved by up to 1.7x between runs a minute apart); `CostReport` turns them
 into the rates a user can check against the hardware and the speedups to expect by α.
 """
 
@@ -48,8 +49,17 @@ class MachineCosts:
     draft_seconds: float | None  # one draft token (a one-token draft pass); None without a draft
     target_bytes: int  # weight bytes a target pass reads (all but the embedding table)
     target_macs: int  # multiply-adds per token in the target's linears
-    stream_gb_per_s: float  # memory read rate of a plain sum over STREAM_MB
+    stream_gb_per_s: float  # memory read rate of a plain sum over STREAM_MB, before the passes were timed
     draft_bytes: int | None = None  # weight bytes a draft pass reads
+    stream_after_gb_per_s: float | None = None  # the same rate after them: a shared host's rate drifts
+
+    @property
+    def stream_drift(self) -> float:
+        """How far the memory rate moved while timing, as a share of the lower reading (0 if read once)."""
+        if self.stream_after_gb_per_s is None:
+            return 0.0
+        low, high = sorted((self.stream_gb_per_s, self.stream_after_gb_per_s))
+        return high / low - 1.0
 
     def pass_ratio(self, width: int) -> float:
         """V(width) / V(1)."""
@@ -93,7 +103,7 @@ class MachineCosts:
         return {**asdict(self), "pass_seconds": {str(w): s for w, s in self.pass_seconds.items()},
                 "weights_gb_per_s": self.weights_gb_per_s, "extra_token_seconds": self.extra_token_seconds,
                 "extra_token_gmacs": self.extra_token_gmacs, "draft_ratio": self.draft_ratio,
-                "draft_gb_per_s": self.draft_gb_per_s}
+                "draft_gb_per_s": self.draft_gb_per_s, "stream_drift": self.stream_drift}
 
 
 @dataclass(frozen=True)
@@ -227,9 +237,11 @@ def measure_costs(target: CausalLM, draft: CausalLM | None = None, widths: Seque
     if repeats < 1:
         raise SpecdraftError(f"--repeats must be >= 1, got {repeats}.")
     generator = torch.Generator().manual_seed(seed)
+    stream_before = stream_gb_per_s(target.device)
     passes = pass_seconds(target, widths, context, repeats, generator)
     draft_time = pass_seconds(draft, [1], context, repeats, generator)[1] if draft is not None else None
     return MachineCosts(device=str(target.device), threads=torch.get_num_threads(), context=context,
                         pass_seconds=passes, draft_seconds=draft_time, target_bytes=weight_bytes(target),
-                        target_macs=token_macs(target), stream_gb_per_s=stream_gb_per_s(target.device),
-                        draft_bytes=weight_bytes(draft) if draft is not None else None)
+                        target_macs=token_macs(target), stream_gb_per_s=stream_before,
+                        draft_bytes=weight_bytes(draft) if draft is not None else None,
+                        stream_after_gb_per_s=stream_gb_per_s(target.device))
