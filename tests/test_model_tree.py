@@ -22,14 +22,19 @@ def test_greedy_tree_equals_ar(tiny_target, drafts, make_lm, draft_name, k, budg
     ar = SpeculativeDecoder(make_lm(tiny_target))
     drafter = ModelDrafter(make_lm(drafts[draft_name]), min_confidence=0.05)
     spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=k, tree_budget=budget, tree_branch=branch)
+    drafted = []
     for prompt in PROMPTS:
         expected = ar.generate(prompt, max_new_tokens=40)
         got = spec.generate(prompt, max_new_tokens=40)
         assert got.token_ids == expected.token_ids
         stats = got.stats
-        assert stats.new_tokens == 40 and stats.drafted > 0
+        assert stats.new_tokens == 40
         assert all(len(path) == accepted for path, accepted in zip(stats.path_per_step, stats.accepted_per_step))
         assert all(accepted <= depth for accepted, depth in zip(stats.accepted_per_step, stats.depth_per_step))
+        drafted.append(stats.drafted)
+    # A fixed k always drafts; auto drafts on its first step (nothing measured yet), then as the measured
+    # costs say (on a tiny model a draft's read of a 30-token prompt may never pay in a 40-token answer).
+    assert all(drafted) if k != "auto" else drafted[0] > 0
 
 
 def test_trees_branch_and_raise_tau(tiny_target, drafts, make_lm):
