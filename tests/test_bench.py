@@ -95,6 +95,17 @@ def test_report_has_every_method_and_category():
                             "machine": {"cores": 2}})
     for text in ("`spec`", "`hf-ar`", "code", "prose", "2.50×", "max_new_tokens", "cores"):
         assert text in report
+    assert "costs" not in report  # not measured: no section
+
+
+def test_report_shows_the_machines_costs():
+    costs = {"context": 300, "pass_seconds": {"1": 0.0284, "2": 0.0343}, "draft_seconds": 0.0097, "draft_ratio": 0.34,
+             "extra_token_seconds": 0.0074, "stream_gb_per_s": 51.0, "target_bytes": 1.05e9, "weights_gb_per_s": 37.1}
+    report = render_report({"methods": summarize(RECORDS, "ar", NEAR_TIES), "costs": costs})
+    assert "| ms | 28.4 | 34.3 | 9.7 (c = 0.34) |" in report
+    assert "each further token adds 7.4 ms" in report and "51.0 GB/s" in report and "moved" not in report
+    moved = render_report({"methods": {}, "costs": {**costs, "stream_drift": 0.7, "stream_after_gb_per_s": 30.0}})
+    assert "The memory rate moved 70%" in moved
 
 
 # ----- method strings ------------------------------------------------------------------------------------
@@ -271,7 +282,11 @@ def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
     assert list(summary["methods"]) == ["ar", "spec:k=2", "hf-ar", "hf-assisted"]
     for figures in summary["methods"].values():
         assert figures["greedy_exact"] == 1.0 and set(figures["categories"]) == {"code", "prose"}
+    costs = summary["costs"]  # the machine's pass costs, timed after the prompts (tiny models: short context)
+    assert set(costs["pass_seconds"]) == {str(w) for w in range(1, 9)} and costs["draft_seconds"] > 0
+    assert costs["context"] == 128 - 8  # the tiny target's 128 positions less the widest pass
     assert "| `hf-assisted` |" in (out / "report.md").read_text()
+    assert "## This machine's costs" in (out / "report.md").read_text()
     assert "speedup" in result.stderr
 
 

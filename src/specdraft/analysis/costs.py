@@ -36,6 +36,7 @@ DEFAULT_WIDTHS = tuple(range(1, 9))
 DEFAULT_CONTEXT = 300  # cached tokens before each timed pass (a prompt and some output)
 DEFAULT_REPEATS = 7
 STREAM_MB = 256  # the buffer `stream_gb_per_s` reads: far past any cache
+STREAM_DRIFT_WARNING = 0.15  # a memory rate that moved more than this while timing is reported
 
 
 @dataclass
@@ -60,6 +61,11 @@ class MachineCosts:
             return 0.0
         low, high = sorted((self.stream_gb_per_s, self.stream_after_gb_per_s))
         return high / low - 1.0
+
+    @property
+    def drifted(self) -> bool:
+        """Whether the memory rate moved enough while timing to distrust the comparison."""
+        return self.stream_drift > STREAM_DRIFT_WARNING
 
     def pass_ratio(self, width: int) -> float:
         """V(width) / V(1)."""

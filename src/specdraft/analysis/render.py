@@ -11,7 +11,6 @@ from rich.text import Text
 from specdraft.analysis.theory import TheoryCell
 
 AGREE_STYLE, DISAGREE_STYLE = "green", "red"
-STREAM_DRIFT_WARNING = 0.15  # `costs` warns when the memory rate moved more than this while timing
 
 
 def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -66,7 +65,7 @@ def pass_cost_table(costs) -> Table:
                      f"{costs.target_bytes / 1e9:.2f} GB of weights: {costs.weights_gb_per_s:.1f} GB/s; each further "
                      f"token adds {_fmt(None if slope is None else slope * 1e3, '.1f')} ms: "
                      f"{_fmt(gmacs, '.0f')} G multiply-adds/s{draft}")
-    if costs.stream_drift > STREAM_DRIFT_WARNING:
+    if costs.drifted:
         table.caption += (f" [yellow]The memory rate moved {costs.stream_drift:.0%} while timing (before "
                           f"{costs.stream_gb_per_s:.1f}, after {costs.stream_after_gb_per_s:.1f} GB/s): the host is "
                           f"shared or throttled; time again and compare within one run.[/]")

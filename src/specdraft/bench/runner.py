@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from specdraft.analysis.costs import DEFAULT_CONTEXT, DEFAULT_WIDTHS, measure_costs
 from specdraft.bench.methods import MethodSpec, Models, RunOutput, parse_methods
 from specdraft.bench.plots import write_plots
 from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompt_files, select_prompts
@@ -81,6 +82,8 @@ class BenchResult:
 
 
 # ----- the machine and the settings --------------------------------------------------------------------
+COSTS_REPEATS = 5  # timed passes per width for the summary's `costs` (a few seconds on the bundled pair)
+
 def cpu_model() -> str:
     """The CPU's marketing name (from /proc/cpuinfo where there is one)."""
     try:
@@ -109,6 +112,17 @@ def machine_info(device: torch.device) -> dict:
         if version is not None:
             info[package] = version
     return info
+
+
+def machine_costs(models: Models) -> dict | None:
+    """What this machine's passes cost (`specdraft costs`: the target by width, the run's draft as `spec` runs
+    it), timed after the prompts: a speedup depends on it, and machines differ (see README, Benchmark).
+    None for a model whose context cannot hold the widest pass after a few cached tokens."""
+    context = min(DEFAULT_CONTEXT, models.target.max_context - max(DEFAULT_WIDTHS))
+    if context < 1:
+        return None
+    draft = models.draft_as("auto") if models.draft is not None else None
+    return measure_costs(models.target, draft, context=context, repeats=COSTS_REPEATS).to_dict()
 
 
 def run_settings(config: BenchConfig, models: Models, prompts_paths: Sequence[Path], methods: Sequence[MethodSpec]) -> dict:
@@ -341,6 +355,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         near_ties, divergences = judge_divergences(records, reference, models.target, prompt_ids)
         summary = {
             "machine": machine_info(models.target.device),
+            "costs": machine_costs(models),
             "settings": settings,
             "methods": summarize(records, reference, near_ties, [s.label for s in methods], own_numerics),
             "divergences": divergences,
