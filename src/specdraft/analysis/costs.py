@@ -23,7 +23,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import chain
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -61,11 +61,6 @@ class MachineCosts:
             return 0.0
         low, high = sorted((self.stream_gb_per_s, self.stream_after_gb_per_s))
         return high / low - 1.0
-
-    @property
-    def drifted(self) -> bool:
-        """Whether the memory rate moved enough while timing to distrust the comparison."""
-        return self.stream_drift > STREAM_DRIFT_WARNING
 
     def pass_ratio(self, width: int) -> float:
         """V(width) / V(1)."""
@@ -165,34 +160,52 @@ def predict(costs: MachineCosts, alphas: Sequence[float]) -> CostReport:
     return report
 
 
-def weight_bytes(lm: CausalLM) -> int:
-    """Bytes of the weights a pass reads: every distinct parameter and buffer but the input embedding's
-    (a pass looks up only its rows), the LM head's counted even where it shares the embedding's storage."""
+def _pass_tensors(lm: CausalLM, buffers: bool) -> Iterator[torch.Tensor]:
+    """Each distinct parameter (and buffer) of `lm` a pass reads: all but the input embedding's (a pass looks
+    up only its rows), those of the LM head included even where it shares the embedding's storage."""
     embedding, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
-    skipped = {t.data_ptr() for t in chain(embedding.parameters(), embedding.buffers())}
+    seen = {t.data_ptr() for t in chain(embedding.parameters(), embedding.buffers())}
     if head is not None:
-        skipped -= {t.data_ptr() for t in chain(head.parameters(), head.buffers())}
-    seen, total = set(skipped), 0
-    for tensor in chain(lm.model.parameters(), lm.model.buffers()):
+        seen -= {t.data_ptr() for t in chain(head.parameters(), head.buffers())}
+    for tensor in chain(lm.model.parameters(), lm.model.buffers() if buffers else ()):
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-    return total
+            yield tensor
+
+
+def weight_bytes(lm: CausalLM) -> int:
+    """Bytes of the weights a pass reads (`_pass_tensors`, packed buffers included)."""
+    return sum(t.numel() * t.element_size() for t in _pass_tensors(lm, buffers=True))
 
 
 def token_macs(lm: CausalLM) -> int:
-    """Multiply-adds per token in the linears: every matrix (packed ones included) but the input embedding
-    table, unless the LM head is that same table. Norms and biases are not multiplies."""
-    embedding, head = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
-    head_ptrs = {t.data_ptr() for t in head.parameters()} if head is not None else set()
-    seen = {t.data_ptr() for t in embedding.parameters()} - head_ptrs
-    total = 0
-    for parameter in lm.model.parameters():
-        if parameter.dim() >= 2 and parameter.data_ptr() not in seen:
-            seen.add(parameter.data_ptr())
-            total += parameter.numel()
-    return total + sum(m.num_packed_weights() for m in lm.model.modules()
-                       if hasattr(m, "num_packed_weights") and m is not embedding)
+    """Multiply-adds per token in the linears: every matrix a pass reads, packed ones included. Norms and
+    biases are not multiplies."""
+    embedding = lm.model.get_input_embeddings()
+    return sum(t.numel() for t in _pass_tensors(lm, buffers=False) if t.dim() >= 2) + \
+        sum(m.num_packed_weights() for m in lm.model.modules() if hasattr(m, "num_packed_weights") and m is not embedding)
+
+
+def rates_text(costs: Mapping) -> str:
+    """The rates measured costs imply, in a sentence (`MachineCosts.to_dict()` form)."""
+    slope, gmacs = costs.get("extra_token_seconds"), costs.get("extra_token_gmacs")
+    text = (f"memory streams {costs['stream_gb_per_s']:.1f} GB/s; a one-token pass reads "
+            f"{costs['target_bytes'] / 1e9:.2f} GB of weights at {costs['weights_gb_per_s']:.1f} GB/s; each further "
+            f"token adds {'-' if slope is None else f'{slope * 1e3:.1f}'} ms")
+    if gmacs is not None:
+        text += f": {gmacs:.0f} G multiply-adds/s"
+    if costs.get("draft_gb_per_s") is not None:
+        text += f"; the draft reads {costs['draft_bytes'] / 1e9:.2f} GB a token at {costs['draft_gb_per_s']:.1f} GB/s"
+    return text
+
+
+def drift_text(costs: Mapping) -> str | None:
+    """A warning when the memory rate moved more than STREAM_DRIFT_WARNING while timing, else None."""
+    if costs.get("stream_drift", 0.0) <= STREAM_DRIFT_WARNING:
+        return None
+    return (f"The memory rate moved {costs['stream_drift']:.0%} while timing (before {costs['stream_gb_per_s']:.1f}, "
+            f"after {costs['stream_after_gb_per_s']:.1f} GB/s): the host is shared or throttled, and its speed may "
+            "have moved at other times too; time again and compare within one run.")
 
 
 def stream_gb_per_s(device: torch.device, megabytes: int = STREAM_MB, repeats: int = 5) -> float:

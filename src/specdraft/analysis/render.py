@@ -8,6 +8,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from specdraft.analysis.costs import drift_text, rates_text
 from specdraft.analysis.theory import TheoryCell
 
 AGREE_STYLE, DISAGREE_STYLE = "green", "red"
@@ -46,7 +47,6 @@ def speedup_table(grid: Sequence[Sequence[TheoryCell]], c: float) -> Table:
     return table
 
 
-# ----- diagnose -----------------------------------------------------------------------------------------------
 # ----- costs --------------------------------------------------------------------------------------------------
 def pass_cost_table(costs) -> Table:
     """The target's pass time by width (and the draft's per token), with the rates they imply."""
@@ -58,17 +58,9 @@ def pass_cost_table(costs) -> Table:
         table.add_row(str(width), f"{seconds * 1e3:.1f}", f"{costs.pass_ratio(width):.2f}")
     if costs.draft_seconds is not None:
         table.add_row("draft, 1", f"{costs.draft_seconds * 1e3:.1f}", f"c = {costs.draft_ratio:.2f}", style="cyan")
-    slope, gmacs = costs.extra_token_seconds, costs.extra_token_gmacs
-    draft = "" if costs.draft_seconds is None else \
-        f"; the draft reads {costs.draft_bytes / 1e9:.2f} GB a token: {costs.draft_gb_per_s:.1f} GB/s"
-    table.caption = (f"memory streams {costs.stream_gb_per_s:.1f} GB/s; a one-token pass reads "
-                     f"{costs.target_bytes / 1e9:.2f} GB of weights: {costs.weights_gb_per_s:.1f} GB/s; each further "
-                     f"token adds {_fmt(None if slope is None else slope * 1e3, '.1f')} ms: "
-                     f"{_fmt(gmacs, '.0f')} G multiply-adds/s{draft}")
-    if costs.drifted:
-        table.caption += (f" [yellow]The memory rate moved {costs.stream_drift:.0%} while timing (before "
-                          f"{costs.stream_gb_per_s:.1f}, after {costs.stream_after_gb_per_s:.1f} GB/s): the host is "
-                          f"shared or throttled; time again and compare within one run.[/]")
+    summary = costs.to_dict()
+    warning = drift_text(summary)
+    table.caption = rates_text(summary) + ("" if warning is None else f" [yellow]{warning}[/]")
     return table
 
 
@@ -85,6 +77,7 @@ def prediction_table(report) -> Table:
     return table
 
 
+# ----- diagnose -----------------------------------------------------------------------------------------------
 def agreement_text(pieces: Sequence[str], agreement: Sequence[bool]) -> Text:
     """The output text, each token green where the draft's top-1 agreed with the target's, red where not."""
     text = Text()

@@ -36,7 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from specdraft.analysis.costs import STREAM_DRIFT_WARNING
+from specdraft.analysis.costs import drift_text, rates_text
 from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
@@ -296,18 +296,11 @@ def costs_lines(costs: Mapping | None) -> list[str]:
     row = ["ms", *(f"{costs['pass_seconds'][w] * 1e3:.1f}" for w in widths)]
     if costs.get("draft_seconds"):
         row.append(f"{costs['draft_seconds'] * 1e3:.1f} (c = {costs['draft_ratio']:.2f})")
-    slope = costs.get("extra_token_seconds")
     lines = ["## This machine's costs", "", *_table(header, [row]), "",
-             f"Measured after the prompts (`specdraft costs`, {costs['context']} cached tokens): memory streams "
-             f"{costs['stream_gb_per_s']:.1f} GB/s; a one-token pass reads {costs['target_bytes'] / 1e9:.2f} GB of "
-             f"weights at {costs['weights_gb_per_s']:.1f} GB/s; each further token adds "
-             f"{_fmt(None if slope is None else slope * 1e3, '.1f')} ms. Speedups depend on these: compare runs "
-             "only on machines whose costs agree.", ""]
-    if costs.get("stream_drift", 0.0) > STREAM_DRIFT_WARNING:
-        lines += [f"The memory rate moved {costs['stream_drift']:.0%} while these were timed (before "
-                  f"{costs['stream_gb_per_s']:.1f}, after {costs['stream_after_gb_per_s']:.1f} GB/s): a shared or "
-                  "throttled host, whose speed may also have moved during the prompts.", ""]
-    return lines
+             f"Measured after the prompts (`specdraft costs`, {costs['context']} cached tokens): {rates_text(costs)}. "
+             "Speedups depend on these: compare runs only on machines whose costs agree.", ""]
+    warning = drift_text(costs)
+    return lines + ([warning, ""] if warning else [])
 
 
 def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:

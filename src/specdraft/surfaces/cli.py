@@ -18,6 +18,8 @@ from specdraft.drafters import DEFAULT_DRAFTER
 from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE
+from specdraft.analysis.costs import DEFAULT_CONTEXT as COST_CONTEXT, DEFAULT_REPEATS as COST_REPEATS, \
+    DEFAULT_WIDTHS as COST_WIDTHS
 from specdraft.analysis.diagnose import DIAGNOSE_K
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH
 from specdraft.errors import SpecdraftError
@@ -328,9 +330,10 @@ def costs(
     draft: Optional[str] = typer.Option(registry.DEFAULT_DRAFT, help="Draft model to time ('' for none)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU)."),
-    widths: str = typer.Option("1,2,3,4,5,6,7,8", "--widths", help="Target pass widths to time: a comma list with 1."),
-    context: int = typer.Option(300, "--context", help="Cached tokens before each timed pass."),
-    repeats: int = typer.Option(7, "--repeats", help="Timed passes per width (the median is kept)."),
+    widths: str = typer.Option(",".join(map(str, COST_WIDTHS)), "--widths",
+                               help="Target pass widths to time: a comma list with 1."),
+    context: int = typer.Option(COST_CONTEXT, "--context", help="Cached tokens before each timed pass."),
+    repeats: int = typer.Option(COST_REPEATS, "--repeats", help="Timed passes per width (the median is kept)."),
     alpha: str = typer.Option("0.5,0.6,0.7,0.8,0.9", "--alpha", help="Per-token acceptance α to predict for."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
