@@ -134,6 +134,17 @@ def test_train_commands_build_data_train_and_draft(tiny_model_dirs, tmp_path):
     assert "held-out top1" in trained.output and (tmp_path / "e.safetensors").is_file()
     medusa = run("train", "medusa", *common, "--out", tmp_path / "m.safetensors", "--heads", 2, "--rank", 8)
     assert medusa.exit_code == 0, medusa.output
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.py").write_text("\n".join(f"def add{i}(a, b):\n    return a + b" for i in range(30)))
+    text_data = run("train", "data", "--out", tmp_path / "text-data", *target, "--texts", texts, "--max-tokens", 200,
+                    "--chunk-tokens", 64)
+    assert text_data.exit_code == 0, text_data.output
+    assert "text-data: 4 sequences" in text_data.output  # 4 pieces of 64 pass the 200-token budget
+    went_on = run("train", "eagle", *common, "--data", tmp_path / "text-data", "--init", tmp_path / "e.safetensors",
+                  "--out", tmp_path / "e2.safetensors")
+    assert went_on.exit_code == 0, went_on.output
+    assert "starting from" in went_on.output and (tmp_path / "e2.safetensors").is_file()
     generate = ["generate", "def add", *target, "--dtype", "float32", "--max-new-tokens", 16, "--json"]
     ar = _json(run(*generate, "--method", "ar"))
     for kind in ("eagle", "medusa"):
@@ -154,6 +165,8 @@ def test_train_and_trained_drafter_errors_are_one_line(tiny_model_dirs, tmp_path
     assert missing.exit_code == 2 and "holds no training data" in missing.output
     bad = run("train", "data", "--out", tmp_path / "d", *target, "--batch-size", 0)
     assert bad.exit_code == 2 and "--batch-size must be >= 1" in bad.output
+    no_texts = run("train", "data", "--out", tmp_path / "d", *target, "--texts", tmp_path / "nowhere")
+    assert no_texts.exit_code == 2 and "no such file or folder" in no_texts.output
     warm = run("train", "distill", "--data", tmp_path / "none", "--out", tmp_path / "x", "--warmup", -1)
     assert warm.exit_code == 2 and "--warmup must be >= 0" in warm.output
     unshipped = run("generate", "def add", *target, "--dtype", "float32", "--drafter", "eagle", "--json")

@@ -16,7 +16,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import common_token_ids, head_rows
 from specdraft.models.trained import load_trained
-from specdraft.training.data import SelfDistillData, build_dataset, training_prompts
+from specdraft.training.data import SelfDistillData, build_dataset, build_text_dataset, text_files, training_prompts
 from specdraft.models.loading import load_model
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
 from specdraft.training.distill import SUMMARY, train_distill
@@ -89,6 +89,73 @@ def test_build_resumes_and_refuses_other_settings(target, prompts_file, tmp_path
     assert len({qid for shard in again.manifest["shards"] for qid in shard["prompts"]}) == 12
     with pytest.raises(SpecdraftError, match="other settings"):
         build_dataset(target, prompts[:12], out, max_new_tokens=9, batch_size=4, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A folder of plain text files (and a file of another kind, which is not read)."""
+    folder = tmp_path_factory.mktemp("texts")
+    (folder / "lib").mkdir()
+    for i in range(5):
+        (folder / "lib" / f"m{i}.py").write_text("\n".join(PROMPT_TEMPLATES[j % 3].format(i=i * 10 + j)
+                                                            for j in range(12)))
+    (folder / "README.md").write_text(" ".join(f"The quick brown fox {i} jumps." for i in range(60)))
+    (folder / "image.png").write_bytes(b"\x89PNG not text")
+    return folder
+
+
+def test_text_data_holds_the_targets_features_over_the_files(target, texts, tmp_path):
+    files = text_files([texts])
+    assert [f.name for f in files] == ["README.md", "m0.py", "m1.py", "m2.py", "m3.py", "m4.py"]
+    built = build_text_dataset(target, [texts], tmp_path / "t", max_tokens=10_000, chunk_tokens=48, per_shard=4,
+                               top_k=3)
+    all_tokens = sum(len(target.tokenizer.encode(f.read_text(), add_special_tokens=False)) for f in files)
+    sequences = list(built.sequences())
+    assert all(s.prompt_length == 0 and 12 <= len(s.tokens) <= 48 for s in sequences)  # every position trains
+    assert all_tokens - 12 * len(files) < built.num_tokens <= all_tokens  # only tails under a quarter are dropped
+    names = [name for shard in built.manifest["shards"] for name in shard["prompts"]]
+    assert len(names) == len(set(names)) == len(sequences)
+    sequence = sequences[0]
+    with torch.no_grad():  # one teacher-forced pass over the piece, as for generated data
+        out = target.model(sequence.tokens.unsqueeze(0), output_hidden_states=True)
+    torch.testing.assert_close(sequence.hidden.float(), out.hidden_states[-1][0].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(sequence.top_ids[:, 0], out.logits[0].argmax(-1))
+
+
+def test_text_data_stops_at_its_budget_resumes_and_refuses_bad_input(target, texts, tmp_path):
+    out = tmp_path / "t"
+    first = build_text_dataset(target, [texts], out, max_tokens=100, chunk_tokens=48, per_shard=2, top_k=3)
+    assert 100 <= first.num_tokens < 100 + 48
+    done = [name for shard in first.manifest["shards"] for name in shard["prompts"]]
+    calls = []
+    more = build_text_dataset(target, [texts], out, max_tokens=300, chunk_tokens=48, per_shard=2, top_k=3,
+                              progress=lambda built, total: calls.append(built))
+    names = [name for shard in more.manifest["shards"] for name in shard["prompts"]]
+    assert names[:len(done)] == done and len(names) == len(set(names))  # earlier pieces were not built again
+    assert 300 <= more.num_tokens < 300 + 48 and calls[0] > first.num_tokens and calls[-1] == 300
+    with pytest.raises(SpecdraftError, match="other settings"):
+        build_text_dataset(target, [texts], out, max_tokens=300, chunk_tokens=40, top_k=3)
+    with pytest.raises(SpecdraftError, match="no such file or folder"):
+        text_files([tmp_path / "missing"])
+    with pytest.raises(SpecdraftError, match="no .py/.md/.rst/.txt files"):
+        text_files([out])
+    with pytest.raises(SpecdraftError, match="--chunk-tokens must be >= 16"):
+        build_text_dataset(target, [texts], tmp_path / "u", max_tokens=300, chunk_tokens=8)
+
+
+def test_several_data_folders_train_as_one(target, data, texts, tmp_path):
+    text_data = build_text_dataset(target, [texts], tmp_path / "t", max_tokens=200, chunk_tokens=48, top_k=4)
+    both = SelfDistillData(data.folders[0], text_data.folders[0])
+    assert both.num_sequences == data.num_sequences + text_data.num_sequences
+    assert both.num_tokens == data.num_tokens + text_data.num_tokens
+    assert [len(s.tokens) for s in both.sequences()] == [len(s.tokens) for s in data.sequences()] + [
+        len(s.tokens) for s in text_data.sequences()]
+    other = tmp_path / "other"
+    other.mkdir()
+    manifest = dict(text_data.manifest, target="another", shards=[])
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecdraftError, match="another target"):
+        SelfDistillData(data.folders[0], other)
 
 
 def test_partial_head_rows_and_vocabulary(target):
@@ -184,6 +251,26 @@ def test_trained_drafters_are_greedy_exact(target, trained_files, prompts_file, 
         accepted += out.stats.accepted
     if kind == "eagle":  # the EAGLE layer learns the tiny target's continuations well enough to be accepted
         assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_training_goes_on_from_a_trained_drafter(target, data, trained_files, tmp_path, kind):
+    """--init: the trained file's shape, vocabulary and weights are the start (not the options' fresh module)."""
+    logs = []
+    tiny_steps = TrainConfig(steps=2, learning_rate=1e-7, batch_tokens=64, warmup_steps=0, eval_every=2,
+                             checkpoint_every=2)
+    train = train_medusa if kind == "medusa" else train_eagle
+    shape = {"rank": 64, "vocab": 50} if kind == "medusa" else {"width": 256, "vocab": 50}
+    path = train(target, data, tmp_path / f"{kind}.safetensors", tiny_steps, log=logs.append,
+                 init=trained_files[kind], **shape)
+    start = load_trained(trained_files[kind], kind, "tiny", target.config.hidden_size, dtype=torch.float32)
+    went_on = load_trained(path, kind, "tiny", target.config.hidden_size, dtype=torch.float32)
+    assert logs[0].startswith(f"starting from {trained_files[kind]}")
+    assert went_on.module.config == start.module.config and torch.equal(went_on.vocab_ids, start.vocab_ids)
+    for name, weight in start.module.state_dict().items():  # two steps at a tiny rate barely move it
+        torch.testing.assert_close(went_on.module.state_dict()[name], weight, atol=1e-2, rtol=1e-2)
+    with pytest.raises(SpecdraftError, match="holds a medusa drafter, not eagle"):
+        train_eagle(target, data, tmp_path / "x.safetensors", tiny_steps, log=logs.append, init=trained_files["medusa"])
 
 
 def test_trained_weights_are_checked_when_loaded(target, trained_files, tmp_path):

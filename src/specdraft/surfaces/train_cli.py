@@ -47,23 +47,38 @@ def data(
     top_k: int = typer.Option(8, "--top-k", help="Target log-probabilities kept per position."),
     max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", help="Skip prompts longer than this."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N training prompts."),
+    texts: Optional[List[Path]] = typer.Option(None, "--texts", help="Build from plain text instead: files or "
+                                               "folders of .py/.md/.rst/.txt files (repeat the option); nothing "
+                                               "is generated, each piece is one teacher-forced pass."),
+    max_tokens: int = typer.Option(200_000, "--max-tokens", help="With --texts: tokens to build in all."),
+    chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="With --texts: tokens per sequence."),
+    seed: int = typer.Option(0, help="With --texts: the seed that shuffles the files."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's)."),
 ) -> None:
-    """The target's own greedy continuations with its final hidden states and top log-probabilities (resumable)."""
+    """The target's own greedy continuations (or, with --texts, plain text) with its final hidden states
+    and top log-probabilities (resumable)."""
     import torch
 
     from specdraft.models.loading import load_model
-    from specdraft.training.data import build_dataset, training_prompts
+    from specdraft.training.data import build_dataset, build_text_dataset, text_files, training_prompts
 
     if threads:
         torch.set_num_threads(threads)
     try:
-        chosen = training_prompts(prompts or default_training_prompts(), holdout)[:limit]
-        lm = load_model(target)
-        with _progress() as bar:
-            task = bar.add_task("prompts", total=len(chosen))
-            built = build_dataset(lm, chosen, out, max_new_tokens, batch_size, top_k, max_prompt_tokens,
-                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+        if texts:
+            text_files(texts)  # a wrong path fails before the model loads
+            lm = load_model(target)
+            with _progress() as bar:
+                task = bar.add_task("tokens", total=max_tokens)
+                built = build_text_dataset(lm, texts, out, max_tokens, chunk_tokens, top_k=top_k, seed=seed,
+                                           progress=lambda done, total: bar.update(task, completed=done))
+        else:
+            chosen = training_prompts(prompts or default_training_prompts(), holdout)[:limit]
+            lm = load_model(target)
+            with _progress() as bar:
+                task = bar.add_task("prompts", total=len(chosen))
+                built = build_dataset(lm, chosen, out, max_new_tokens, batch_size, top_k, max_prompt_tokens,
+                                      progress=lambda done, total: bar.update(task, completed=done, total=total))
     except SpecdraftError as error:
         _fail(str(error))
     err.print(f"{out}: {built.num_sequences} sequences, {built.num_tokens} tokens", highlight=False)
@@ -76,7 +91,7 @@ def _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, s
                        checkpoint_every=eval_every, max_minutes=max_minutes, seed=seed, warmup_steps=warmup_steps)
 
 
-def _run_training(kind: str, data: Path, out: Path, target: str, device: str, threads: Optional[int], **fit) -> None:
+def _run_training(kind: str, data: List[Path], out: Path, target: str, device: str, threads: Optional[int], **fit) -> None:
     import torch
 
     from specdraft.models.loading import load_model
@@ -86,7 +101,7 @@ def _run_training(kind: str, data: Path, out: Path, target: str, device: str, th
     if threads:
         torch.set_num_threads(threads)
     try:
-        dataset = SelfDistillData(data)
+        dataset = SelfDistillData(*data)
         lm = load_model(target, device=device)
         (train_medusa if kind == "medusa" else train_eagle)(lm, dataset, out, log=lambda line: err.print(line, highlight=False),
                                                             **fit)
@@ -94,7 +109,8 @@ def _run_training(kind: str, data: Path, out: Path, target: str, device: str, th
         _fail(str(error))
 
 
-_DATA = typer.Option(..., "--data", help="A folder built by `specdraft train data`.")
+_DATA = typer.Option(..., "--data", help="A folder built by `specdraft train data` (repeat the option to train "
+                                        "on several).")
 _TARGET = typer.Option(registry.DEFAULT_TARGET, help="The target the data was built with.")
 _STEPS = typer.Option(2000, "--steps", help="Optimizer steps.")
 _LR = typer.Option(1e-3, "--learning-rate", help="Peak learning rate (warm-up, then cosine to a tenth).")
@@ -102,46 +118,49 @@ _BATCH = typer.Option(1024, "--batch-tokens", help="Target positions per step.")
 _EVAL = typer.Option(200, "--eval-every", help="Held-out evaluation and checkpoint every N steps.")
 _MINUTES = typer.Option(None, "--max-minutes", help="Stop (and save) after this long.")
 _VOCAB = typer.Option(32768, "--vocab", help="Tokens the drafter's head scores (the data's, then the commonest).")
+_INIT = typer.Option(None, "--init", help="Go on training this drafter file (its shape and vocabulary win "
+                     "over --width/--heads/--vocab...).")
 _DEVICE = typer.Option("auto", help="auto (CUDA when present), cpu or cuda.")
 _THREADS = typer.Option(None, "--threads", help="torch threads (default: torch's).")
 
 
 @train_app.command("medusa")
 def medusa(
-    data: Path = _DATA,
+    data: List[Path] = _DATA,
     out: Path = typer.Option(..., "--out", help="The .safetensors file to write (a checkpoint beside it resumes)."),
     target: str = _TARGET,
     heads: int = typer.Option(4, "--heads", help="Medusa heads (draft depth)."),
     rank: int = typer.Option(256, "--rank", help="Width of each head's residual block."),
     vocab: int = _VOCAB, steps: int = _STEPS, learning_rate: float = _LR, batch_tokens: int = _BATCH,
     eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES, seed: int = typer.Option(0, help="Seed."),
-    device: str = _DEVICE, threads: Optional[int] = _THREADS,
+    init: Optional[Path] = _INIT, device: str = _DEVICE, threads: Optional[int] = _THREADS,
 ) -> None:
     """Medusa heads on the target's last hidden state, sharing its (frozen) LM head."""
     config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
-    _run_training("medusa", data, out, target, device, threads, config=config, num_heads=heads, rank=rank, vocab=vocab)
+    _run_training("medusa", data, out, target, device, threads, config=config, num_heads=heads, rank=rank, vocab=vocab,
+                  init=init)
 
 
 @train_app.command("eagle")
 def eagle(
-    data: Path = _DATA,
+    data: List[Path] = _DATA,
     out: Path = typer.Option(..., "--out", help="The .safetensors file to write (a checkpoint beside it resumes)."),
     target: str = _TARGET,
     width: int = typer.Option(768, "--width", help="Width of the drafter's decoder layer (a multiple of 128)."),
     intermediate: int = typer.Option(2048, "--intermediate", help="Its MLP's inner width."),
     vocab: int = _VOCAB, steps: int = _STEPS, learning_rate: float = _LR, batch_tokens: int = _BATCH,
     eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES, seed: int = typer.Option(0, help="Seed."),
-    device: str = _DEVICE, threads: Optional[int] = _THREADS,
+    init: Optional[Path] = _INIT, device: str = _DEVICE, threads: Optional[int] = _THREADS,
 ) -> None:
     """An EAGLE feature drafter: one decoder layer over (target feature, next token embedding)."""
     config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
     _run_training("eagle", data, out, target, device, threads, config=config, width=width,
-                  intermediate_size=intermediate, vocab=vocab)
+                  intermediate_size=intermediate, vocab=vocab, init=init)
 
 
 @train_app.command("distill")
 def distill(
-    data: Path = _DATA,
+    data: List[Path] = _DATA,
     out: Path = typer.Option(..., "--out", help="The model folder to write (a checkpoint beside it resumes)."),
     draft: str = typer.Option(registry.DEFAULT_DRAFT, "--draft", help="The draft to distil: bundled name, HF "
                               "folder or .gguf file (GGUF weights are unpacked to train)."),
@@ -166,7 +185,7 @@ def distill(
     config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed, warmup)
     try:
         config.check()
-        dataset = SelfDistillData(data)
+        dataset = SelfDistillData(*data)
         lm = load_model(draft, device=device, gguf_weights="unpacked")
         train_distill(lm, dataset, out, config, layers, log=lambda line: err.print(line, highlight=False))
     except SpecdraftError as error:
