@@ -267,6 +267,7 @@ def test_training_goes_on_from_a_trained_drafter(target, data, trained_files, tm
     went_on = load_trained(path, kind, "tiny", target.config.hidden_size, dtype=torch.float32)
     assert logs[0].startswith(f"starting from {trained_files[kind]}")
     assert went_on.module.config == start.module.config and torch.equal(went_on.vocab_ids, start.vocab_ids)
+    assert went_on.training["init"] == str(trained_files[kind])  # the file says what it grew from
     for name, weight in start.module.state_dict().items():  # two steps at a tiny rate barely move it
         torch.testing.assert_close(went_on.module.state_dict()[name], weight, atol=1e-2, rtol=1e-2)
     with pytest.raises(SpecdraftError, match="holds a medusa drafter, not eagle"):

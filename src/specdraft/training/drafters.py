@@ -46,10 +46,12 @@ def _warm_start(kind: str, init: str | Path, target: CausalLM,
 
 
 def _fit(kind: str, module: torch.nn.Module, objective, target: CausalLM, data: SelfDistillData, out: Path,
-         config: TrainConfig, log: Callable[[str], None]) -> Path:
+         config: TrainConfig, log: Callable[[str], None], init: str | Path | None = None) -> Path:
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
     summary = train(objective, data, checkpoint, config, log)
     summary["data"] = str(data.folder)
+    if init:
+        summary["init"] = str(init)
     path = save_trained(out, kind, module, objective.vocab_head.ids.cpu(), target.name, summary)
     log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return path
@@ -69,7 +71,7 @@ def train_medusa(target: CausalLM, data: SelfDistillData, out: str | Path, confi
         heads = MedusaHeads(MedusaConfig(target.config.hidden_size, num_heads, rank)).to(target.device)
         vocab_head = drafter_vocab_head(target, data, vocab)
     objective = MedusaObjective(heads, vocab_head)
-    return _fit("medusa", heads, objective, target, data, Path(out), config, log)
+    return _fit("medusa", heads, objective, target, data, Path(out), config, log, init)
 
 
 def train_eagle(target: CausalLM, data: SelfDistillData, out: str | Path, config: TrainConfig,
@@ -84,7 +86,7 @@ def train_eagle(target: CausalLM, data: SelfDistillData, out: str | Path, config
     if init:
         model, vocab_head = _warm_start("eagle", init, target, log)
         objective = EagleObjective(model, vocab_head, target.model.get_input_embeddings())
-        return _fit("eagle", model, objective, target, data, Path(out), config, log)
+        return _fit("eagle", model, objective, target, data, Path(out), config, log, init)
     rope_theta = float(getattr(target.config, "rope_theta", None)
                        or (getattr(target.config, "rope_parameters", None) or {}).get("rope_theta", 1e6))
     heads = width // 128  # attention heads of 128 dimensions, sharing keys and values in pairs where they can
