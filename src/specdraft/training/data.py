@@ -228,6 +228,18 @@ def _write_shard(folder: Path, manifest: dict, names: list[str], parts: list[tup
     _write_manifest(folder, manifest)
 
 
+def _target_settings(target: CausalLM) -> dict:
+    """What data built for `target` must share with it."""
+    return {"target": target.name, "hidden_size": int(target.config.hidden_size), "vocab_size": target.vocab_size}
+
+
+def _require_at_least(*checks: tuple[str, int, int]) -> None:
+    """Refuse any (option name, value, least allowed) whose value is below its least, naming the option."""
+    for name, value, least in checks:
+        if value < least:
+            raise SpecdraftError(f"--{name} must be >= {least}, got {value}.")
+
+
 def build_dataset(
     target: CausalLM,
     prompts: Sequence[Prompt],
@@ -241,10 +253,8 @@ def build_dataset(
     """Build (or resume) a self-distillation folder at `out` from `prompts` (first turns, through the
     chat template). Each batch becomes one shard; prompts longer than `max_prompt_tokens` are skipped.
     `progress(done, total)` is called after each shard."""
-    for name, value, least in (("max-new-tokens", max_new_tokens, 1), ("batch-size", batch_size, 1),
-                               ("top-k", top_k, 1), ("max-prompt-tokens", max_prompt_tokens, 1)):
-        if value < least:
-            raise SpecdraftError(f"--{name} must be >= {least}, got {value}.")
+    _require_at_least(("max-new-tokens", max_new_tokens, 1), ("batch-size", batch_size, 1), ("top-k", top_k, 1),
+                      ("max-prompt-tokens", max_prompt_tokens, 1))
     folder, manifest, done = _open_folder(out, {**_target_settings(target), "top_k": top_k,
                                                 "max_new_tokens": max_new_tokens})
     encoded = []
@@ -264,10 +274,6 @@ def build_dataset(
         if progress is not None:
             progress(finished, len(encoded))
     return SelfDistillData(folder)
-
-
-def _target_settings(target: CausalLM) -> dict:
-    return {"target": target.name, "hidden_size": int(target.config.hidden_size), "vocab_size": target.vocab_size}
 
 
 TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")
@@ -317,10 +323,8 @@ def build_text_dataset(
     """Build (or resume) a data folder at `out` from plain text: up to `max_tokens` tokens of the files
     under `paths`, in pieces of `chunk_tokens`, each one teacher-forced prompt pass of the target
     (`per_shard` pieces to a shard). `progress(tokens done, max_tokens)` is called after each shard."""
-    for name, value, least in (("max-tokens", max_tokens, 1), ("chunk-tokens", chunk_tokens, 16),
-                               ("per-shard", per_shard, 1), ("top-k", top_k, 1)):
-        if value < least:
-            raise SpecdraftError(f"--{name} must be >= {least}, got {value}.")
+    _require_at_least(("max-tokens", max_tokens, 1), ("chunk-tokens", chunk_tokens, 16), ("per-shard", per_shard, 1),
+                      ("top-k", top_k, 1))
     if target.tokenizer is None:
         raise SpecdraftError(f"{target.name} has no tokenizer; text data needs one.")
     chunk_tokens = min(chunk_tokens, target.max_context)

@@ -85,13 +85,14 @@ def train_eagle(target: CausalLM, data: SelfDistillData, out: str | Path, config
     torch.manual_seed(config.seed)
     if init:
         model, vocab_head = _warm_start("eagle", init, target, log)
-        objective = EagleObjective(model, vocab_head, target.model.get_input_embeddings())
-        return _fit("eagle", model, objective, target, data, Path(out), config, log, init)
-    rope_theta = float(getattr(target.config, "rope_theta", None)
-                       or (getattr(target.config, "rope_parameters", None) or {}).get("rope_theta", 1e6))
-    heads = width // 128  # attention heads of 128 dimensions, sharing keys and values in pairs where they can
-    model_config = EagleConfig(target.config.hidden_size, width, num_heads=heads, num_kv_heads=math.gcd(heads, 2),
-                               intermediate_size=intermediate_size, rope_theta=rope_theta)
-    model = EagleDrafterModel(model_config).to(target.device)
-    objective = EagleObjective(model, drafter_vocab_head(target, data, vocab), target.model.get_input_embeddings())
-    return _fit("eagle", model, objective, target, data, Path(out), config, log)
+    else:
+        rope_theta = float(getattr(target.config, "rope_theta", None)
+                           or (getattr(target.config, "rope_parameters", None) or {}).get("rope_theta", 1e6))
+        heads = width // 128  # attention heads of 128 dimensions, sharing keys and values in pairs where they can
+        model_config = EagleConfig(target.config.hidden_size, width, num_heads=heads,
+                                   num_kv_heads=math.gcd(heads, 2), intermediate_size=intermediate_size,
+                                   rope_theta=rope_theta)
+        model = EagleDrafterModel(model_config).to(target.device)
+        vocab_head = drafter_vocab_head(target, data, vocab)
+    objective = EagleObjective(model, vocab_head, target.model.get_input_embeddings())
+    return _fit("eagle", model, objective, target, data, Path(out), config, log, init)
