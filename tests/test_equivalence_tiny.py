@@ -1,5 +1,7 @@
 """Tier 3 on tiny random models: greedy speculative output equals plain decoding, for several k."""
 
+import copy
+
 import pytest
 import torch
 
@@ -168,6 +170,27 @@ def test_narrowed_draft_vocab_stays_exact(tiny_target, drafts, make_lm):
     sampled = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(prepare_draft(draft, "int4", copy=True, vocab=40)), k=4)
     out = sampled.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_p=0.9, seed=3), max_new_tokens=30)
     assert len(out.token_ids) == 30 and out.stats.drafted > 0
+
+
+def test_draft_vocab_ranked_by_counts_stays_exact(tiny_target, drafts, make_lm):
+    """With token counts, half the narrowed head is the most frequent tokens (high ids included), the rest
+    the lowest ids; greedy output is still the target's."""
+    from specdraft.models.draft_head import restrict_draft_vocab
+
+    draft = make_lm(copy.deepcopy(drafts["close"]))
+    vocab = draft.vocab_size
+    counts = torch.zeros(vocab - 3, dtype=torch.long)  # a tokenizer's vocabulary may stop short of the head's rows
+    frequent = [vocab - 4, vocab - 10, 45, 40]
+    counts[frequent] = torch.tensor([50, 40, 30, 20])
+    assert restrict_draft_vocab(draft, 24, counts) == 32  # rounded up to the kernels' 16 rows
+    ids = draft.model.get_output_embeddings().ids.tolist()
+    assert set(frequent) <= set(ids) and set(range(20)) <= set(ids) and max(set(ids) - set(frequent)) < 32
+    plain = make_lm(copy.deepcopy(drafts["close"]))
+    assert restrict_draft_vocab(plain, 24, torch.zeros(vocab, dtype=torch.long)) == 32
+    assert plain.model.get_output_embeddings().ids.tolist() == list(range(32))  # no counts: the lowest ids
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[1], max_new_tokens=40)
+    got = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(draft), k=4).generate(PROMPTS[1], max_new_tokens=40)
+    assert got.token_ids == expected.token_ids
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -33,6 +33,26 @@ def test_bundled_files_verified(pair):
         assert registry.is_assembled(model)
 
 
+def test_shipped_token_counts_rank_the_bundled_draft_head(pair):
+    """The shipped counts were made for the bundled tokenizer, so `--draft-vocab` ranks by them: code
+    tokens of high id (indentation runs, identifiers) make the cut, and the output stays exact."""
+    from specdraft.models.loading import prepare_draft
+    from specdraft.models.token_counts import token_counts_for
+
+    target, draft = pair
+    counts, path = token_counts_for(draft.tokenizer)
+    assert path.name == "qwen2.5.token_counts.safetensors" and int((counts > 0).sum()) > 50_000
+    narrowed = prepare_draft(draft, "int4", copy=True, vocab=32768)
+    kept = set(narrowed.model.get_output_embeddings().ids.tolist())
+    code_ids = draft.tokenizer.encode("raise ValueError(x.dtype)\n\n**Note**:", add_special_tokens=False)
+    assert set(code_ids) <= kept and max(code_ids) > 32768  # ids past the lowest 32768, taken by count
+    ids = encode_prompt(target.tokenizer, PROMPTS[0])
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=48)
+    spec = SpeculativeDecoder(target, ModelDrafter(narrowed)).generate(ids, max_new_tokens=48)
+    verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
+    assert verdict.acceptable, verdict
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_spec_equals_ar(pair, prompt):
     target, draft = pair

@@ -1,10 +1,14 @@
 """A draft whose LM head scores only part of the vocabulary (the FR-Spec / EAGLE-3 idea).
 
 The LM head is a large share of a small draft's weights (136M of the bundled 0.5B's ~490M).
-Scoring only the `keep` lowest token ids (BPE vocabularies number tokens roughly by merge
-order, so low ids are the common ones) plus every special token cuts that share; the other
-tokens get -inf logits, so the draft never proposes them. Still exact: verification uses
-the distribution the draft actually sampled from, whatever its support.
+Scoring only `keep` common tokens plus every special token cuts that share; the other tokens
+get -inf logits, so the draft never proposes them. Still exact: verification uses the
+distribution the draft actually sampled from, whatever its support.
+
+Which tokens: half by how often they occur in a text corpus (`token_counts`: code and technical
+prose, where BPE's order misses identifiers and indentation runs), then the lowest ids (BPE
+vocabularies number tokens roughly by merge order, so low ids are the common ones of the
+tokenizer's own, multilingual, corpus). Without counts, the lowest ids alone.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ class SubsetHead(nn.Module):
         return self.widen(self.scores(x))
 
 
-def restrict_draft_vocab(draft: CausalLM, keep: int) -> int:
-    """Give `draft` a head over its `keep` lowest token ids plus its special tokens; returns how many it scores.
+def restrict_draft_vocab(draft: CausalLM, keep: int, counts: torch.Tensor | None = None) -> int:
+    """Give `draft` a head over `keep` common tokens plus its special tokens; returns how many it scores.
 
-    Apply before quantizing (the new head is an ordinary linear). `keep` 0 leaves the draft as it is.
+    counts: [vocab] how often each token occurs in some corpus (see `token_counts`); half of `keep` is
+    then taken by count, the rest as the lowest ids. None: the lowest ids alone. Apply before
+    quantizing (the new head is an ordinary linear). `keep` 0 leaves the draft as it is.
     """
     if keep == 0:
         return draft.vocab_size
@@ -72,9 +78,12 @@ def restrict_draft_vocab(draft: CausalLM, keep: int) -> int:
         special.update(draft.tokenizer.all_special_ids)
         special.update(range(len(draft.tokenizer), vocab))  # ids the tokenizer adds past its base vocabulary
         special.update(i for i in draft.tokenizer.added_tokens_decoder if i < vocab)
-    chosen = set(range(min(keep, vocab))) | {i for i in special if 0 <= i < vocab}
+    counts = torch.zeros(vocab, dtype=torch.long) if counts is None else counts[:vocab]
+    counts = torch.cat([counts, counts.new_zeros(vocab - counts.shape[0])])  # ids past the tokenizer's: unseen
+    special = {i for i in special if 0 <= i < vocab}
+    chosen = set(common_token_ids(counts, min(keep + len(special), vocab), special, counted=keep // 2).tolist())
     # Rows in a multiple of 16, the int4 tile kernels' block (a head of any other size stays dense bf16: slower).
-    chosen.update(islice((i for i in range(keep, vocab) if i not in chosen), -len(chosen) % 16))
+    chosen.update(islice((i for i in range(vocab) if i not in chosen), -len(chosen) % 16))
     ids = sorted(chosen)
     if len(ids) >= vocab:
         return vocab
@@ -96,16 +105,22 @@ def head_rows(head: nn.Module, ids: torch.Tensor, in_features: int, chunk: int =
     return torch.cat(rows).T.contiguous()
 
 
-def common_token_ids(counts: torch.Tensor, keep: int, always: set[int] = frozenset()) -> torch.Tensor:
-    """`keep` token ids for a partial head: those seen (most frequent first), then the lowest ids
-    (BPE numbers common tokens first), plus every id of `always` (special tokens). Sorted.
+def common_token_ids(counts: torch.Tensor, keep: int, always: set[int] = frozenset(),
+                     counted: int | None = None) -> torch.Tensor:
+    """`keep` token ids for a partial head: every id of `always` (special tokens), up to `counted` of
+    those seen (most frequent first; None: all seen), then the lowest ids (BPE numbers common tokens
+    first). Sorted.
 
     counts: [V] how often each token occurs in some text (zeros where unknown).
     """
     vocab = counts.shape[0]
-    seen = counts.argsort(descending=True)[: int((counts > 0).sum())].tolist()
+    seen = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())].tolist()
     chosen = dict.fromkeys([i for i in always if 0 <= i < vocab])
-    for token in seen + list(range(vocab)):
+    for token in seen[:counted]:
+        if len(chosen) >= keep:
+            break
+        chosen.setdefault(token)
+    for token in range(vocab):
         if len(chosen) >= keep:
             break
         chosen.setdefault(token)

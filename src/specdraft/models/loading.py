@@ -57,6 +57,16 @@ def resolve_model_path(spec: str) -> tuple[str, Path]:
     raise AssertionError("unreachable")
 
 
+def load_tokenizer(spec: str):
+    """The tokenizer of a model named as `load_model` takes it, without loading its weights."""
+    kind, path = resolve_model_path(spec)
+    if kind == "gguf":
+        return _gguf_config_and_tokenizer(path)[1]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def _converted_dir(gguf_path: Path, kind: str) -> Path:
     """Where something made once from a GGUF file is kept, keyed by the file's identity and `kind`."""
     stat = gguf_path.stat()
@@ -217,6 +227,7 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     """
     from specdraft.models.draft_head import restrict_draft_vocab
     from specdraft.models.quantize import int4_kernel_available, quantize_int4
+    from specdraft.models.token_counts import token_counts_for
 
     if quant not in DRAFT_QUANTS:
         raise SpecdraftError(f"Unknown draft quantization {quant!r}; use one of {', '.join(DRAFT_QUANTS)}.")
@@ -230,10 +241,12 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     prepared = CausalLM(model, draft.tokenizer, name=draft.name)
     started = time.perf_counter()
     with compact_heap():
-        scored = restrict_draft_vocab(prepared, vocab)
+        found = token_counts_for(draft.tokenizer) if vocab and draft.tokenizer is not None else None
+        scored = restrict_draft_vocab(prepared, vocab, found[0] if found else None)
         swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
         fast_decoder_layers(model)
-    print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens "
+    ranked = f" (by {found[1].name}, then lowest ids)" if found and scored < draft.vocab_size else ""
+    print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens{ranked} "
           f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)
     tags = [tag for tag in (quant if quant == "int4" else "", f"vocab {scored}" if vocab else "") if tag]
     return CausalLM(model, draft.tokenizer, name=f"{draft.name}[{', '.join(tags)}]")

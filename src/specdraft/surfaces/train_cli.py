@@ -84,6 +84,37 @@ def data(
     err.print(f"{out}: {built.num_sequences} sequences, {built.num_tokens} tokens", highlight=False)
 
 
+@train_app.command("vocab")
+def vocab(
+    texts: List[Path] = typer.Option(..., "--texts", help="Files, or folders of .py/.md/.rst/.txt files (repeat the option)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Model whose tokenizer counts (bundled name, HF folder "
+                               "or .gguf file); its draft shares it."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Stop after this many tokens (default: all)."),
+    seed: int = typer.Option(0, help="The seed that shuffles the files (matters with --max-tokens)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="File to write (default: the cache folder, where "
+                                       "`--draft-vocab` finds counts for this tokenizer)."),
+) -> None:
+    """Count how often each token occurs in plain text: the ranking `--draft-vocab` keeps a draft's head to
+    (half by these counts, then the lowest ids)."""
+    from specdraft.models.loading import load_tokenizer
+    from specdraft.models.token_counts import made_counts_path, save_token_counts
+    from specdraft.training.data import count_tokens, text_files
+
+    try:
+        files = text_files(texts)
+        tokenizer = load_tokenizer(target)
+        with _progress() as bar:
+            task = bar.add_task("files", total=len(files))
+            counts, total = count_tokens(files, tokenizer, len(tokenizer), max_tokens, seed,
+                                         progress=lambda done, all_files: bar.update(task, completed=done))
+        out = out or made_counts_path(tokenizer)
+        save_token_counts(out, counts, tokenizer, {"target": target, "texts": [str(t) for t in texts],
+                                                   "files": len(files), "tokens": total, "seed": seed})
+    except SpecdraftError as error:
+        _fail(str(error))
+    err.print(f"{out}: {total} tokens from {len(files)} files, {int((counts > 0).sum())} distinct", highlight=False)
+
+
 def _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed, warmup_steps=50):
     from specdraft.training.loop import TrainConfig
 

@@ -294,6 +294,24 @@ def text_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def count_tokens(files: Sequence[Path], tokenizer, vocab_size: int, max_tokens: int | None = None, seed: int = 0,
+                 progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
+    """(how often each token id occurs in `files`, tokens counted): the files in an order shuffled by `seed`,
+    stopping after the file that reaches `max_tokens` (None: all). counts: [vocab_size] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    total = 0
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    for done, index in enumerate(order, 1):
+        ids = tokenizer.encode(files[index].read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+        total += len(ids)
+        if progress is not None:
+            progress(done, len(files))
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return counts, total
+
+
 def text_chunks(files: Sequence[Path], tokenizer, chunk_tokens: int, seed: int = 0) -> Iterator[tuple[str, list[int]]]:
     """(name, token ids) of every `chunk_tokens`-long piece of `files` (a shorter last piece is kept
     when it has a quarter of that), the files in an order shuffled by `seed` so that any prefix of the
