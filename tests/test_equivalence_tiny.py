@@ -225,5 +225,13 @@ def test_draft_context_prices_only_the_window(tiny_target, drafts, make_lm):
     grown = DraftContext(torch.tensor(PROMPTS[2] + [5, 6]), SamplingParams(), torch.Generator(), None)
     drafter.commit(len(PROMPTS[2]), [])  # nothing accepted: the draft keeps the window only
     assert drafter.unread(grown) == 2
+    # after a run of plain steps the draft starts over from the last 8 tokens instead of reading them all
+    long = DraftContext(torch.tensor(PROMPTS[2] + list(range(3, 23))), SamplingParams(), torch.Generator(), None)
+    assert drafter.unread(long) == 8
+    drafter.propose(long, 2)
+    assert drafter.model.cache_len == 8 + 1  # the window and the one draft token fed
+    drafter.commit(len(long.sequence), [0, 1])
+    assert drafter.unread(DraftContext(torch.cat([long.sequence, torch.tensor([4, 5, 6])]), SamplingParams(),
+                                       torch.Generator(), None)) == 2  # the window's draft token was kept
     with pytest.raises(Exception, match="draft-context"):
         ModelDrafter(make_lm(drafts["close"]), context=-1)

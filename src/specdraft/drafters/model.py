@@ -31,6 +31,9 @@ class ModelDrafter(Drafter):
     tokens, at positions counted from there (rotary attention sees only relative positions).
     The draft's prefill is its largest cost on long prompts (RAG, summaries, extraction), where
     answers are often short; drafts stay proposals, so the output is unchanged. 0 reads it all.
+    The same cap holds after plain steps: when more than `context` committed tokens are unread,
+    the draft starts over from the sequence's last `context` tokens instead of reading them all,
+    so a catch-up never costs more than a first read (k=auto prices it so: `unread`).
     """
 
     name = "model"
@@ -59,19 +62,24 @@ class ModelDrafter(Drafter):
         return self._skipped + self.model.cache_len
 
     def _skip(self, length: int) -> int:
-        """The sequence's tokens the draft does not read: on a first read of `length` tokens, all but the
-        last `context`; afterwards, what that first read skipped."""
-        if self.model.cache_len == 0 and self.context:
-            return max(0, length - self.context)
+        """The sequence's tokens the draft does not read: all but the last `context` when more than
+        `context` are unread (a first read of a long prompt, or a long run of plain steps: the draft
+        starts over from there); else what it skipped before."""
+        if self.context and length - self._read() > self.context:
+            return length - self.context
         return self._skipped
 
     def _unread_tokens(self, sequence: torch.Tensor) -> torch.Tensor:  # [T] -> [1, T'] what the draft must read
-        self._skipped = self._skip(sequence.shape[0])
+        skipped = self._skip(sequence.shape[0])
+        if skipped != self._skipped:  # a new window: what the cache holds lies before it
+            self.model.reset()
+            self._skipped = skipped
         return sequence[self._read():].unsqueeze(0)
 
     def unread(self, ctx: DraftContext) -> int:
         length = ctx.sequence.shape[0]
-        return length - self._skip(length) - self.model.cache_len
+        skipped = self._skip(length)
+        return length - skipped - (self.model.cache_len if skipped == self._skipped else 0)
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         self._tree_slots = None
