@@ -13,7 +13,7 @@ tokenizer's own, multilingual, corpus). Without counts, the lowest ids alone.
 
 from __future__ import annotations
 
-from itertools import islice
+from itertools import chain, islice
 
 import torch
 from torch import nn
@@ -116,11 +116,7 @@ def common_token_ids(counts: torch.Tensor, keep: int, always: set[int] = frozens
     vocab = counts.shape[0]
     seen = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())].tolist()
     chosen = dict.fromkeys([i for i in always if 0 <= i < vocab])
-    for token in seen[:counted]:
-        if len(chosen) >= keep:
-            break
-        chosen.setdefault(token)
-    for token in range(vocab):
+    for token in chain(seen[:counted], range(vocab)):
         if len(chosen) >= keep:
             break
         chosen.setdefault(token)

@@ -39,35 +39,41 @@ def save_token_counts(path: Path, counts: torch.Tensor, tokenizer, about: dict) 
     save_file({"counts": counts.to(torch.int32).contiguous()}, str(path), metadata=metadata)
 
 
+def _read(path: Path) -> tuple[str | None, torch.Tensor]:
+    """(fingerprint, counts as int64 [vocab]) of a counts file."""
+    with safe_open(str(path), "pt") as kept:
+        return (kept.metadata() or {}).get("fingerprint"), kept.get_tensor("counts").long()
+
+
 def load_token_counts(path: Path, tokenizer=None) -> torch.Tensor:
     """The counts in `path` as int64 [vocab]; with `tokenizer`, refused unless they were made for it."""
     path = Path(path)
     if not path.is_file():
         raise SpecdraftError(f"No token counts file at {path}; make one with `specdraft train vocab`.")
-    with safe_open(str(path), "pt") as kept:
-        fingerprint = (kept.metadata() or {}).get("fingerprint")
-        counts = kept.get_tensor("counts").long()
+    fingerprint, counts = _read(path)
     if tokenizer is not None and fingerprint != tokenizer_fingerprint(tokenizer):
         raise SpecdraftError(f"The token counts in {path} were made for another tokenizer; make them for this "
                              "model's with `specdraft train vocab`.")
     return counts
 
 
-def made_counts_path(tokenizer) -> Path:
-    """Where `specdraft train vocab` keeps counts for `tokenizer` by default (found by `token_counts_for`)."""
+def _made_path(fingerprint: str) -> Path:
     from specdraft.models.registry import cache_dir
 
-    return cache_dir() / "vocab" / f"{tokenizer_fingerprint(tokenizer)}{SUFFIX}"
+    return cache_dir() / "vocab" / f"{fingerprint}{SUFFIX}"
+
+
+def made_counts_path(tokenizer) -> Path:
+    """Where `specdraft train vocab` keeps counts for `tokenizer` by default (found by `token_counts_for`)."""
+    return _made_path(tokenizer_fingerprint(tokenizer))
 
 
 def token_counts_for(tokenizer) -> tuple[torch.Tensor, Path] | None:
     """(counts, their file) made for `tokenizer`: made here first, else shipped; None when there are none."""
     fingerprint = tokenizer_fingerprint(tokenizer)
-    made = made_counts_path(tokenizer)
-    for path in [made, *sorted(SHIPPED.glob(f"*{SUFFIX}"))]:
-        if not path.is_file():
-            continue
-        with safe_open(str(path), "pt") as kept:
-            if (kept.metadata() or {}).get("fingerprint") == fingerprint:
-                return kept.get_tensor("counts").long(), path
+    for path in [_made_path(fingerprint), *sorted(SHIPPED.glob(f"*{SUFFIX}"))]:
+        if path.is_file():
+            found, counts = _read(path)
+            if found == fingerprint:
+                return counts, path
     return None

@@ -294,15 +294,22 @@ def text_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def encoded_files(files: Sequence[Path], tokenizer, seed: int = 0) -> Iterator[tuple[Path, list[int]]]:
+    """(file, its token ids) for every one of `files`, in an order shuffled by `seed` (so that any prefix
+    of the stream mixes many files)."""
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    for index in order:
+        text = files[index].read_text(encoding="utf-8", errors="replace")
+        yield files[index], tokenizer.encode(text, add_special_tokens=False)
+
+
 def count_tokens(files: Sequence[Path], tokenizer, vocab_size: int, max_tokens: int | None = None, seed: int = 0,
                  progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, int]:
     """(how often each token id occurs in `files`, tokens counted): the files in an order shuffled by `seed`,
     stopping after the file that reaches `max_tokens` (None: all). counts: [vocab_size] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     total = 0
-    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
-    for done, index in enumerate(order, 1):
-        ids = tokenizer.encode(files[index].read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+    for done, (_, ids) in enumerate(encoded_files(files, tokenizer, seed), 1):
         counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
         total += len(ids)
         if progress is not None:
@@ -314,17 +321,14 @@ def count_tokens(files: Sequence[Path], tokenizer, vocab_size: int, max_tokens: 
 
 def text_chunks(files: Sequence[Path], tokenizer, chunk_tokens: int, seed: int = 0) -> Iterator[tuple[str, list[int]]]:
     """(name, token ids) of every `chunk_tokens`-long piece of `files` (a shorter last piece is kept
-    when it has a quarter of that), the files in an order shuffled by `seed` so that any prefix of the
-    stream mixes many files. Names (`path:index`) identify pieces when a build resumes."""
+    when it has a quarter of that), the files in the order of `encoded_files`. Names (`path:index`)
+    identify pieces when a build resumes."""
     min_tokens = max(8, chunk_tokens // 4)
-    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
-    for index in order:
-        text = files[index].read_text(encoding="utf-8", errors="replace")
-        ids = tokenizer.encode(text, add_special_tokens=False)
+    for path, ids in encoded_files(files, tokenizer, seed):
         for start in range(0, len(ids), chunk_tokens):
             piece = ids[start:start + chunk_tokens]
             if len(piece) >= min_tokens:
-                yield f"{files[index]}:{start // chunk_tokens}", piece
+                yield f"{path}:{start // chunk_tokens}", piece
 
 
 def build_text_dataset(
