@@ -10,8 +10,8 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import decoder_avx512, gguf_matmul, layer_ops
-from specdraft.models import causal_lm
+from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, int4_amx, layer_ops
+from specdraft.models import causal_lm, quantize
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
@@ -175,7 +175,7 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     tokens = lambda n: torch.randint(0, 96, (1, n), generator=generator)  # noqa: E731
     out = [lm.forward(tokens(11), logits_to_keep=11).logits]
-    for n in (1, 5, 3):
+    for n in (1, 5, 3, 18):  # 18: past a pass of either tile kernel (8 tokens on AVX-512, 16 on AMX)
         step = lm.forward(tokens(n), logits_to_keep=n, hidden_to_keep=n)
         out += [step.logits, step.hidden_states]
     lm.truncate(lm.cache_len - 4)  # a rejected draft
@@ -190,11 +190,16 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 @tiles_run
 @fused_run
 @pytest.mark.parametrize("build", [int4_model, mixed_model])
-def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, monkeypatch):
+@pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
+def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, monkeypatch):
+    if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)
+        monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
     model = build()
     fast_decoder_layers(model)
     fused = fused_decoder(model)
     assert fused is not None and len(fused.table) == 2
+    int4_kind = decoder_avx512.INT4_AMX if kernel is None and int4_amx.available() else decoder_avx512.INT4
+    assert fused.table[1].qkv.run[0].kind == int4_kind
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
     want = pass_sequence(model)

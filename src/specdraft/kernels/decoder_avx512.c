@@ -26,12 +26,16 @@
 #include "avx512_tiles.c"
 #include "layer_ops.c"
 #include "attention_avx512.c"
+#ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit runs may name the AMX kernel */
+#include "int4_amx.c"
+#endif
 
 #define MAX_RUNS 3
 
 /* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
 typedef struct {
-    int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`) */
+    int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
+                             2: 4-bit tiles on AMX (`int4_amx.c`, in the WITH_AMX build only) */
     const uint8_t *tiles;
     const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */
@@ -78,20 +82,30 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
-/* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns. */
+/* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns, in passes of
+ * as many tokens as its kernel takes. */
 static void project(const Projection *p, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t out) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
-        const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int64_t column = 0;
-        for (int64_t i = 0; i < p->runs; i++) {
-            const Run *run = &p->run[i];
+    int64_t column = 0;
+    for (int64_t i = 0; i < p->runs; i++) {
+        const Run *run = &p->run[i];
+#ifdef WITH_AMX
+        const int64_t width = run->kind == 2 ? AMX_TOKENS : MAX_TOKENS;
+#else
+        const int64_t width = MAX_TOKENS;
+#endif
+        for (int64_t t0 = 0; t0 < tokens; t0 += width) {
+            const int chunk = (int)(tokens - t0 < width ? tokens - t0 : width);
             float *dest = y + t0 * out + column;
             if (run->kind == 0)
                 int4_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
-            else
+            else if (run->kind == 1)
                 q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
-            column += run->rows;
+#ifdef WITH_AMX
+            else
+                int4_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+#endif
         }
+        column += run->rows;
     }
     if (p->bias)
         for (int64_t t = 0; t < tokens; t++)

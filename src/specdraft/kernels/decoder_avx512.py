@@ -12,14 +12,16 @@ from pathlib import Path
 
 import torch
 
+from specdraft.kernels import int4_amx
 from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("decoder_avx512.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_AMX_FLAGS = ["-DWITH_AMX", "-mamx-tile", "-mamx-bf16"]  # the build that may run 4-bit projections on AMX
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in attention_avx512.c)
-INT4, Q6K = 0, 1  # run kinds
+INT4, Q6K, INT4_AMX = 0, 1, 2  # run kinds (INT4_AMX only where `int4_amx.available()`)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -45,7 +47,11 @@ class Layer(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 decoder layers")
+    if int4_amx.available():  # the tile state is granted: the AMX build runs 4-bit projections on AMX
+        library = compiled_library(_SOURCE, _FLAGS + _AMX_FLAGS, _REQUIRED_CPU_FLAGS | int4_amx.REQUIRED_CPU_FLAGS,
+                                   "the AVX-512 decoder layers with AMX")
+    else:
+        library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 decoder layers")
     if library is None:
         return None
     library.decoder_layers_forward.argtypes = ([_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [ctypes.c_float] * 2

@@ -30,9 +30,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "bf16_vectors.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define MAX_TOKENS 16
+#define AMX_TOKENS 16  /* tokens a tile multiply takes (A and C tile rows) */
 #define GROUP 32
 
 typedef struct {
@@ -57,10 +59,6 @@ static void configure_tiles(int tokens) {
     config.rows[2] = (uint8_t)tokens; config.colsb[2] = 64;  /* C, even groups: tokens x 16 float32 */
     config.rows[3] = (uint8_t)tokens; config.colsb[3] = 64;  /* C, odd groups */
     _tile_loadconfig(&config);
-}
-
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* One B tile (16 input pairs x 16 outputs, bf16 128 + q) from its 256 bytes of codes. */
@@ -91,11 +89,11 @@ static inline __attribute__((always_inline)) void scale_group(const float *c_til
     }
 }
 
-/* x [tokens, K] bf16 -> y [tokens, N] float32; tokens <= 16, K % 64 == 0. */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= AMX_TOKENS, K % 64 == 0. */
 static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                           const uint16_t *x, float *y, int64_t N, int64_t K, int tokens) {
+                           const uint16_t *x, float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
-    float sums[MAX_TOKENS * groups];  /* S_g of token t at [t · groups + g] */
+    float sums[AMX_TOKENS * groups];  /* S_g of token t at [t · groups + g] */
     for (int t = 0; t < tokens; t++)
         for (int64_t g = 0; g < groups; g++) {
             __m512 a = bf16x16_to_ps(x + t * K + g * GROUP), b = bf16x16_to_ps(x + t * K + g * GROUP + 16);
@@ -105,10 +103,10 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
     {
         configure_tiles(tokens);
         __attribute__((aligned(64))) uint16_t b_tiles[2][16 * 32];  /* B is built one group ahead */
-        __attribute__((aligned(64))) float c_tiles[2][MAX_TOKENS * 16];  /* C is scaled one group behind */
+        __attribute__((aligned(64))) float c_tiles[2][AMX_TOKENS * 16];  /* C is scaled one group behind */
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            __m512 acc[MAX_TOKENS];
+            __m512 acc[AMX_TOKENS];
             for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
             const uint8_t *codes = tiles + nb * groups * 256;
             const uint16_t *block_scale = scale + nb * groups * 16, *block_zero = zero + nb * groups * 16;
@@ -130,7 +128,7 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
 #undef GROUP_STEP
             }
             scale_group(c_tiles[(groups - 1) & 1], block_scale, block_zero, sums, groups, groups - 1, tokens, acc);
-            for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * N + nb * 16, acc[t]);
+            for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy + nb * 16, acc[t]);
         }
         _tile_release();
     }
@@ -138,8 +136,8 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
 
 void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
-        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int4_amx_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk);
+    for (int64_t t0 = 0; t0 < tokens; t0 += AMX_TOKENS) {
+        int chunk = (int)(tokens - t0 < AMX_TOKENS ? tokens - t0 : AMX_TOKENS);
+        int4_amx_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
     }
 }

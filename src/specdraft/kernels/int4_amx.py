@@ -18,13 +18,14 @@ from specdraft.kernels.build import compiled_library
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
 _SOURCE = Path(__file__).with_name("int4_amx.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared", "-fPIC"]
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "amx_tile", "amx_bf16"}
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared",
+          "-fPIC"]
+REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AMX int4 kernel")
+    library = compiled_library(_SOURCE, _FLAGS, REQUIRED_CPU_FLAGS, "the AMX int4 kernel")
     if library is None or library.int4_amx_init() != 0:  # the OS must grant the tile state
         return None
     library.int4_amx_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3

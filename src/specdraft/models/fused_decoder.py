@@ -9,7 +9,7 @@ the pass's keys and values into the model's `GrowingLayer` caches in place, so t
 take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
-MLP on the AVX-512 tile kernels, native norms, no sliding window), else returns None; it is kept on
+MLP on our tile kernels (AVX-512 BF16 or AMX), native norms, no sliding window), else returns None; it is kept on
 the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 
@@ -18,19 +18,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul
+from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, int4_amx
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear
 
 
+_INT4_KINDS = {avx512_tiles.matmul: decoder_avx512.INT4, int4_amx.matmul: decoder_avx512.INT4_AMX}
+
+
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
-    """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on AVX-512 tiles."""
+    """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on our tile kernels."""
     if isinstance(projection, StackedProjection):
         runs = []
         for matmul, packed in projection.runs:
-            if matmul is avx512_tiles.matmul and isinstance(packed, PackedInt4):
-                runs.append((decoder_avx512.INT4, packed))
+            if matmul in _INT4_KINDS and isinstance(packed, PackedInt4):
+                runs.append((_INT4_KINDS[matmul], packed))
             elif matmul is gguf_matmul.block_matmul:
                 runs.append((decoder_avx512.Q6K, packed))
             else:
@@ -38,9 +41,9 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
         return runs, projection.bias
     bias = None if projection.bias is None else projection.bias.detach().float().contiguous()
     if isinstance(projection, Int4Linear):
-        if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul is not avx512_tiles.matmul:
+        if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in _INT4_KINDS:
             return None
-        return [(decoder_avx512.INT4, projection.tiles)], bias
+        return [(_INT4_KINDS[projection.tile_matmul], projection.tiles)], bias
     if isinstance(projection, gguf_matmul.BlockLinear):
         return [(decoder_avx512.Q6K, projection.packed)], bias
     return None
@@ -51,7 +54,7 @@ def _describe(target: decoder_avx512.Projection, runs: list[tuple[int, object]],
     target.runs = len(runs)
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
-        if kind == decoder_avx512.INT4:
+        if kind != decoder_avx512.Q6K:
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0
