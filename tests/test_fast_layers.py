@@ -10,7 +10,7 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, int4_amx, layer_ops
+from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, amx_tiles, layer_ops
 from specdraft.models import causal_lm, quantize
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
@@ -198,7 +198,7 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, monkey
     fast_decoder_layers(model)
     fused = fused_decoder(model)
     assert fused is not None and len(fused.table) == 2
-    int4_kind = decoder_avx512.INT4_AMX if kernel is None and int4_amx.available() else decoder_avx512.INT4
+    int4_kind = decoder_avx512.INT4_AMX if kernel is None and amx_tiles.available() else decoder_avx512.INT4
     assert fused.table[1].qkv.run[0].kind == int4_kind
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers

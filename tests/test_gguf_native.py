@@ -14,7 +14,7 @@ from transformers import Qwen2Config
 
 from conftest import tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
-from specdraft.kernels import gguf_matmul
+from specdraft.kernels import amx_tiles, avx512_tiles, gguf_matmul
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
                                           q6k_unpack, unpack_rows)
@@ -334,23 +334,39 @@ def test_int4_kept_dense_weight_serves_wide_passes():
     assert not torch.equal(linear(narrow), dense(narrow).detach())
 
 
-@pytest.mark.skipif(not gguf_matmul.available(), reason="the Q6_K tile kernel does not run here")
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 40])
-def test_q6k_tiles_compute_the_files_weights(tokens):
+Q6K_KERNELS = [
+    pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
+                 id="amx"),
+    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU"),
+                 id="avx512"),
+]
+
+
+@pytest.mark.parametrize("kernel", Q6K_KERNELS)
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 40])
+def test_q6k_tiles_compute_the_files_weights(kernel, tokens):
     """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding,
-    and each token the same alone or in a pass."""
+    and each token the same alone or in a pass (past each kernel's pass of 8 or 16 tokens too)."""
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
     packed = gguf_matmul.pack_q6k(raw)
     assert packed.tiles.numel() == 48 * 768 * 13 // 16  # 6.5 bits a weight, as in the file
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    got = gguf_matmul.block_matmul(packed, x)  # [T, N]
+    got = kernel.q6k_matmul(packed.tiles, packed.d, x, 48)  # [T, N]
     want = x.double() @ weight.double().t()
     assert got.dtype == torch.float32 and relative_error(got.double(), want) < 1e-6
     for i in range(tokens):
-        assert torch.equal(gguf_matmul.block_matmul(packed, x[i:i + 1])[0], got[i])
+        assert torch.equal(kernel.q6k_matmul(packed.tiles, packed.d, x[i:i + 1], 48)[0], got[i])
     with pytest.raises(ValueError, match="N % 16"):
         gguf_matmul.pack_q6k(raw[:40])
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the Q6_K tile kernel does not run here")
+def test_q6k_linears_take_the_amx_kernel_where_it_runs():
+    raw = torch.from_numpy(random_q6k(16, 1, np.random.default_rng(0)))
+    packed, x = gguf_matmul.pack_q6k(raw), torch.randn(2, 256).bfloat16()
+    kernel = amx_tiles if amx_tiles.available() else avx512_tiles
+    assert torch.equal(gguf_matmul.block_matmul(packed, x), kernel.q6k_matmul(packed.tiles, packed.d, x, 16))
 
 
 # ----- 3. the tiny GGUF model ------------------------------------------------------------------------

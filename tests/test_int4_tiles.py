@@ -4,12 +4,12 @@ at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
 import pytest
 import torch
 
-from specdraft.kernels import int4_amx, avx512_tiles, int4_layout
+from specdraft.kernels import amx_tiles, avx512_tiles, int4_layout
 from specdraft.models import quantize
 from specdraft.models.quantize import Int4Linear
 
 KERNELS = [
-    pytest.param(int4_amx, marks=pytest.mark.skipif(not int4_amx.available(), reason="no AMX (or not granted) on this CPU"),
+    pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
                  id="amx"),
     pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU"),
                  id="avx512"),
@@ -86,9 +86,9 @@ def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatc
 
 
 def test_int4_linear_prefers_amx_then_avx512_then_pytorch(monkeypatch):
-    monkeypatch.setattr(int4_amx, "available", lambda: True)
-    assert quantize._tile_kernel() is int4_amx
-    monkeypatch.setattr(int4_amx, "available", lambda: False)
+    monkeypatch.setattr(amx_tiles, "available", lambda: True)
+    assert quantize._tile_kernel() is amx_tiles
+    monkeypatch.setattr(amx_tiles, "available", lambda: False)
     monkeypatch.setattr(avx512_tiles, "available", lambda: True)
     assert quantize._tile_kernel() is avx512_tiles
     monkeypatch.setattr(avx512_tiles, "available", lambda: False)

@@ -32,7 +32,7 @@ def q6k_case(tokens: int):
     packed = gguf_matmul.pack_q6k(torch.from_numpy(raw))
     weight = dequantize(raw, "Q6_K", (48, 512))  # [N, K]
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    return (lambda inputs: gguf_matmul.block_matmul(packed, inputs)), x, x.double() @ weight.double().T
+    return (lambda inputs: avx512_tiles.q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
 
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])

@@ -8,7 +8,7 @@
  * How: a tile holds 16 output rows x 32 inputs. Its codes become the bf16 numbers 128 + q by
  * integer ops alone (bits 0x4300 | q), as vectors that each hold one input pair (2r, 2r + 1) of
  * the 16 rows: what `vdpbf16ps` multiplies with a broadcast pair of x (and AMX's B tile rows:
- * `int4_amx.c` shares the 4-bit layout, see `int4_layout.py`). A tile is unpacked once per pass
+ * `amx_tiles.c` shares the 4-bit layout, see `int4_layout.py`). A tile is unpacked once per pass
  * of up to MAX_TOKENS tokens and then costs one dot-product instruction per 32 weights per token.
  * The scales are applied per group in float32 with S = Σ x over the group:
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += s ⊙ C − (136 s − z) ⊙ S
@@ -35,8 +35,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "bf16_vectors.h"
 #include <stdlib.h>
+
+#include "bf16_vectors.h"
+#include "tile_unpack.h"
 
 #define GROUP 32
 #define SUB 16
@@ -45,31 +47,6 @@
 #define Q6_TILE_BYTES 416
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
 
-/* 64 bytes of nibbles -> the code pairs of four pair vectors as bytes: `pairs[0]` holds those of
- * pairs 4·chunk and 4·chunk + 1 of a tile, `pairs[1]` of 4·chunk + 2 and 4·chunk + 3. */
-static inline __attribute__((always_inline)) void nibble_pairs(const uint8_t *bytes, __m512i pairs[2]) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512i v = _mm512_loadu_si512((const void *)bytes);
-    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    pairs[0] = _mm512_unpacklo_epi8(lo, hi);
-    pairs[1] = _mm512_unpackhi_epi8(lo, hi);
-}
-
-/* Code bytes (q < 128) -> four vectors of bf16 (128 + q) pairs: dword lane c = (w'[c][2r], w'[c][2r + 1]). */
-static inline __attribute__((always_inline)) void bf16_pair_rows(const __m512i pairs[2], __m512i rows[4]) {
-    const __m512i exponent = _mm512_set1_epi8(0x43);
-    rows[0] = _mm512_unpacklo_epi8(pairs[0], exponent);
-    rows[1] = _mm512_unpackhi_epi8(pairs[0], exponent);
-    rows[2] = _mm512_unpacklo_epi8(pairs[1], exponent);
-    rows[3] = _mm512_unpackhi_epi8(pairs[1], exponent);
-}
-
-/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a 4-bit tile, from its 64 bytes. */
-static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *bytes, __m512i rows[4]) {
-    __m512i pairs[2];
-    nibble_pairs(bytes, pairs);
-    bf16_pair_rows(pairs, rows);
-}
 /* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
 /* Fetch every line of the tile PREFETCH_BYTES ahead of `tile`. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes) {
@@ -151,31 +128,6 @@ void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint1
 }
 
 /* ----- Q6_K tiles ----------------------------------------------------------------------------- */
-/* The 6-bit code bytes of pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile, as `nibble_pairs` lays them out. */
-static inline __attribute__((always_inline)) void q6_code_pairs(const uint8_t *tile, int chunk, __m512i pairs[2]) {
-    const __m512i top = _mm512_set1_epi8(0x30);
-    const __m512i shift_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* left */
-    const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);  /* right */
-    nibble_pairs(tile + chunk * 64, pairs);
-    __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32)));
-    /* (A & B) | C = ternary logic 0xEA: OR the high bits, moved to bits 4-5, into the low nibbles */
-    pairs[0] = _mm512_ternarylogic_epi32(_mm512_sllv_epi16(high, shift_a), top, pairs[0], 0xEA);
-    pairs[1] = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, shift_b), top, pairs[1], 0xEA);
-}
-
-/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
-static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, __m512i rows[4]) {
-    __m512i pairs[2];
-    q6_code_pairs(tile, chunk, pairs);
-    bf16_pair_rows(pairs, rows);
-}
-
-/* The 16 rows' scales s = d·sc of sub-block `sub` of a tile. */
-static inline __m512 q6_scales(const uint8_t *tile, const float *d, int sub) {
-    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tile + 384 + sub * 16))));
-    return _mm512_mul_ps(sc, _mm512_loadu_ps(d));
-}
-
 /* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
 static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const uint16_t *x,
                                                           const float *sums, int64_t K, int64_t groups, int tokens,

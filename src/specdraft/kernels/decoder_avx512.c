@@ -27,7 +27,7 @@
 #include "layer_ops.c"
 #include "attention_avx512.c"
 #ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit runs may name the AMX kernel */
-#include "int4_amx.c"
+#include "amx_tiles.c"
 #endif
 
 #define MAX_RUNS 3
@@ -35,7 +35,7 @@
 /* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
 typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
-                             2: 4-bit tiles on AMX (`int4_amx.c`, in the WITH_AMX build only) */
+                             2, 3: 4-bit, Q6_K tiles on AMX (`amx_tiles.c`, in the WITH_AMX build only) */
     const uint8_t *tiles;
     const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */
@@ -89,7 +89,7 @@ static void project(const Projection *p, const uint16_t *x, float *y, int64_t to
     for (int64_t i = 0; i < p->runs; i++) {
         const Run *run = &p->run[i];
 #ifdef WITH_AMX
-        const int64_t width = run->kind == 2 ? AMX_TOKENS : MAX_TOKENS;
+        const int64_t width = run->kind >= 2 ? AMX_TOKENS : MAX_TOKENS;
 #else
         const int64_t width = MAX_TOKENS;
 #endif
@@ -101,8 +101,10 @@ static void project(const Projection *p, const uint16_t *x, float *y, int64_t to
             else if (run->kind == 1)
                 q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
 #ifdef WITH_AMX
-            else
+            else if (run->kind == 2)
                 int4_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+            else
+                q6k_amx_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
 #endif
         }
         column += run->rows;

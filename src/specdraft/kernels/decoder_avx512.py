@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import int4_amx
+from specdraft.kernels import amx_tiles
 from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("decoder_avx512.c")
@@ -21,7 +21,7 @@ _AMX_FLAGS = ["-DWITH_AMX", "-mamx-tile", "-mamx-bf16"]  # the build that may ru
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in attention_avx512.c)
-INT4, Q6K, INT4_AMX = 0, 1, 2  # run kinds (INT4_AMX only where `int4_amx.available()`)
+INT4, Q6K, INT4_AMX, Q6K_AMX = 0, 1, 2, 3  # run kinds (the AMX ones only where `amx_tiles.available()`)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -47,8 +47,8 @@ class Layer(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if int4_amx.available():  # the tile state is granted: the AMX build runs 4-bit projections on AMX
-        library = compiled_library(_SOURCE, _FLAGS + _AMX_FLAGS, _REQUIRED_CPU_FLAGS | int4_amx.REQUIRED_CPU_FLAGS,
+    if amx_tiles.available():  # the tile state is granted: the AMX build runs projections on AMX
+        library = compiled_library(_SOURCE, _FLAGS + _AMX_FLAGS, _REQUIRED_CPU_FLAGS | amx_tiles.REQUIRED_CPU_FLAGS,
                                    "the AVX-512 decoder layers with AMX")
     else:
         library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 decoder layers")

@@ -1,4 +1,5 @@
-"""Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for `avx512_tiles.c`.
+"""Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for `amx_tiles.c` (where the CPU
+grants AMX) or `avx512_tiles.c`.
 
 PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for Q6_K's 6-bit
 codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdraft.kernels import avx512_tiles
+from specdraft.kernels import amx_tiles, avx512_tiles
 from specdraft.kernels.int4_layout import nibble_tiles
 from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES, QK_K
 
@@ -26,8 +27,8 @@ _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries
 
 
 def available() -> bool:
-    """Whether the Q6_K tile kernel runs on this machine."""
-    return avx512_tiles.available()
+    """Whether a Q6_K tile kernel runs on this machine."""
+    return amx_tiles.available() or avx512_tiles.available()
 
 
 @lru_cache(maxsize=1)
@@ -63,7 +64,7 @@ class PackedQ6K:
 
 
 def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
-    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for `avx512_tiles.q6k_matmul`, without rounding.
+    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for the Q6_K kernels, without rounding.
 
     `raw` is only sliced by rows, 4096 at a time: a loader may pass an object with `shape`, `dtype`
     and row slicing that reads each slice from the file, so the raw matrix is never whole in memory.
@@ -105,7 +106,8 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
-    return avx512_tiles.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
+    kernel = amx_tiles if amx_tiles.available() else avx512_tiles  # one kernel for every pass on a machine
+    return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 
 class BlockLinear(nn.Module):

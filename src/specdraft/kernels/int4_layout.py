@@ -1,4 +1,4 @@
-"""The packed 4-bit layout shared by the tile kernels (`int4_amx.c`, `avx512_tiles.c`).
+"""The packed 4-bit layout shared by the tile kernels (`amx_tiles.c`, `avx512_tiles.c`).
 
 For each block of 16 output rows and group g of 32 inputs, 256 bytes: the code pair
 (q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is one byte, low nibble first, at

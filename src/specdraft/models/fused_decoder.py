@@ -18,13 +18,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, int4_amx
+from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, amx_tiles
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear
 
 
-_INT4_KINDS = {avx512_tiles.matmul: decoder_avx512.INT4, int4_amx.matmul: decoder_avx512.INT4_AMX}
+_INT4_KINDS = {avx512_tiles.matmul: decoder_avx512.INT4, amx_tiles.matmul: decoder_avx512.INT4_AMX}
+
+
+def _q6k_kind() -> int:
+    """The run kind of Q6_K matrices: the kernel `gguf_matmul.block_matmul` runs them on here."""
+    return decoder_avx512.Q6K_AMX if amx_tiles.available() else decoder_avx512.Q6K
 
 
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
@@ -35,7 +40,7 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
             if matmul in _INT4_KINDS and isinstance(packed, PackedInt4):
                 runs.append((_INT4_KINDS[matmul], packed))
             elif matmul is gguf_matmul.block_matmul:
-                runs.append((decoder_avx512.Q6K, packed))
+                runs.append((_q6k_kind(), packed))
             else:
                 return None
         return runs, projection.bias
@@ -45,7 +50,7 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
             return None
         return [(_INT4_KINDS[projection.tile_matmul], projection.tiles)], bias
     if isinstance(projection, gguf_matmul.BlockLinear):
-        return [(decoder_avx512.Q6K, projection.packed)], bias
+        return [(_q6k_kind(), projection.packed)], bias
     return None
 
 
@@ -54,7 +59,7 @@ def _describe(target: decoder_avx512.Projection, runs: list[tuple[int, object]],
     target.runs = len(runs)
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
-        if kind != decoder_avx512.Q6K:
+        if kind in (decoder_avx512.INT4, decoder_avx512.INT4_AMX):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0

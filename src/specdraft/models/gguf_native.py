@@ -1,7 +1,7 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
 - Q4_K linears run with the file's own scales and mins (`Int4Linear.from_affine`) on our AMX
-  kernel (`kernels/int4_amx.c`) where the CPU grants AMX, else on our AVX-512 BF16 kernel
+  kernel (`kernels/amx_tiles.c`) where the CPU grants AMX, else on our AVX-512 BF16 kernel
   (`kernels/avx512_tiles.c`), else on PyTorch's CPU int4 kernel: exact up to bf16 rounding of
   each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the

@@ -1,4 +1,4 @@
-"""Weight-only int4 linears on our tile kernels: AMX where the CPU grants it (`kernels/int4_amx`),
+"""Weight-only int4 linears on our tile kernels: AMX where the CPU grants it (`kernels/amx_tiles`),
 else AVX-512 BF16 (`kernels/avx512_tiles`), else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import avx512_tiles, int4_amx
+from specdraft.kernels import avx512_tiles, amx_tiles
 from specdraft.kernels.int4_layout import fits, pack
 
 _INNER_K_TILES = 2
@@ -30,8 +30,8 @@ PASS_WIDTH = 8
 
 
 def _tile_kernel():
-    """The fastest tile kernel module that runs here (`int4_amx`, `avx512_tiles`), or None."""
-    return next((kernel for kernel in (int4_amx, avx512_tiles) if kernel.available()), None)
+    """The fastest tile kernel module that runs here (`amx_tiles`, `avx512_tiles`), or None."""
+    return next((kernel for kernel in (amx_tiles, avx512_tiles) if kernel.available()), None)
 
 
 def int4_kernel_available() -> bool:
