@@ -5,6 +5,7 @@ import torch
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder, check_compatible, load_model
 from specdraft.exactness import compare_greedy
+from specdraft.kernels import attention_avx512
 from specdraft.models import registry
 from specdraft.text import encode_prompt
 
@@ -119,10 +120,18 @@ def test_greedy_free_drafters_equal_ar(pair, name):
     assert spec.stats.accepted > 0 and spec.stats.steps < ar.stats.steps
 
 
-@pytest.mark.parametrize("name,prompt", [("model", PROMPTS[0]), ("model", PROMPTS[1]), ("suffix", REWRITE_PROMPT)])
+DANCE_PROMPT = (  # Spec-Bench question 402: trees parted from `ar` at token 37 when hidden keys shifted the exp sum
+    "Hallie had dance practice for 1 hour on Tuesdays and 2 hours on Thursdays.  On Saturdays, she had dance "
+    "practice that lasted twice as long as Tuesday's night class.  How many hours a week did she have dance practice?"
+)
+
+
+@pytest.mark.parametrize("name,prompt", [("model", PROMPTS[0]), ("model", PROMPTS[1]), ("model", DANCE_PROMPT),
+                                         ("suffix", REWRITE_PROMPT)])
 def test_greedy_trees_equal_ar(pair, name, prompt):
     """Tree drafts on the real target (tree attention through the model's own attention, the accepted
-    path kept in both caches): exact, and deeper per step than a chain of the same depth."""
+    path kept in both caches): exact, and deeper per step than a chain of the same depth. With our attention
+    kernel a tree node gets the bits of plain decoding, so the outputs are identical, not just near-tie equal."""
     from specdraft.drafters import make_drafter
     from specdraft.models.loading import prepare_draft
 
@@ -133,6 +142,8 @@ def test_greedy_trees_equal_ar(pair, name, prompt):
     spec = SpeculativeDecoder(target, drafter, k=6, tree_budget=12, tree_branch=3).generate(ids, max_new_tokens=64)
     verdict = compare_greedy(target, ids, ar.token_ids, spec.token_ids)
     assert verdict.acceptable, verdict
+    if attention_avx512.available():
+        assert spec.token_ids == ar.token_ids
     assert spec.stats.steps < ar.stats.steps
     if name == "model":  # some accepted path left the first-listed line of the tree
         assert any(path != list(range(len(path))) for path in spec.stats.path_per_step)

@@ -10,7 +10,13 @@
  * additive float32 mask; the softmax uses the row's maximum and a polynomial exp (relative
  * error about 2e-7); the output is Σ p v accumulated in float32, divided by Σ p once, rounded
  * to bf16 (nearest even). Each item is computed alone, in an order that does not depend on the
- * number of queries, so a verify pass agrees bit for bit with one-token decoding.
+ * number of queries, so a verify pass agrees bit for bit with one-token decoding. Keys that the
+ * mask hides (an additive value of -1e30 or less: -inf, or transformers' float minimum) are
+ * skipped, not given zero weight: the visible keys are summed in their own order at the same
+ * vector lanes as in a causal pass, so a tree node that sees the cache and its ancestors agrees bit
+ * for bit with the same token decoded after them (its ancestors sit at other cache rows; summed
+ * with zeros between them, the exp sum fell on other lanes and parted from a chain's in the last
+ * bits, which turned greedy choices at near-ties).
  *
  * Layouts: q [heads][T][d] contiguous; k and v: rows of d contiguous, `kv_stride` elements
  * between heads (a cache cut back in place keeps its capacity); mask [T][S] or NULL; out
@@ -29,21 +35,30 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return exp_reduced(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)));
 }
 
+#define HIDDEN_BELOW (-1e30f)  /* mask values at or below this hide a key */
+
+/* scores [keys + 16] and rows [keys]: scratch. */
 static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
-                       int64_t keys, int64_t dim, float scaling, float *scores) {
+                       int64_t keys, int64_t dim, float scaling, float *scores, int32_t *rows) {
     const int64_t chunks = dim / 32;
     __m512i qv[MAX_DIM / 32];
     for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_loadu_si512((const void *)(q + 32 * c));
     float best = -__builtin_inff();
+    int skip_hidden = 0;  /* a row that sees no key keeps them all (uniform weights, as PyTorch's path) */
+    for (int64_t s = 0; mask && s < keys && !skip_hidden; s++) skip_hidden = mask[s] > HIDDEN_BELOW;
+    int64_t visible = 0;  /* the keys that count, their rows in `rows` and scores in `scores`, in order */
     for (int64_t s = 0; s < keys; s++) {
+        if (skip_hidden && mask[s] <= HIDDEN_BELOW) continue;
         const uint16_t *row = k + s * dim;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < chunks; c++)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512((const void *)(row + 32 * c)));
         float score = _mm512_reduce_add_ps(acc) * scaling + (mask ? mask[s] : 0.0f);
-        scores[s] = score;
+        scores[visible] = score;
+        rows[visible++] = (int32_t)s;
         best = score > best ? score : best;
     }
+    keys = visible;
     const __m512 top = _mm512_set1_ps(best);
     __m512 total = _mm512_setzero_ps();
     int64_t s = 0;
@@ -65,7 +80,7 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
     for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < keys; j++) {
         const __m512 p = _mm512_set1_ps(scores[j]);
-        const uint16_t *row = v + j * dim;
+        const uint16_t *row = v + (int64_t)rows[j] * dim;
         for (int64_t c = 0; c < lanes; c++) acc[c] = _mm512_fmadd_ps(p, bf16x16_to_ps(row + 16 * c), acc[c]);
     }
     const __m512 scale = _mm512_set1_ps(inverse);
@@ -80,12 +95,14 @@ void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(keys + 16));
+        int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)keys);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < heads * tokens; item++) {
             const int64_t h = item / tokens, t = item % tokens, kv = h / groups;
             attend_one(q + (h * tokens + t) * dim, k + kv * kv_stride, v + kv * kv_stride,
-                       mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, scores);
+                       mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, scores, rows);
         }
         free(scores);
+        free(rows);
     }
 }

@@ -155,15 +155,17 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
 #pragma omp parallel
         {
             float *scores = malloc(sizeof(float) * (size_t)(total + 16));
+            int32_t *rows = malloc(sizeof(int32_t) * (size_t)total);
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < heads * tokens; item++) {
                 const int64_t h = item / tokens, t = item % tokens, kv = h / groups;
                 attend_one(qkv + t * qkv_size + h * head_dim, layer->keys + kv * layer->capacity * head_dim,
                            layer->values + kv * layer->capacity * head_dim, mask ? mask + t * total : NULL,
                            attended + (t * heads + h) * head_dim, mask ? total : cache_len + t + 1, head_dim, scaling,
-                           scores);
+                           scores, rows);
             }
             free(scores);
+            free(rows);
         }
         project(&layer->o, attended, projected, tokens, q_size, hidden_size);
         add_residual(hidden, projected, tokens * hidden_size);
