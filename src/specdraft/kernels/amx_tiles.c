@@ -16,7 +16,7 @@
  *   each, since every sub-block has its own scale):
  *       y += s ⊙ C − 160 s ⊙ S,  s = d·sc
  * which is x · W up to float32 rounding; x is the model's bf16 activations. The next tile is
- * built while the tile unit multiplies, and the previous result is scaled meanwhile.
+ * built while the tile unit multiplies; results are stored a step later and scaled a step after that.
  *
  * Each token's result does not depend on the other tokens of the pass: the same tile products
  * and the same float32 order for 1 or 16 tokens, so a verify pass agrees with one-token decoding.
@@ -36,6 +36,9 @@
 #define GROUP 32
 #define SUB 16
 #define Q6_TILE_BYTES 416
+#ifndef AMX_PREFETCH_BYTES
+#define AMX_PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
+#endif
 
 typedef struct {
     uint8_t palette_id;
@@ -50,13 +53,16 @@ int amx_tiles_init(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
-/* Tile 0: A, tokens x `inputs` bf16; tile 1: B, inputs / 2 pairs x 16 outputs; tiles 2 and 3: C, tokens x 16 float32. */
+/* Tiles 0 and 4: A, tokens x `inputs` bf16; 1 and 5: B, inputs / 2 pairs x 16 outputs; 2 and 3: C, tokens x 16
+ * float32 (two of each, for even and odd steps). */
 static void configure_tiles(int tokens, int inputs) {
     tile_config config;
     memset(&config, 0, sizeof(config));
     config.palette_id = 1;
-    config.rows[0] = (uint8_t)tokens; config.colsb[0] = (uint16_t)(inputs * 2);
-    config.rows[1] = (uint8_t)(inputs / 2); config.colsb[1] = 64;
+    for (int a = 0; a <= 4; a += 4) {
+        config.rows[a] = (uint8_t)tokens; config.colsb[a] = (uint16_t)(inputs * 2);
+        config.rows[a + 1] = (uint8_t)(inputs / 2); config.colsb[a + 1] = 64;
+    }
     config.rows[2] = (uint8_t)tokens; config.colsb[2] = 64;
     config.rows[3] = (uint8_t)tokens; config.colsb[3] = 64;
     _tile_loadconfig(&config);
@@ -69,7 +75,7 @@ static inline __attribute__((always_inline)) void store_rows(uint16_t *b_rows, c
 
 /* The 4-bit B tile (16 pairs x 16 outputs) of a group, from its 256 bytes. */
 static inline __attribute__((always_inline)) void int4_b_tile(const uint8_t *tile, uint16_t *b_tile) {
-    _mm_prefetch((const char *)(tile + 1024), _MM_HINT_T0);
+    for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
     for (int chunk = 0; chunk < 4; chunk++) {
         __m512i rows[4];
         unpack_pairs(tile + chunk * 64, rows);
@@ -80,7 +86,7 @@ static inline __attribute__((always_inline)) void int4_b_tile(const uint8_t *til
 /* The Q6_K B tile (8 pairs x 16 outputs) of sub-block `sub` (0, 1) of a tile. */
 static inline __attribute__((always_inline)) void q6_b_tile(const uint8_t *tile, int sub, uint16_t *b_tile) {
     if (sub == 0)
-        for (int line = 0; line < Q6_TILE_BYTES; line += 64) _mm_prefetch((const char *)(tile + 4 * Q6_TILE_BYTES + line), _MM_HINT_T0);
+        for (int line = 0; line < Q6_TILE_BYTES; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
     for (int half = 0; half < 2; half++) {
         __m512i rows[4];
         q6_unpack_pairs(tile, 2 * sub + half, rows);
@@ -108,16 +114,24 @@ static void input_sums(const uint16_t *x, int64_t K, int tokens, int width, floa
         }
 }
 
-/* One multiply step of a block, unrolled by two so that the C tile register is a constant: build the next
- * B tile, multiply this one into C, scale the previous step's C (PREVIOUS), then store this one. */
-#define AMX_STEP(I, C_TILE, BUILD_NEXT, PREVIOUS, LDA, X_OFFSET)                          \
-    if ((I) + 1 < steps) BUILD_NEXT((I) + 1, b_tiles[((I) + 1) & 1]);                   \
-    _tile_loadd(1, b_tiles[(I) & 1], 64);                                                \
-    _tile_loadd(0, x + (X_OFFSET), LDA);                                                 \
-    _tile_zero(C_TILE);                                                                  \
-    _tile_dpbf16ps(C_TILE, 0, 1);                                                        \
-    if ((I) > 0) PREVIOUS((I) - 1);                                                      \
-    _tile_stored(C_TILE, c_tiles[(I) & 1], 64);
+/* One multiply step of a block, unrolled by two so that the tile registers are constants (even steps: A 0,
+ * B 1, C 2; odd: A 4, B 5, C 3): build the next B tile, multiply this one into C, then store the previous
+ * step's C (its multiply has had this step's work to finish in) and scale the one before it (stored a step
+ * ago). Storing a C right after its own multiply stalled on the multiply's latency every step. */
+#define AMX_STEP(I, A_TILE, B_TILE, C_TILE, PREVIOUS_C_TILE, BUILD_NEXT, SCALE, LDA, X_OFFSET) \
+    if ((I) + 1 < steps) BUILD_NEXT((I) + 1, b_tiles[((I) + 1) & 1]);                      \
+    _tile_loadd(B_TILE, b_tiles[(I) & 1], 64);                                              \
+    _tile_loadd(A_TILE, x + (X_OFFSET), LDA);                                               \
+    _tile_zero(C_TILE);                                                                     \
+    _tile_dpbf16ps(C_TILE, A_TILE, B_TILE);                                                 \
+    if ((I) > 0) _tile_stored(PREVIOUS_C_TILE, c_tiles[((I) - 1) & 1], 64);                 \
+    if ((I) > 1) SCALE((I) - 2);
+
+/* After the last (odd) step: store its C, scale the last two. */
+#define AMX_FINISH(SCALE)                                   \
+    _tile_stored(3, c_tiles[(steps - 1) & 1], 64);          \
+    SCALE(steps - 2)                                        \
+    SCALE(steps - 1)
 
 /* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles; tokens <= AMX_TOKENS, K % 64 == 0. */
 static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
@@ -129,14 +143,19 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
     {
         configure_tiles(tokens, GROUP);
         __attribute__((aligned(64))) uint16_t b_tiles[2][16 * 32];  /* B is built one group ahead */
-        __attribute__((aligned(64))) float c_tiles[2][AMX_TOKENS * 16];  /* C is scaled one group behind */
+        __attribute__((aligned(64))) float c_tiles[2][AMX_TOKENS * 16];  /* C is stored a step behind, scaled two behind */
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
             __m512 acc[AMX_TOKENS];
             for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
             const uint8_t *codes = tiles + nb * steps * 256;
             const uint16_t *block_scale = scale + nb * steps * 16, *block_zero = zero + nb * steps * 16;
-#define BUILD(G, B_TILE) int4_b_tile(codes + (G) * 256, B_TILE)
+#define BUILD(G, B_TILE)                                                                                          \
+    {                                                                                                             \
+        int4_b_tile(codes + (G) * 256, B_TILE);                                                                   \
+        _mm_prefetch((const char *)(block_scale + (G) * 16 + AMX_PREFETCH_BYTES / 8), _MM_HINT_T0);               \
+        _mm_prefetch((const char *)(block_zero + (G) * 16 + AMX_PREFETCH_BYTES / 8), _MM_HINT_T0);                \
+    }
 #define SCALE(G)                                                                                                  \
     {                                                                                                             \
         const __m512 s = bf16x16_to_ps(block_scale + (G) * 16), z = bf16x16_to_ps(block_zero + (G) * 16);        \
@@ -144,10 +163,10 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
     }
             BUILD(0, b_tiles[0]);
             for (int64_t g = 0; g < steps; g += 2) {  /* steps is even (K % 64) */
-                AMX_STEP(g, 2, BUILD, SCALE, K * 2, g * GROUP)
-                AMX_STEP(g + 1, 3, BUILD, SCALE, K * 2, (g + 1) * GROUP)
+                AMX_STEP(g, 0, 1, 2, 3, BUILD, SCALE, K * 2, g * GROUP)
+                AMX_STEP(g + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (g + 1) * GROUP)
             }
-            SCALE(steps - 1)
+            AMX_FINISH(SCALE)
 #undef BUILD
 #undef SCALE
             for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy + nb * 16, acc[t]);
@@ -181,10 +200,10 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
     }
             BUILD(0, b_tiles[0]);
             for (int64_t b = 0; b < steps; b += 2) {
-                AMX_STEP(b, 2, BUILD, SCALE, K * 2, b * SUB)
-                AMX_STEP(b + 1, 3, BUILD, SCALE, K * 2, (b + 1) * SUB)
+                AMX_STEP(b, 0, 1, 2, 3, BUILD, SCALE, K * 2, b * SUB)
+                AMX_STEP(b + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (b + 1) * SUB)
             }
-            SCALE(steps - 1)
+            AMX_FINISH(SCALE)
 #undef BUILD
 #undef SCALE
             for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy + nb * 16, acc[t]);
@@ -193,6 +212,7 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
     }
 }
 #undef AMX_STEP
+#undef AMX_FINISH
 
 void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
