@@ -114,13 +114,17 @@ static void input_sums(const uint16_t *x, int64_t K, int tokens, int width, floa
         }
 }
 
+#define B_AHEAD 2  /* B tiles are built this many steps before their multiply: a tile load of bytes still in the
+                    * store buffer waits for them to reach the cache (built one step ahead, the multiplies stalled) */
+#define B_RING 4   /* B tile buffers: B_AHEAD + 1 rounded up to a power of two */
+
 /* One multiply step of a block, unrolled by two so that the tile registers are constants (even steps: A 0,
  * B 1, C 2; odd: A 4, B 5, C 3): build the next B tile, multiply this one into C, then store the previous
  * step's C (its multiply has had this step's work to finish in) and scale the one before it (stored a step
  * ago). Storing a C right after its own multiply stalled on the multiply's latency every step. */
 #define AMX_STEP(I, A_TILE, B_TILE, C_TILE, PREVIOUS_C_TILE, BUILD_NEXT, SCALE, LDA, X_OFFSET) \
-    if ((I) + 1 < steps) BUILD_NEXT((I) + 1, b_tiles[((I) + 1) & 1]);                      \
-    _tile_loadd(B_TILE, b_tiles[(I) & 1], 64);                                              \
+    if ((I) + B_AHEAD < steps) BUILD_NEXT((I) + B_AHEAD, b_tiles[((I) + B_AHEAD) % B_RING]);  \
+    _tile_loadd(B_TILE, b_tiles[(I) % B_RING], 64);                                         \
     _tile_loadd(A_TILE, x + (X_OFFSET), LDA);                                               \
     _tile_zero(C_TILE);                                                                     \
     _tile_dpbf16ps(C_TILE, A_TILE, B_TILE);                                                 \
@@ -142,7 +146,7 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
 #pragma omp parallel
     {
         configure_tiles(tokens, GROUP);
-        __attribute__((aligned(64))) uint16_t b_tiles[2][16 * 32];  /* B is built one group ahead */
+        __attribute__((aligned(64))) uint16_t b_tiles[B_RING][16 * 32];  /* B is built B_AHEAD groups ahead */
         __attribute__((aligned(64))) float c_tiles[2][AMX_TOKENS * 16];  /* C is stored a step behind, scaled two behind */
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
@@ -161,7 +165,7 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
         const __m512 s = bf16x16_to_ps(block_scale + (G) * 16), z = bf16x16_to_ps(block_zero + (G) * 16);        \
         scale_into(c_tiles[(G) & 1], s, _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z), sums + (G), steps, tokens, acc); \
     }
-            BUILD(0, b_tiles[0]);
+            for (int64_t g = 0; g < B_AHEAD; g++) BUILD(g, b_tiles[g]);
             for (int64_t g = 0; g < steps; g += 2) {  /* steps is even (K % 64) */
                 AMX_STEP(g, 0, 1, 2, 3, BUILD, SCALE, K * 2, g * GROUP)
                 AMX_STEP(g + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (g + 1) * GROUP)
@@ -184,7 +188,7 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
 #pragma omp parallel
     {
         configure_tiles(tokens, SUB);
-        __attribute__((aligned(64))) uint16_t b_tiles[2][8 * 32];
+        __attribute__((aligned(64))) uint16_t b_tiles[B_RING][8 * 32];
         __attribute__((aligned(64))) float c_tiles[2][AMX_TOKENS * 16];
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
@@ -198,7 +202,7 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
         const __m512 s = q6_scales(block + ((B) / 2) * Q6_TILE_BYTES, block_d + ((B) / 16) * 16, (int)((B) % 2)); \
         scale_into(c_tiles[(B) & 1], s, _mm512_mul_ps(s, _mm512_set1_ps(160.0f)), sums + (B), steps, tokens, acc); \
     }
-            BUILD(0, b_tiles[0]);
+            for (int64_t b = 0; b < B_AHEAD; b++) BUILD(b, b_tiles[b]);
             for (int64_t b = 0; b < steps; b += 2) {
                 AMX_STEP(b, 0, 1, 2, 3, BUILD, SCALE, K * 2, b * SUB)
                 AMX_STEP(b + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (b + 1) * SUB)
