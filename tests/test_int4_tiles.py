@@ -31,9 +31,10 @@ def affine_matrix(n: int, k: int, seed: int = 0):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 40])
-def test_matches_the_dequantized_weight(kernel, tokens):
-    codes, scale, minimum, weight = affine_matrix(96, 256)
-    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
+@pytest.mark.parametrize("inputs", [64, 192, 256])  # groups of 32: 2, 6, 8 (the AMX kernel unrolls by 4, then 2)
+def test_matches_the_dequantized_weight(kernel, tokens, inputs):
+    codes, scale, minimum, weight = affine_matrix(96, inputs)
+    x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     out = kernel.matmul(int4_layout.pack(codes, scale, minimum), x)  # [T, N]
     expected = x.double() @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)

@@ -53,8 +53,8 @@ int amx_tiles_init(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
 
-/* Tiles 0 and 4: A, tokens x `inputs` bf16; 1 and 5: B, inputs / 2 pairs x 16 outputs; 2 and 3: C, tokens x 16
- * float32 (two of each, for even and odd steps). */
+/* Tiles 0 and 4: A, tokens x `inputs` bf16; 1 and 5: B, inputs / 2 pairs x 16 outputs (for even and odd steps);
+ * 2, 3, 6 and 7: C, tokens x 16 float32 (in turn). */
 static void configure_tiles(int tokens, int inputs) {
     tile_config config;
     memset(&config, 0, sizeof(config));
@@ -63,8 +63,9 @@ static void configure_tiles(int tokens, int inputs) {
         config.rows[a] = (uint8_t)tokens; config.colsb[a] = (uint16_t)(inputs * 2);
         config.rows[a + 1] = (uint8_t)(inputs / 2); config.colsb[a + 1] = 64;
     }
-    config.rows[2] = (uint8_t)tokens; config.colsb[2] = 64;
-    config.rows[3] = (uint8_t)tokens; config.colsb[3] = 64;
+    for (int c = 2; c <= 7; c += (c == 3 ? 3 : 1)) {  /* 2, 3, 6, 7 */
+        config.rows[c] = (uint8_t)tokens; config.colsb[c] = 64;
+    }
     _tile_loadconfig(&config);
 }
 
@@ -118,23 +119,38 @@ static void input_sums(const uint16_t *x, int64_t K, int tokens, int width, floa
                     * store buffer waits for them to reach the cache (built one step ahead, the multiplies stalled) */
 #define B_RING 4   /* B tile buffers: B_AHEAD + 1 rounded up to a power of two */
 
-/* One multiply step of a block, unrolled by two so that the tile registers are constants (even steps: A 0,
- * B 1, C 2; odd: A 4, B 5, C 3): build the next B tile, multiply this one into C, then store the previous
+/* One multiply step of a block, its tile registers constants (unrolled: A and B 0 and 1 on even steps, 4 and 5
+ * on odd ones; C 2, 3, 6, 7 in turn): build a later B tile, multiply this one into C, then store the previous
  * step's C (its multiply has had this step's work to finish in) and scale the one before it (stored a step
- * ago). Storing a C right after its own multiply stalled on the multiply's latency every step. */
-#define AMX_STEP(I, A_TILE, B_TILE, C_TILE, PREVIOUS_C_TILE, BUILD_NEXT, SCALE, LDA, X_OFFSET) \
-    if ((I) + B_AHEAD < steps) BUILD_NEXT((I) + B_AHEAD, b_tiles[((I) + B_AHEAD) % B_RING]);  \
+ * ago). Storing a C right after its own multiply stalled on the multiply's latency every step, and so did
+ * zeroing a C register stored only a step before (two C registers; now four). */
+#define AMX_STEP(I, A_TILE, B_TILE, C_TILE, PREVIOUS_C_TILE, WIDTH)                          \
+    if ((I) + B_AHEAD < steps) BUILD((I) + B_AHEAD, b_tiles[((I) + B_AHEAD) % B_RING]);      \
     _tile_loadd(B_TILE, b_tiles[(I) % B_RING], 64);                                         \
-    _tile_loadd(A_TILE, x + (X_OFFSET), LDA);                                               \
+    _tile_loadd(A_TILE, x + (I) * (WIDTH), K * 2);                                          \
     _tile_zero(C_TILE);                                                                     \
     _tile_dpbf16ps(C_TILE, A_TILE, B_TILE);                                                 \
     if ((I) > 0) _tile_stored(PREVIOUS_C_TILE, c_tiles[((I) - 1) & 1], 64);                 \
     if ((I) > 1) SCALE((I) - 2);
 
-/* After the last (odd) step: store its C, scale the last two. */
-#define AMX_FINISH(SCALE)                                   \
-    _tile_stored(3, c_tiles[(steps - 1) & 1], 64);          \
-    SCALE(steps - 2)                                        \
+/* Every step of a block (steps even), with the kernel's BUILD(step, buffer) and SCALE(step); WIDTH inputs a step. */
+#define AMX_ALL_STEPS(WIDTH)                                                                \
+    for (int64_t step = 0; step < B_AHEAD; step++) BUILD(step, b_tiles[step]);              \
+    int64_t step = 0;                                                                       \
+    for (; step + 4 <= steps; step += 4) {                                                  \
+        AMX_STEP(step, 0, 1, 2, 7, WIDTH)                                                   \
+        AMX_STEP(step + 1, 4, 5, 3, 2, WIDTH)                                               \
+        AMX_STEP(step + 2, 0, 1, 6, 3, WIDTH)                                               \
+        AMX_STEP(step + 3, 4, 5, 7, 6, WIDTH)                                               \
+    }                                                                                       \
+    if (step < steps) { /* two steps left */                                                \
+        AMX_STEP(step, 0, 1, 2, 7, WIDTH)                                                   \
+        AMX_STEP(step + 1, 4, 5, 3, 2, WIDTH)                                               \
+        _tile_stored(3, c_tiles[(steps - 1) & 1], 64);                                      \
+    } else {                                                                                \
+        _tile_stored(7, c_tiles[(steps - 1) & 1], 64);                                      \
+    }                                                                                       \
+    SCALE(steps - 2)                                                                        \
     SCALE(steps - 1)
 
 /* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles; tokens <= AMX_TOKENS, K % 64 == 0. */
@@ -165,12 +181,7 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
         const __m512 s = bf16x16_to_ps(block_scale + (G) * 16), z = bf16x16_to_ps(block_zero + (G) * 16);        \
         scale_into(c_tiles[(G) & 1], s, _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z), sums + (G), steps, tokens, acc); \
     }
-            for (int64_t g = 0; g < B_AHEAD; g++) BUILD(g, b_tiles[g]);
-            for (int64_t g = 0; g < steps; g += 2) {  /* steps is even (K % 64) */
-                AMX_STEP(g, 0, 1, 2, 3, BUILD, SCALE, K * 2, g * GROUP)
-                AMX_STEP(g + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (g + 1) * GROUP)
-            }
-            AMX_FINISH(SCALE)
+            AMX_ALL_STEPS(GROUP)  /* steps is even (K % 64) */
 #undef BUILD
 #undef SCALE
             for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy + nb * 16, acc[t]);
@@ -202,12 +213,7 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
         const __m512 s = q6_scales(block + ((B) / 2) * Q6_TILE_BYTES, block_d + ((B) / 16) * 16, (int)((B) % 2)); \
         scale_into(c_tiles[(B) & 1], s, _mm512_mul_ps(s, _mm512_set1_ps(160.0f)), sums + (B), steps, tokens, acc); \
     }
-            for (int64_t b = 0; b < B_AHEAD; b++) BUILD(b, b_tiles[b]);
-            for (int64_t b = 0; b < steps; b += 2) {
-                AMX_STEP(b, 0, 1, 2, 3, BUILD, SCALE, K * 2, b * SUB)
-                AMX_STEP(b + 1, 4, 5, 3, 2, BUILD, SCALE, K * 2, (b + 1) * SUB)
-            }
-            AMX_FINISH(SCALE)
+            AMX_ALL_STEPS(SUB)
 #undef BUILD
 #undef SCALE
             for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy + nb * 16, acc[t]);
@@ -216,7 +222,7 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
     }
 }
 #undef AMX_STEP
-#undef AMX_FINISH
+#undef AMX_ALL_STEPS
 
 void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
