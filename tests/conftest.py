@@ -29,6 +29,17 @@ CORPUS = [
 ] * 20
 
 
+def int16_activation_grid(x: torch.Tensor) -> torch.Tensor:
+    """x `[tokens, K]` as the AVX-512 tile kernels multiply it (`avx512_tiles.c`): each token's 16 inputs at a
+    time rounded (ties to even) to a multiple of 2^e, e = floor(log2 max|x|) − 14 (0 where all 16 are zero).
+    Independent of the kernel's own code: frexp gives the exponent, torch.round the rounding."""
+    groups = x.float().view(x.shape[0], -1, 16)  # [T, K/16, 16]
+    top = groups.abs().amax(dim=-1, keepdim=True)  # [T, K/16, 1]
+    _, exponent = torch.frexp(top)  # top = m · 2^exponent, m in [0.5, 1): floor(log2 top) = exponent − 1
+    step = torch.where(top > 0, torch.ldexp(torch.ones_like(top), exponent - 15), torch.ones_like(top))
+    return (torch.round(groups / step) * step).view_as(x).double()
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on a few lines, with chat and end-of-text specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

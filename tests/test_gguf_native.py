@@ -12,8 +12,9 @@ from gguf.quants import quantize as gguf_quantize
 from torch import nn
 from transformers import Qwen2Config
 
-from conftest import tiny_config, tiny_model
+from conftest import int16_activation_grid, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
+from specdraft.exactness import compare_greedy
 from specdraft.kernels import amx_tiles, avx512_tiles, gguf_matmul
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
@@ -337,7 +338,7 @@ def test_int4_kept_dense_weight_serves_wide_passes():
 Q6K_KERNELS = [
     pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
                  id="amx"),
-    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU"),
+    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 VNNI on this CPU"),
                  id="avx512"),
 ]
 
@@ -345,16 +346,19 @@ Q6K_KERNELS = [
 @pytest.mark.parametrize("kernel", Q6K_KERNELS)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 40])
 def test_q6k_tiles_compute_the_files_weights(kernel, tokens):
-    """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding,
-    and each token the same alone or in a pass (past each kernel's pass of 8 or 16 tokens too)."""
+    """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding
+    (x as the kernel takes it: bf16 on AMX, the int16 grid on AVX-512), and each token the same alone or in
+    a pass (past each kernel's pass of 8 or 16 tokens too)."""
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
     packed = gguf_matmul.pack_q6k(raw)
     assert packed.tiles.numel() == 48 * 768 * 13 // 16  # 6.5 bits a weight, as in the file
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     got = kernel.q6k_matmul(packed.tiles, packed.d, x, 48)  # [T, N]
-    want = x.double() @ weight.double().t()
+    taken = int16_activation_grid(x) if kernel is avx512_tiles else x.double()
+    want = taken @ weight.double().t()
     assert got.dtype == torch.float32 and relative_error(got.double(), want) < 1e-6
+    assert relative_error(got.double(), x.double() @ weight.double().t()) < 1e-4  # the grid is fine
     for i in range(tokens):
         assert torch.equal(kernel.q6k_matmul(packed.tiles, packed.d, x[i:i + 1], 48)[0], got[i])
     with pytest.raises(ValueError, match="N % 16"):
@@ -488,7 +492,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
-    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens."""
+    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens:
+    identical where every matrix is on our tile kernels (each token computed alone); with Q6_K unpacked
+    (`fallback`: PyTorch's bf16 GEMM, whose roundings depend on the pass width) they may part only at a near-tie."""
     packed = models(backend)
     drafts = {"close": reference_model(models), "unrelated": tiny_model(tiny_config(vocab_size=VOCAB), seed=5)}
     plain = SpeculativeDecoder(CausalLM(packed))
@@ -499,7 +505,11 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
         for prompt in PROMPTS:
             want = plain.generate(prompt, max_new_tokens=20)
             got = spec.generate(prompt, max_new_tokens=20)
-            assert got.token_ids == want.token_ids, (name, prompt)
+            if backend == "native":
+                assert got.token_ids == want.token_ids, (name, prompt)
+            else:
+                verdict = compare_greedy(CausalLM(packed), prompt, want.token_ids, got.token_ids)
+                assert verdict.acceptable, (name, prompt, verdict)
             assert got.stats.new_tokens == 20 and got.stats.drafted > 0
             accepted[name] += got.stats.accepted
     assert accepted["close"] > accepted["unrelated"]

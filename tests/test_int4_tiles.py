@@ -1,17 +1,20 @@
-"""The int4 tile kernels (AMX, AVX-512 BF16): x · (s·q − m) to float32 rounding, the same per token
-at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
+"""The int4 tile kernels (AMX; AVX-512 VNNI with int16 activations): x · (s·q − m) to float32 rounding,
+the same per token at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
+
+import shutil
 
 import pytest
 import torch
 
-from specdraft.kernels import amx_tiles, avx512_tiles, int4_layout
+from conftest import int16_activation_grid
+from specdraft.kernels import amx_tiles, avx512_tiles, build, int4_layout
 from specdraft.models import quantize
 from specdraft.models.quantize import Int4Linear
 
 KERNELS = [
     pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
                  id="amx"),
-    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 BF16 on this CPU"),
+    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 VNNI on this CPU"),
                  id="avx512"),
 ]
 
@@ -36,9 +39,10 @@ def test_matches_the_dequantized_weight(kernel, tokens, inputs):
     codes, scale, minimum, weight = affine_matrix(96, inputs)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     out = kernel.matmul(int4_layout.pack(codes, scale, minimum), x)  # [T, N]
-    expected = x.double() @ weight.double().T
+    taken = int16_activation_grid(x) if kernel is avx512_tiles else x.double()  # x as the kernel multiplies it
+    expected = taken @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -105,3 +109,13 @@ def test_packing_in_row_slices_changes_nothing(monkeypatch):
     sliced = int4_layout.pack(codes, scale, minimum)
     for name in ("tiles", "scale", "zero"):
         assert torch.equal(getattr(whole, name), getattr(sliced, name))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_avx512_kernels_build_for_cpus_without_bf16(monkeypatch):
+    """The AVX-512 tile kernels use VNNI alone, so Cascade Lake and Ice Lake (VNNI, no BF16) run them: the source
+    builds without -mavx512bf16 on such a CPU's flags (a BF16 instruction in it would fail this build)."""
+    assert "avx512_bf16" not in avx512_tiles._REQUIRED_CPU_FLAGS and "-mavx512bf16" not in avx512_tiles._FLAGS
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"})
+    library = build.compiled_library(avx512_tiles._SOURCE, avx512_tiles._FLAGS, avx512_tiles._REQUIRED_CPU_FLAGS, "test")
+    assert library is not None and hasattr(library, "int4_avx512_matmul") and hasattr(library, "q6k_matmul")

@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void int4_b_tile(const uint8_t *til
     for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
     for (int chunk = 0; chunk < 4; chunk++) {
         __m512i rows[4];
-        unpack_pairs(tile + chunk * 64, rows);
+        unpack_pairs(tile + chunk * 64, BF16_CODES, rows);
         store_rows(b_tile + chunk * 4 * 32, rows);
     }
 }
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void q6_b_tile(const uint8_t *tile,
         for (int line = 0; line < Q6_TILE_BYTES; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
     for (int half = 0; half < 2; half++) {
         __m512i rows[4];
-        q6_unpack_pairs(tile, 2 * sub + half, rows);
+        q6_unpack_pairs(tile, 2 * sub + half, BF16_CODES, rows);
         store_rows(b_tile + half * 4 * 32, rows);
     }
 }

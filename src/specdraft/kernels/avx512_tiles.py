@@ -1,6 +1,8 @@
-"""Weights in 4-bit and Q6_K tiles multiplied with AVX-512 BF16 dot products (`avx512_tiles.c`), for
+"""Weights in 4-bit and Q6_K tiles multiplied with AVX-512 VNNI int16 dot products (`avx512_tiles.c`), for
 CPUs without AMX: a tile is unpacked once per pass of up to 8 tokens, so a verify pass of a few
-tokens costs little more than one.
+tokens costs little more than one. Each token's bf16 activations are taken on an int16 grid per
+group of 32 (a power of two each: exact for every input within 2^7 of the group's largest), and the
+sums are integers (see the C file).
 
 - 4-bit: the layout of `int4_layout.pack` (shared with the AMX kernel); `matmul(packed, x)` is
   `x @ W^T` in float32, for passes of any width (prefills too: 8 tokens at a time).
@@ -23,8 +25,9 @@ from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
 _SOURCE = Path(__file__).with_name("avx512_tiles.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+# No BF16 instruction is used: CPUs with VNNI but not BF16 (Intel Cascade Lake, Ice Lake) run these kernels too.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "int4_avx512_matmul": [_POINTER] * 5 + [_SIZE] * 3,  # tiles, scale, zero, x, y, N, K, tokens
@@ -38,7 +41,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the AVX-512 BF16 tile kernels run on this machine."""
+    """Whether the AVX-512 tile kernels run on this machine (AVX-512 VNNI and a C compiler)."""
     return _library() is not None
 
 

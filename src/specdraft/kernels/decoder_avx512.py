@@ -16,9 +16,9 @@ from specdraft.kernels import amx_tiles
 from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("decoder_avx512.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _AMX_FLAGS = ["-DWITH_AMX", "-mamx-tile", "-mamx-bf16"]  # the build that may run 4-bit projections on AMX
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in attention_avx512.c)
 INT4, Q6K, INT4_AMX, Q6K_AMX = 0, 1, 2, 3  # run kinds (the AMX ones only where `amx_tiles.available()`)

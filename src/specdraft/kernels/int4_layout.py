@@ -3,8 +3,8 @@
 For each block of 16 output rows and group g of 32 inputs, 256 bytes: the code pair
 (q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is one byte, low nibble first, at
 64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4, so that two rounds of byte unpacking turn each
-64 bytes into four vectors of 16 bf16 pairs (AMX's pair-interleaved B tile rows, and the
-operand of AVX-512's `vdpbf16ps`). Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16],
+64 bytes into four vectors of 16 code pairs (as bf16 128 + q: AMX's pair-interleaved B tile rows;
+as int16 q: the operand of AVX-512's `vpdpwssd`). Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16],
 with w = s·(q − 8) + z.
 """
 

@@ -1,6 +1,7 @@
-/* Unpacking of the tile layouts (`int4_layout.py`, `gguf_matmul.pack_q6k`) into vectors of bf16 (128 + q)
- * pairs, shared by the AVX-512 BF16 kernels (`avx512_tiles.c`: operands of `vdpbf16ps`) and the AMX ones
- * (`amx_tiles.c`: rows of B tiles). Integer ops only: a code q becomes the bf16 bits 0x4300 | q. */
+/* Unpacking of the tile layouts (`int4_layout.py`, `gguf_matmul.pack_q6k`) into vectors of 16-bit code
+ * pairs, shared by the AVX-512 kernels (`avx512_tiles.c`: int16 q, operands of `vpdpwssd`) and the AMX ones
+ * (`amx_tiles.c`: bf16 128 + q, rows of B tiles). Integer ops only: a code q < 128 becomes the 16 bits
+ * (high << 8) | q, so high = INT16_CODES gives the integer q and high = BF16_CODES the bf16 number 128 + q. */
 #ifndef SPECDRAFT_TILE_UNPACK_H
 #define SPECDRAFT_TILE_UNPACK_H
 #include <immintrin.h>
@@ -16,20 +17,23 @@ static inline __attribute__((always_inline)) void nibble_pairs(const uint8_t *by
     pairs[1] = _mm512_unpackhi_epi8(lo, hi);
 }
 
-/* Code bytes (q < 128) -> four vectors of bf16 (128 + q) pairs: dword lane c = (w'[c][2r], w'[c][2r + 1]). */
-static inline __attribute__((always_inline)) void bf16_pair_rows(const __m512i pairs[2], __m512i rows[4]) {
-    const __m512i exponent = _mm512_set1_epi8(0x43);
-    rows[0] = _mm512_unpacklo_epi8(pairs[0], exponent);
-    rows[1] = _mm512_unpackhi_epi8(pairs[0], exponent);
-    rows[2] = _mm512_unpacklo_epi8(pairs[1], exponent);
-    rows[3] = _mm512_unpackhi_epi8(pairs[1], exponent);
+#define INT16_CODES 0x00  /* high byte of a code q as the int16 q */
+#define BF16_CODES 0x43   /* high byte of a code q as the bf16 number 128 + q */
+
+/* Code bytes (q < 128) -> four vectors of 16-bit code pairs (high byte `high`): dword lane c = (w'[c][2r], w'[c][2r + 1]). */
+static inline __attribute__((always_inline)) void code_pair_rows(const __m512i pairs[2], int high, __m512i rows[4]) {
+    const __m512i top = _mm512_set1_epi8((char)high);
+    rows[0] = _mm512_unpacklo_epi8(pairs[0], top);
+    rows[1] = _mm512_unpackhi_epi8(pairs[0], top);
+    rows[2] = _mm512_unpacklo_epi8(pairs[1], top);
+    rows[3] = _mm512_unpackhi_epi8(pairs[1], top);
 }
 
-/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a 4-bit tile, from its 64 bytes. */
-static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *bytes, __m512i rows[4]) {
+/* Four vectors of 16-bit code pairs, pairs 4·chunk .. 4·chunk + 3 of a 4-bit tile, from its 64 bytes. */
+static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *bytes, int high, __m512i rows[4]) {
     __m512i pairs[2];
     nibble_pairs(bytes, pairs);
-    bf16_pair_rows(pairs, rows);
+    code_pair_rows(pairs, high, rows);
 }
 
 /* ----- Q6_K tiles (416 bytes: 256 of low nibbles, 128 of high bits, 32 of sub-block scales) ----- */
@@ -45,11 +49,11 @@ static inline __attribute__((always_inline)) void q6_code_pairs(const uint8_t *t
     pairs[1] = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(high, shift_b), top, pairs[1], 0xEA);
 }
 
-/* Four vectors of bf16 (128 + q) pairs, pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
-static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, __m512i rows[4]) {
+/* Four vectors of 16-bit code pairs (high byte `high`), pairs 4·chunk .. 4·chunk + 3 of a Q6_K tile. */
+static inline __attribute__((always_inline)) void q6_unpack_pairs(const uint8_t *tile, int chunk, int high, __m512i rows[4]) {
     __m512i pairs[2];
     q6_code_pairs(tile, chunk, pairs);
-    bf16_pair_rows(pairs, rows);
+    code_pair_rows(pairs, high, rows);
 }
 
 /* The 16 rows' scales s = d·sc of sub-block `sub` of a tile. */

@@ -9,7 +9,7 @@ the pass's keys and values into the model's `GrowingLayer` caches in place, so t
 take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
-MLP on our tile kernels (AVX-512 BF16 or AMX), native norms, no sliding window), else returns None; it is kept on
+MLP on our tile kernels (AVX-512 or AMX), native norms, no sliding window), else returns None; it is kept on
 the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 

@@ -1,11 +1,11 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
 - Q4_K linears run with the file's own scales and mins (`Int4Linear.from_affine`) on our AMX
-  kernel (`kernels/amx_tiles.c`) where the CPU grants AMX, else on our AVX-512 BF16 kernel
+  kernel (`kernels/amx_tiles.c`) where the CPU grants AMX, else on our AVX-512 kernel
   (`kernels/avx512_tiles.c`), else on PyTorch's CPU int4 kernel: exact up to bf16 rounding of
   each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
-  AVX-512 BF16 kernel where it builds and runs; elsewhere they are unpacked.
+  AVX-512 kernel where it builds and runs; elsewhere they are unpacked.
 - Other linears (Q5_0, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).

@@ -1,5 +1,5 @@
 """Weight-only int4 linears on our tile kernels: AMX where the CPU grants it (`kernels/amx_tiles`),
-else AVX-512 BF16 (`kernels/avx512_tiles`), else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
+else AVX-512 VNNI (`kernels/avx512_tiles`), else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
@@ -53,7 +53,7 @@ class Int4Linear(nn.Module):
     """`y = x W^T + b` with W stored as packed 4-bit groups.
 
     With groups of 32 and N a multiple of 16, every pass runs on a tile kernel (`tile_matmul`):
-    AMX (flat cost from 1 to 16 tokens) or AVX-512 BF16 (each weight unpacked once per 8
+    AMX (flat cost from 1 to 16 tokens) or AVX-512 VNNI (each weight unpacked once per 8
     tokens). Otherwise PyTorch's kernel runs; `dense_weight`, when kept, then serves passes wider
     than `PASS_WIDTH` tokens (faster there, at the cost of its memory).
     """
