@@ -60,7 +60,7 @@ def test_prompt_pass_computes_each_token_alone(case):
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
 def test_a_sequences_first_token_stays_on_the_bf16_kernels(case):
-    """`starts_sequence`: row 0 (the attention sink) gets the bf16 kernel's bits, the others the int8 ones."""
+    """`starts_sequence`: row 0 (the attention sink) gets the 16-bit kernel's bits, the others the int8 ones."""
     matmul, x, _ = case(9)
     plain = matmul(x)
     with vnni_tiles.prompt_pass():
@@ -88,7 +88,7 @@ def cache_keys(lm: CausalLM) -> torch.Tensor:
 
 
 def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
-    """`prefill` fills the cache on int8 activations (close to, not equal to, the bf16 kernels'); a pass
+    """`prefill` fills the cache on int8 activations (close to, not equal to, the 16-bit kernels'); a pass
     over the cache is the same function as before."""
     monkeypatch.setattr(quantize, "_tile_kernel", lambda: avx512_tiles)  # the prompt kernels' tiles (on AMX too)
     lm = CausalLM(int4_model())
@@ -102,7 +102,7 @@ def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
         logits[mode] = lm.forward(prompt[:, -1:]).logits
     assert not torch.equal(keys["0"], keys["1"]) and relative_error(keys["1"], keys["0"]) < 5e-2
     lm.reset()
-    lm.forward(prompt[:, :-1])  # a plain forward of the same tokens: the bf16 kernels
+    lm.forward(prompt[:, :-1])  # a plain forward of the same tokens: the 16-bit kernels
     assert torch.equal(cache_keys(lm), keys["0"])
 
 

@@ -1,7 +1,7 @@
 /* y = x W^T on Intel AMX (bf16 tiles) for weights kept in 4-bit and Q6_K tiles.
  *
  * Why: PyTorch's CPU int4 kernel costs about linearly per token (0.48 ms for one token through an
- * 8960x1536 weight here, 3.3 ms for 16), and so do the AVX-512 BF16 kernels past 8 tokens, while a
+ * 8960x1536 weight here, 3.3 ms for 16), and so do the AVX-512 kernels past 8 tokens, while a
  * tile multiply costs the same for 1 to 16 tokens. Speculative decoding verifies k + 1 tokens a
  * pass, so a flat cost is what it needs.
  *

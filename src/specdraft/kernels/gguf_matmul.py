@@ -102,7 +102,8 @@ def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
 def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for a Q6_K matrix in tiles; x `[tokens, K]` -> float32 `[tokens, N]`.
 
-    x is rounded to bf16 (as a bf16 model's activations are); the products and sums are float32.
+    x is rounded to bf16 (as a bf16 model's activations are); on AMX the products and sums are float32, on
+    AVX-512 x is taken on an int16 grid per 16 inputs and the sums are integers (`avx512_tiles.c`).
     """
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")

@@ -9,7 +9,7 @@
  * a = max|x| / 127, so x ≈ a·â; the integer sums Σ q·â are exact, then scaled in float32:
  *   4-bit (w = s·(q − 8) + z):  y += (s·a) ⊙ Σ q·â − (8s − z) ⊙ a·Σâ
  *   Q6_K  (w = d·sc·(q − 32)):  y += (s·a) ⊙ Σ q·â − 32 s ⊙ a·Σâ  per sub-block of 16, s = d·sc
- * This is not the bf16 kernels' function (activations keep about 8 bits, not 8 + 8): callers use it
+ * This is not the 16-bit kernels' function (activations keep about 8 bits, not 15): callers use it
  * only for prompt passes, which plain and speculative decoding run alike, never for the passes
  * whose logits a draft is checked against. Each token is computed alone, in the same order whatever
  * the pass width, so a prompt gives the same bits however it is cut into passes.
@@ -186,19 +186,19 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 4-bit tiles (`int4_layout`); K % 32 == 0, N % 16 == 0.
- * The first `bf16_tokens` tokens run on the bf16 kernel (see `vnni_tiles.py`: a sequence's first token). */
+ * The first `precise_tokens` tokens run on the int16 kernel (see `vnni_tiles.py`: a sequence's first token). */
 void int4_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                    int64_t N, int64_t K, int64_t tokens, int64_t bf16_tokens) {
-    bf16_tokens = bf16_tokens < tokens ? bf16_tokens : tokens;
-    int4_avx512_matmul(tiles, scale, zero, x, y, N, K, bf16_tokens);
-    q8_passes(tiles, scale, zero, x, y, N, K, bf16_tokens, tokens);
+                    int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
+    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
+    int4_avx512_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
+    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; K % 256 == 0, N % 16 == 0; the first
- * `bf16_tokens` tokens on the bf16 kernel. */
+ * `precise_tokens` tokens on the int16 kernel. */
 void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
-                   int64_t tokens, int64_t bf16_tokens) {
-    bf16_tokens = bf16_tokens < tokens ? bf16_tokens : tokens;
-    q6k_matmul(tiles, d, x, y, N, K, bf16_tokens);
-    q8_passes(tiles, d, NULL, x, y, N, K, bf16_tokens, tokens);
+                   int64_t tokens, int64_t precise_tokens) {
+    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
+    q6k_matmul(tiles, d, x, y, N, K, precise_tokens);
+    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens);
 }
