@@ -29,6 +29,46 @@ CORPUS = [
 ] * 20
 
 
+def _tile_kernel_params():
+    """(kernel module, dot flavour) pairs: AMX where granted; the AVX-512 kernels in each flavour this CPU runs."""
+    from specdraft.kernels import amx_tiles, avx512_tiles
+
+    return [pytest.param((amx_tiles, None), id="amx",
+                         marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"))] + [
+        pytest.param((avx512_tiles, flavour), id=f"avx512-{flavour}",
+                     marks=pytest.mark.skipif(avx512_tiles._built(flavour) is None,
+                                              reason=f"the AVX-512 {flavour} tile kernels do not run on this CPU"))
+        for flavour in ("int16", "bf16")]
+
+
+@pytest.fixture(params=_tile_kernel_params())
+def tile_kernel(request, monkeypatch):
+    """Each tile kernel this CPU runs (AVX-512 in both dot flavours, set by `SPECDRAFT_TILE_DOTS` for the test)."""
+    kernel, flavour = request.param
+    if flavour is not None:
+        monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
+    return kernel
+
+
+@pytest.fixture(params=["int16", "bf16"])
+def tile_dots(request, monkeypatch):
+    """Each dot flavour of the AVX-512 tile kernels this CPU runs, set for the whole test (decoder and prompt kernels too)."""
+    from specdraft.kernels import avx512_tiles
+
+    if avx512_tiles._built(request.param) is None:
+        pytest.skip(f"the AVX-512 {request.param} tile kernels do not run on this CPU")
+    monkeypatch.setenv("SPECDRAFT_TILE_DOTS", request.param)
+    return request.param
+
+
+def activations_as_multiplied(x: torch.Tensor, kernel) -> torch.Tensor:
+    """x `[tokens, K]` bf16 as `kernel` multiplies it, in float64: the int16 grid under the AVX-512 int16 flavour,
+    else x itself."""
+    from specdraft.kernels import avx512_tiles, tile_dots
+
+    return int16_activation_grid(x) if kernel is avx512_tiles and tile_dots.dots() == "int16" else x.double()
+
+
 def int16_activation_grid(x: torch.Tensor) -> torch.Tensor:
     """x `[tokens, K]` as the AVX-512 tile kernels multiply it (`avx512_tiles.c`): each token's 16 inputs at a
     time rounded (ties to even) to a multiple of 2^e, e = floor(log2 max|x|) − 14 (0 where all 16 are zero).

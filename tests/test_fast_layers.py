@@ -191,7 +191,7 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 @fused_run
 @pytest.mark.parametrize("build", [int4_model, mixed_model])
 @pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
-def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, monkeypatch):
+def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, tile_dots, monkeypatch):
     if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)
         monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
     model = build()

@@ -12,7 +12,7 @@ from gguf.quants import quantize as gguf_quantize
 from torch import nn
 from transformers import Qwen2Config
 
-from conftest import int16_activation_grid, tiny_config, tiny_model
+from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
 from specdraft.kernels import amx_tiles, avx512_tiles, gguf_matmul
@@ -335,28 +335,19 @@ def test_int4_kept_dense_weight_serves_wide_passes():
     assert not torch.equal(linear(narrow), dense(narrow).detach())
 
 
-Q6K_KERNELS = [
-    pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
-                 id="amx"),
-    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 VNNI on this CPU"),
-                 id="avx512"),
-]
-
-
-@pytest.mark.parametrize("kernel", Q6K_KERNELS)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 40])
-def test_q6k_tiles_compute_the_files_weights(kernel, tokens):
+def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
     """Random Q6_K rows repacked into tiles: x · W^T with W the reference decoding, to float32 rounding
-    (x as the kernel takes it: bf16 on AMX, the int16 grid on AVX-512), and each token the same alone or in
-    a pass (past each kernel's pass of 8 or 16 tokens too)."""
+    (x as the kernel takes it: bf16 on AMX and AVX-512 bf16, the int16 grid on AVX-512 int16), and each token
+    the same alone or in a pass (past each kernel's pass of 8 or 16 tokens too)."""
+    kernel = tile_kernel
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
     packed = gguf_matmul.pack_q6k(raw)
     assert packed.tiles.numel() == 48 * 768 * 13 // 16  # 6.5 bits a weight, as in the file
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     got = kernel.q6k_matmul(packed.tiles, packed.d, x, 48)  # [T, N]
-    taken = int16_activation_grid(x) if kernel is avx512_tiles else x.double()
-    want = taken @ weight.double().t()
+    want = activations_as_multiplied(x, kernel) @ weight.double().t()
     assert got.dtype == torch.float32 and relative_error(got.double(), want) < 1e-6
     assert relative_error(got.double(), x.double() @ weight.double().t()) < 1e-4  # the grid is fine
     for i in range(tokens):

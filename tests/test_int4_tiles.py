@@ -1,4 +1,4 @@
-"""The int4 tile kernels (AMX; AVX-512 VNNI with int16 activations): x · (s·q − m) to float32 rounding,
+"""The int4 tile kernels (AMX; AVX-512 on int16 or bf16 dot products): x · (s·q − m) to float32 rounding,
 the same per token at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
 
 import shutil
@@ -6,17 +6,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import int16_activation_grid
-from specdraft.kernels import amx_tiles, avx512_tiles, build, int4_layout
+from conftest import activations_as_multiplied
+from specdraft.errors import SpecdraftError
+from specdraft.kernels import amx_tiles, avx512_tiles, build, int4_layout, tile_dots
 from specdraft.models import quantize
 from specdraft.models.quantize import Int4Linear
-
-KERNELS = [
-    pytest.param(amx_tiles, marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"),
-                 id="amx"),
-    pytest.param(avx512_tiles, marks=pytest.mark.skipif(not avx512_tiles.available(), reason="no AVX-512 VNNI on this CPU"),
-                 id="avx512"),
-]
 
 
 def affine_matrix(n: int, k: int, seed: int = 0):
@@ -32,22 +26,21 @@ def affine_matrix(n: int, k: int, seed: int = 0):
     return codes, scale, minimum, weight
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("inputs", [64, 192, 256])  # groups of 32: 2, 6, 8 (the AMX kernel unrolls by 4, then 2)
-def test_matches_the_dequantized_weight(kernel, tokens, inputs):
+def test_matches_the_dequantized_weight(tile_kernel, tokens, inputs):
+    kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(96, inputs)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     out = kernel.matmul(int4_layout.pack(codes, scale, minimum), x)  # [T, N]
-    taken = int16_activation_grid(x) if kernel is avx512_tiles else x.double()  # x as the kernel multiplies it
-    expected = taken @ weight.double().T
+    expected = activations_as_multiplied(x, kernel) @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_each_token_is_computed_alone(kernel):
+def test_each_token_is_computed_alone(tile_kernel):
     """A token's output is bit-identical whether it runs alone or among 19 (verify pass == decode step)."""
+    kernel = tile_kernel
     codes, scale, minimum, _ = affine_matrix(64, 128, seed=1)
     packed = int4_layout.pack(codes, scale, minimum)
     x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -70,9 +63,9 @@ def test_pack_layout_and_shape_errors():
         int4_layout.pack(codes[:24], scale[:24], minimum[:24])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill
-def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatch, kernel, tokens):
+def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatch, tile_kernel, tokens):
+    kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(64, 128, seed=4)
     bias = torch.randn(64)
     monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
@@ -119,3 +112,39 @@ def test_avx512_kernels_build_for_cpus_without_bf16(monkeypatch):
     monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"})
     library = build.compiled_library(avx512_tiles._SOURCE, avx512_tiles._FLAGS, avx512_tiles._REQUIRED_CPU_FLAGS, "test")
     assert library is not None and hasattr(library, "int4_avx512_matmul") and hasattr(library, "q6k_matmul")
+
+
+def test_the_dot_flavour_follows_the_cpu_and_the_variable(monkeypatch):
+    """bf16 dot products on AMD CPUs with AVX-512 BF16, int16 elsewhere; `SPECDRAFT_TILE_DOTS` overrides, a wrong
+    value is a clear error; the bf16 build asks for the BF16 flag and instructions, the int16 build for neither."""
+    monkeypatch.delenv(tile_dots.VARIABLE, raising=False)
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"}
+    for vendor, flags, want in [("AuthenticAMD", avx512 | {"avx512_bf16"}, "bf16"), ("AuthenticAMD", avx512, "int16"),
+                                ("GenuineIntel", avx512 | {"avx512_bf16"}, "int16"), ("", set(), "int16")]:
+        monkeypatch.setattr(tile_dots, "cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(tile_dots, "cpu_flags", lambda: flags)
+        tile_dots._for_this_cpu.cache_clear()
+        assert tile_dots.dots() == want, vendor
+    tile_dots._for_this_cpu.cache_clear()
+    monkeypatch.setenv(tile_dots.VARIABLE, "BF16")
+    assert tile_dots.dots() == "bf16"
+    monkeypatch.setenv(tile_dots.VARIABLE, "fp8")
+    with pytest.raises(SpecdraftError, match="SPECDRAFT_TILE_DOTS must be one of int16, bf16"):
+        tile_dots.dots()
+    assert tile_dots.build_options("int16") == ([], set())
+    flags, required = tile_dots.build_options("bf16")
+    assert "-DTILE_DOTS_BF16" in flags and "-mavx512bf16" in flags and required == {"avx512_bf16"}
+
+
+@pytest.mark.skipif(avx512_tiles._built("int16") is None or avx512_tiles._built("bf16") is None,
+                    reason="needs both AVX-512 flavours")
+def test_the_two_flavours_are_two_builds_of_one_function():
+    """Both flavours compute x · W^T to float32 rounding of what they multiply, but not with the same bits: the
+    variable really switches the kernel (a build that ignored it would give identical outputs)."""
+    codes, scale, minimum, weight = affine_matrix(64, 256, seed=8)
+    packed = int4_layout.pack(codes, scale, minimum)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
+    out = {flavour: int4_layout.run_tile_kernel(avx512_tiles._built(flavour).int4_avx512_matmul, packed, x)
+           for flavour in ("int16", "bf16")}
+    assert not torch.equal(out["int16"], out["bf16"])
+    torch.testing.assert_close(out["int16"], out["bf16"], rtol=1e-4, atol=1e-4 * out["bf16"].abs().max().item())

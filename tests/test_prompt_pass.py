@@ -59,8 +59,9 @@ def test_prompt_pass_computes_each_token_alone(case):
 
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
-def test_a_sequences_first_token_stays_on_the_bf16_kernels(case):
-    """`starts_sequence`: row 0 (the attention sink) gets the 16-bit kernel's bits, the others the int8 ones."""
+def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case, tile_dots):
+    """`starts_sequence`: row 0 (the attention sink) gets the 16-bit kernel's bits (either dot flavour), the others
+    the int8 ones."""
     matmul, x, _ = case(9)
     plain = matmul(x)
     with vnni_tiles.prompt_pass():

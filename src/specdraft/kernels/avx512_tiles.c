@@ -5,32 +5,41 @@
  * each 4 (measured on a 2-core AMD EPYC, 28 layers of a 1.5B model: one token 17 ms, 4 tokens
  * 25 ms, 5 tokens 50 ms), while a verify pass carries k + 1 tokens.
  *
- * How: a tile holds 16 output rows x 32 inputs. Its codes become int16 numbers q by integer ops
- * alone, as vectors that each hold one input pair (2r, 2r + 1) of the 16 rows: what `vpdpwssd`
- * multiplies with a broadcast pair of activations (AMX's B tile rows take the same pairs as bf16
- * 128 + q, `tile_unpack.h`; `amx_tiles.c` shares the 4-bit layout, see `int4_layout.py`). A tile
- * is unpacked once per pass of up to MAX_TOKENS tokens and then costs one dot-product instruction
- * per 32 weights per token.
+ * How: a tile holds 16 output rows x 32 inputs. Its codes become 16-bit numbers by integer ops
+ * alone, as vectors that each hold one input pair (2r, 2r + 1) of the 16 rows: what a dot-product
+ * instruction multiplies with a broadcast pair of activations (`tile_unpack.h`; `amx_tiles.c` shares
+ * the 4-bit layout, see `int4_layout.py`). A tile is unpacked once per pass of up to MAX_TOKENS
+ * tokens and then costs one dot-product instruction per 32 weights per token.
  *
- * Activations: x is the model's bf16 activations. Each token's 16 inputs at a time are written as
- * x = 2^e · x̂ with x̂ int16 and 2^e the power of two that puts their max|x| in [2^14, 2^15): every
- * input within a factor 2^7 of the largest of its 16 is exact (a bf16 number has 8 significant bits),
- * smaller ones are rounded to a multiple of 2^e (by at most 2^-15 of the largest). The sums Σ q·x̂ are
- * then exact integers (a 4-bit half-group's below 2^24, so exact in float32 too; a Q6_K sub-block's
- * rounded once to float32), where bf16 dot products (`vdpbf16ps`) round every partial sum. Steps per
- * 16 rather than per 32 keep a token's few huge activations (the attention sink's) from coarsening as
- * many neighbours: on the 1.5B target, logits stay as close to a float32 reference as with the bf16
- * kernels (tests/test_real_kernels.py). And `vpdpwssd` is the faster instruction: on a 2-core Intel
- * Xeon without AMX, 62 G multiply-adds/s a core against 43 for `vdpbf16ps`; at 8 tokens these kernels
- * ran 2.3x (4-bit) and 1.6x (Q6_K) as fast as the bf16 ones there. The scales are applied in float32
+ * Two flavours of dot product, one per build (`avx512_tiles.dots()` picks the faster for the CPU):
+ *
+ * int16 (the default build; `vpdpwssd`, AVX-512 VNNI): codes as int16 q. Each token's 16 inputs at a
+ * time are written as x = 2^e · x̂ with x̂ int16 and 2^e the power of two that puts their max|x| in
+ * [2^14, 2^15): every input within a factor 2^7 of the largest of its 16 is exact (a bf16 number has
+ * 8 significant bits), smaller ones are rounded to a multiple of 2^e (by at most 2^-15 of the
+ * largest). The sums Σ q·x̂ are then exact integers (a 4-bit half-group's below 2^24, so exact in
+ * float32 too; a Q6_K sub-block's rounded once to float32), where bf16 dot products round every
+ * partial sum. Steps per 16 rather than per 32 keep a token's few huge activations (the attention
+ * sink's) from coarsening as many neighbours: on the 1.5B target, logits stay as close to a float32
+ * reference as with the bf16 flavour (tests/test_real_kernels.py). The scales are applied in float32
  * with S = Σ x (exact):
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
  *     (Σ₀, Σ₁: the group's inputs 0-15 and 16-31)
  *   Q6_K  (w = d·sc·(q − 32), sub-blocks of 16): y += (s·2^e) ⊙ Σ q·x̂ − 32 s ⊙ S,  s = d·sc
- * (s·2^e is exact).
+ * (s·2^e is exact). It needs no BF16 instruction, so VNNI-only CPUs (Cascade Lake, Ice Lake) run it.
+ *
+ * bf16 (built with -DTILE_DOTS_BF16; `vdpbf16ps`, AVX-512 BF16): codes as the bf16 number 128 + q
+ * (exact), x as it is, float32 sums; then
+ *   4-bit:  y += s ⊙ Σ (128 + q)·x − (136 s − z) ⊙ S      Q6_K:  y += s ⊙ Σ (128 + q)·x − 160 s ⊙ S
+ * Its per-group float work is 3 vector ops a token against 7 (4-bit) and 5 (Q6_K) for int16, which
+ * decides where the two dot products issue at a similar rate. Measured, 8960x1536 4-bit, 8 tokens:
+ *   - a 2-core Intel Xeon without AMX: `vpdpwssd` 62 G multiply-adds/s a core, `vdpbf16ps` 43;
+ *     int16 0.66 ms, bf16 1.52 ms;
+ *   - a 2-core AMD EPYC (Zen 4): 38.6 and 34.8 (one instruction each 0.83 and 0.92 ns);
+ *     int16 0.65 ms, bf16 0.54 ms.
  *
  * Each token is computed alone, in the same order whatever the pass width (two accumulator chains
- * per group, added at its end), so a verify pass agrees bit for bit with one-token decoding. A
+ * per group or sub-block, added at its end), so a verify pass agrees bit for bit with one-token decoding. A
  * prefill runs in passes of MAX_TOKENS too: at 8 tokens a pass the unpacking is paid once per 8
  * and the dot products run near the cores' peak, so unpacking the weight to bf16 for one dense
  * GEMM was slower at every prompt length measured (a 1.5B target, 2 cores: 50 tokens 0.53 s
@@ -61,7 +70,6 @@
 #define Q6_TILE_BYTES 416
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
 
-/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
 /* Fetch every line of the tile PREFETCH_BYTES ahead of `tile`. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes) {
     for (int line = 0; line < tile_bytes; line += 64)
@@ -76,17 +84,21 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
         case 7: call(7); break; default: call(8); break;                                       \
     }
 
+#ifndef TILE_DOTS_BF16
+/* ----- int16 dot products (`vpdpwssd`) -------------------------------------------------------- */
+#define TILE_CODES INT16_CODES
+
 /* Token activations as int16 with a power of two per 16 inputs (module doc): x [tokens, K] bf16 -> x̂ [tokens, K],
  * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. */
 typedef struct {
     int16_t *q;
     float *scale, *sums;
-} Int16Activations;
+} TileActivations;
 
-static Int16Activations int16_activations(const uint16_t *x, int64_t K, int tokens) {
+static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens) {
     const int64_t parts = K / SUB;
-    Int16Activations act = {malloc(sizeof(int16_t) * (size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * parts)),
-                            malloc(sizeof(float) * (size_t)(tokens * parts))};
+    TileActivations act = {malloc(sizeof(int16_t) * (size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * parts)),
+                           malloc(sizeof(float) * (size_t)(tokens * parts))};
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t i = 0; i < tokens * parts; i++) {
         const __m512 v = bf16x16_to_ps(x + i * SUB);
@@ -101,7 +113,7 @@ static Int16Activations int16_activations(const uint16_t *x, int64_t K, int toke
     return act;
 }
 
-static void release_int16(Int16Activations act) {
+static void release_activations(TileActivations act) {
     free(act.q);
     free(act.scale);
     free(act.sums);
@@ -109,7 +121,7 @@ static void release_int16(Int16Activations act) {
 
 /* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
-                                                            const uint16_t *block_zero, const Int16Activations *act,
+                                                            const uint16_t *block_zero, const TileActivations *act,
                                                             int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
@@ -121,8 +133,8 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
         const int16_t *xg = act->q + g * GROUP;
         for (int chunk = 0; chunk < 2; chunk++) {
             __m512i rows_a[4], rows_b[4];
-            unpack_pairs(group_codes + chunk * 64, INT16_CODES, rows_a);
-            unpack_pairs(group_codes + (chunk + 2) * 64, INT16_CODES, rows_b);
+            unpack_pairs(group_codes + chunk * 64, TILE_CODES, rows_a);
+            unpack_pairs(group_codes + (chunk + 2) * 64, TILE_CODES, rows_b);
             for (int j = 0; j < 4; j++)
                 for (int t = 0; t < tokens; t++) {
                     const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
@@ -142,34 +154,8 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
-static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
-    const int64_t groups = K / GROUP, blocks = N / 16;
-    const Int16Activations act = int16_activations(x, K, tokens);
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        const uint8_t *codes = tiles + nb * groups * 256;
-        const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-        float *out = y + nb * 16;
-#define INT4_BLOCK(T) block_rows(codes, bs, bz, &act, K, groups, T, out, ldy)
-        WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
-#undef INT4_BLOCK
-    }
-    release_int16(act);
-}
-
-void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                        const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
-        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
-    }
-}
-
-/* ----- Q6_K tiles ----------------------------------------------------------------------------- */
-/* One block of 16 output rows against `tokens` tokens (a constant after inlining). */
-static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const Int16Activations *act,
+/* One block of 16 output rows of Q6_K tiles against `tokens` tokens (a constant after inlining). */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const TileActivations *act,
                                                           int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
@@ -181,8 +167,8 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
             __m512i first[MAX_TOKENS], second[MAX_TOKENS];  /* two chains: chunk 2·sub, chunk 2·sub + 1 */
             for (int t = 0; t < tokens; t++) first[t] = second[t] = _mm512_setzero_si512();
             __m512i rows_a[4], rows_b[4];
-            q6_unpack_pairs(tile, 2 * sub, INT16_CODES, rows_a);
-            q6_unpack_pairs(tile, 2 * sub + 1, INT16_CODES, rows_b);
+            q6_unpack_pairs(tile, 2 * sub, TILE_CODES, rows_a);
+            q6_unpack_pairs(tile, 2 * sub + 1, TILE_CODES, rows_b);
             const int16_t *xs = act->q + g * GROUP + sub * SUB;
             for (int j = 0; j < 4; j++)
                 for (int t = 0; t < tokens; t++) {
@@ -202,10 +188,122 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
+#else
+/* ----- bf16 dot products (`vdpbf16ps`) -------------------------------------------------------- */
+#define TILE_CODES BF16_CODES  /* a code q as the bf16 number 128 + q (exact) */
+
+/* Token activations as they are (bf16) and S = Σ x per 16 inputs [tokens, K/16] in float32. */
+typedef struct {
+    const uint16_t *x;
+    float *sums;
+} TileActivations;
+
+static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens) {
+    const int64_t parts = K / SUB;
+    TileActivations act = {x, malloc(sizeof(float) * (size_t)(tokens * parts))};
+    for (int64_t i = 0; i < tokens * parts; i++) act.sums[i] = _mm512_reduce_add_ps(bf16x16_to_ps(x + i * SUB));
+    return act;
+}
+
+static void release_activations(TileActivations act) { free(act.sums); }
+
+/* One block of 16 output rows against `tokens` tokens (a constant after inlining). w = s·(128 + q) − (136 s − z). */
+static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
+                                                            const uint16_t *block_zero, const TileActivations *act,
+                                                            int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
+        prefetch_ahead(group_codes, INT4_TILE_BYTES);
+        __m512 even[MAX_TOKENS], odd[MAX_TOKENS];  /* two chains: pair vectors 0, 2 and 1, 3 of each chunk */
+        for (int t = 0; t < tokens; t++) even[t] = odd[t] = _mm512_setzero_ps();
+        const uint16_t *xg = act->x + g * GROUP;
+        for (int chunk = 0; chunk < 4; chunk++) {
+            __m512i rows[4];
+            unpack_pairs(group_codes + chunk * 64, TILE_CODES, rows);
+            for (int j = 0; j < 4; j += 2)
+                for (int t = 0; t < tokens; t++) {
+                    const int32_t *xp = (const int32_t *)(xg + t * K + 2 * (4 * chunk + j));
+                    even[t] = _mm512_dpbf16_ps(even[t], (__m512bh)rows[j], (__m512bh)_mm512_set1_epi32(xp[0]));
+                    odd[t] = _mm512_dpbf16_ps(odd[t], (__m512bh)rows[j + 1], (__m512bh)_mm512_set1_epi32(xp[1]));
+                }
+        }
+        const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
+        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z);
+        for (int t = 0; t < tokens; t++) {
+            const float *sums = act->sums + t * 2 * groups + 2 * g;
+            acc[t] = _mm512_fmadd_ps(s, _mm512_add_ps(even[t], odd[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(sums[0] + sums[1]), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+/* One block of 16 output rows of Q6_K tiles against `tokens` tokens. w = s·(128 + q) − 160 s. */
+static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles, const float *d, const TileActivations *act,
+                                                          int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
+        prefetch_ahead(tile, Q6_TILE_BYTES);
+        const float *dg = d + (g / 8) * 16;
+        for (int sub = 0; sub < 2; sub++) {
+            __m512 first[MAX_TOKENS], second[MAX_TOKENS];  /* two chains: chunk 2·sub, chunk 2·sub + 1 */
+            for (int t = 0; t < tokens; t++) first[t] = second[t] = _mm512_setzero_ps();
+            __m512i rows_a[4], rows_b[4];
+            q6_unpack_pairs(tile, 2 * sub, TILE_CODES, rows_a);
+            q6_unpack_pairs(tile, 2 * sub + 1, TILE_CODES, rows_b);
+            const uint16_t *xs = act->x + g * GROUP + sub * SUB;
+            for (int j = 0; j < 4; j++)
+                for (int t = 0; t < tokens; t++) {
+                    const int32_t *xp = (const int32_t *)(xs + t * K);
+                    first[t] = _mm512_dpbf16_ps(first[t], (__m512bh)rows_a[j], (__m512bh)_mm512_set1_epi32(xp[j]));
+                    second[t] = _mm512_dpbf16_ps(second[t], (__m512bh)rows_b[j], (__m512bh)_mm512_set1_epi32(xp[4 + j]));
+                }
+            const __m512 s = q6_scales(tile, dg, sub), offset = _mm512_mul_ps(s, _mm512_set1_ps(160.0f));
+            for (int t = 0; t < tokens; t++) {
+                acc[t] = _mm512_fmadd_ps(s, _mm512_add_ps(first[t], second[t]), acc[t]);
+                acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(act->sums[t * 2 * groups + 2 * g + sub]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+#endif
+
+/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    const int64_t groups = K / GROUP, blocks = N / 16;
+    const TileActivations act = tile_activations(x, K, tokens);
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const uint8_t *codes = tiles + nb * groups * 256;
+        const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+        float *out = y + nb * 16;
+#define INT4_BLOCK(T) block_rows(codes, bs, bz, &act, K, groups, T, out, ldy)
+        WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
+#undef INT4_BLOCK
+    }
+    release_activations(act);
+}
+
+void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                        const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
+        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
+        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
+    }
+}
+
+/* ----- Q6_K tiles ----------------------------------------------------------------------------- */
 static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
                      int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
-    const Int16Activations act = int16_activations(x, K, tokens);
+    const TileActivations act = tile_activations(x, K, tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
@@ -215,7 +313,7 @@ static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, fl
         WITH_CONSTANT_TOKENS(tokens, Q6_BLOCK)
 #undef Q6_BLOCK
     }
-    release_int16(act);
+    release_activations(act);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */

@@ -1,8 +1,17 @@
-"""Weights in 4-bit and Q6_K tiles multiplied with AVX-512 VNNI int16 dot products (`avx512_tiles.c`), for
-CPUs without AMX: a tile is unpacked once per pass of up to 8 tokens, so a verify pass of a few
-tokens costs little more than one. Each token's bf16 activations are taken on an int16 grid per
-group of 32 (a power of two each: exact for every input within 2^7 of the group's largest), and the
-sums are integers (see the C file).
+"""Weights in 4-bit and Q6_K tiles multiplied with AVX-512 dot products (`avx512_tiles.c`), for CPUs
+without AMX: a tile is unpacked once per pass of up to 8 tokens, so a verify pass of a few tokens
+costs little more than one.
+
+Two flavours of dot product (`tile_dots.dots()` picks one), one build each:
+- `int16` (`vpdpwssd`, VNNI): each token's bf16 activations on an int16 grid per 16 inputs (a power
+  of two each: exact for every input within 2^7 of the largest of its 16), integer sums. Faster
+  where `vdpbf16ps` is slow (Intel: 62 against 43 G multiply-adds/s a core), and runs on CPUs
+  without AVX-512 BF16.
+- `bf16` (`vdpbf16ps`): x as it is, float32 sums; a third of the int16 flavour's float work per
+  group, so faster where both instructions issue alike (AMD Zen 4: 0.54 against 0.65 ms for
+  8960x1536 at 8 tokens).
+Both are as close to a float32 reference (tests/test_real_kernels.py); each computes every token
+alone, so a verify pass agrees bit for bit with one-token decoding under either.
 
 - 4-bit: the layout of `int4_layout.pack` (shared with the AMX kernel); `matmul(packed, x)` is
   `x @ W^T` in float32, for passes of any width (prefills too: 8 tokens at a time).
@@ -22,10 +31,11 @@ import torch
 
 from specdraft.kernels import vnni_tiles
 from specdraft.kernels.build import bind, compiled_library
+from specdraft.kernels.tile_dots import build_options, dots
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
 _SOURCE = Path(__file__).with_name("avx512_tiles.c")
-# No BF16 instruction is used: CPUs with VNNI but not BF16 (Intel Cascade Lake, Ice Lake) run these kernels too.
+# The int16 build uses no BF16 instruction: CPUs with VNNI but not BF16 (Intel Cascade Lake, Ice Lake) run it too.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -35,13 +45,20 @@ _SIGNATURES = {
 }
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return bind(compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 tile kernels"), _SIGNATURES)
+    return _built(dots())
+
+
+@lru_cache(maxsize=None)
+def _built(flavour: str) -> ctypes.CDLL | None:
+    flags, required = build_options(flavour)
+    return bind(compiled_library(_SOURCE, _FLAGS + flags, _REQUIRED_CPU_FLAGS | required,
+                                 f"the AVX-512 tile kernels ({flavour} dot products)"), _SIGNATURES)
 
 
 def available() -> bool:
-    """Whether the AVX-512 tile kernels run on this machine (AVX-512 VNNI and a C compiler)."""
+    """Whether the AVX-512 tile kernels of `dots()` run on this machine (AVX-512 VNNI, BF16 for the bf16 flavour, and
+    a C compiler)."""
     return _library() is not None
 
 

@@ -12,14 +12,24 @@ import sys
 from pathlib import Path
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+def _cpuinfo_field(name: str) -> str:
+    """The value of the first `name` line of /proc/cpuinfo ('' where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        return ""
+    line = next((line for line in text.splitlines() if line.split(":")[0].strip() == name), "")
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo (`GenuineIntel`, `AuthenticAMD`; '' where unknown)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def source_text(source: Path) -> bytes:

@@ -14,6 +14,7 @@ import torch
 
 from specdraft.kernels import amx_tiles
 from specdraft.kernels.build import compiled_library
+from specdraft.kernels.tile_dots import build_options, dots
 
 _SOURCE = Path(__file__).with_name("decoder_avx512.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -45,13 +46,19 @@ class Layer(ctypes.Structure):
                 ("capacity", _SIZE)]
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
+    return _built(dots())
+
+
+@lru_cache(maxsize=None)
+def _built(flavour: str) -> ctypes.CDLL | None:  # the tile kernels of `flavour` run its AVX-512 projections
+    flags, required = build_options(flavour)
     if amx_tiles.available():  # the tile state is granted: the AMX build runs projections on AMX
-        library = compiled_library(_SOURCE, _FLAGS + _AMX_FLAGS, _REQUIRED_CPU_FLAGS | amx_tiles.REQUIRED_CPU_FLAGS,
+        library = compiled_library(_SOURCE, _FLAGS + flags + _AMX_FLAGS,
+                                   _REQUIRED_CPU_FLAGS | required | amx_tiles.REQUIRED_CPU_FLAGS,
                                    "the AVX-512 decoder layers with AMX")
     else:
-        library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 decoder layers")
+        library = compiled_library(_SOURCE, _FLAGS + flags, _REQUIRED_CPU_FLAGS | required, "the AVX-512 decoder layers")
     if library is None:
         return None
     library.decoder_layers_forward.argtypes = ([_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [ctypes.c_float] * 2

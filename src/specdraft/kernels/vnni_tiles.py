@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from specdraft.kernels.build import bind, compiled_library
+from specdraft.kernels.tile_dots import build_options, dots
 
 _SOURCE = Path(__file__).with_name("vnni_tiles.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
@@ -32,9 +33,15 @@ _SIGNATURES = {
 _PRECISE_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdraft_prompt_pass", default=None)
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return bind(compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 VNNI prompt kernels"), _SIGNATURES)
+    return _built(dots())
+
+
+@lru_cache(maxsize=None)
+def _built(flavour: str) -> ctypes.CDLL | None:  # the leading precise rows run on the tile kernels of `flavour`
+    flags, required = build_options(flavour)
+    return bind(compiled_library(_SOURCE, _FLAGS + flags, _REQUIRED_CPU_FLAGS | required, "the AVX-512 VNNI prompt kernels"),
+                _SIGNATURES)
 
 
 def available() -> bool:
