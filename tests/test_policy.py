@@ -244,3 +244,63 @@ def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_targ
     assert all(1 <= unread <= 4 for unread, _, _ in seen[1:])  # at most k + 1 tokens committed per step
     assert [r for _, r, _ in seen] == sorted([r for _, r, _ in seen], reverse=True) and seen[-1][1] >= 1
     assert all(r + g == 12 for _, r, g in seen)  # the answer so far and the budget left
+
+
+def tree_policy(verify_ms: list[float], draft_ms: float, budget: int = 8) -> AutoK:
+    """A tree AutoK with given pass costs (index = tokens per pass) and per-step draft cost."""
+    policy = AutoK(max_k=budget, tree=True)
+    policy.verify_seconds = [None] + [ms / 1000 for ms in verify_ms]
+    policy.estimates().draft_seconds_per_token = draft_ms / 1000
+    return policy
+
+
+def test_trim_keeps_what_the_scores_pay_for():
+    """A greedy tree's prefix is kept while its scores pay for the wider pass: all of a sure tree on flat passes,
+    little of an unsure one on dear passes; a fixed k keeps everything."""
+    steep = [30 + 10 * t for t in range(10)]  # each token in the pass adds a third of a plain step
+    flat = [30 + 0.5 * t for t in range(10)]
+    sure, unsure = [0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4], [0.3, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01, 0.01]
+    assert tree_policy(flat, draft_ms=5).trim(sure) == 8
+    assert tree_policy(steep, draft_ms=5).trim(unsure) == 1  # at least one token
+    assert 1 < tree_policy(steep, draft_ms=5).trim(sure) < 8
+    assert FixedK(3, tree_budget=8).trim(unsure) == 8
+    assert AutoK(max_k=8, tree=True).trim(unsure) == 8  # nothing measured yet: no basis to cut
+
+
+def test_trim_learns_how_far_to_trust_the_scores():
+    """Scores that overstate acceptance (κ < 1) trim harder than scores that understate it; a new request keeps
+    a quarter of what was learnt."""
+    steep = [30 + 6 * t for t in range(10)]
+    scores = [0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15]
+    fresh = tree_policy(steep, draft_ms=5).trim(scores)
+    overstated, understated = tree_policy(steep, draft_ms=5), tree_policy(steep, draft_ms=5)
+    for _ in range(40):
+        overstated.observe(8, 0, 0.005, 0.08, path=[], scores=scores)  # nothing accepted
+        understated.observe(8, 4, 0.005, 0.08, path=[0, 1, 2, 3], scores=[s / 2 for s in scores])
+    assert overstated.score_calibration() < 0.2 and understated.score_calibration() > 1.5
+    assert overstated.trim(scores) < fresh < understated.trim(scores)
+    before = overstated.estimates().score_mass
+    overstated.begin_request()
+    assert overstated.estimates().score_mass == pytest.approx(before * overstated.carry_over)
+
+
+def test_the_engine_trims_greedy_trees_only_and_stays_exact(tiny_target, drafts, make_lm):
+    """Greedy: the engine verifies the prefix `trim` keeps (output still plain decoding's); sampling: every node
+    (a cut that depends on what was drawn would bias the draw), so `trim` is never asked."""
+    asked = []
+
+    class Trimming(AutoK):
+        def trim(self, scores, source=DEFAULT_SOURCE):
+            asked.append(len(scores))
+            return 1
+
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPT, max_new_tokens=24)
+    policy = Trimming(max_k=6, tree=True)
+    decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=policy,
+                                 tree_budget=6, tree_branch=2)
+    got = decoder.generate(PROMPT, max_new_tokens=24)
+    assert got.token_ids == expected.token_ids
+    assert asked and max(asked) > 1 and all(k <= 1 for k in got.stats.k_per_step)
+    asked.clear()
+    sampled = decoder.generate(PROMPT, SamplingParams(temperature=0.8, seed=3), max_new_tokens=12)
+    assert not asked and max(sampled.stats.k_per_step) > 1

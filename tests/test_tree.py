@@ -140,6 +140,18 @@ def test_draft_tree_is_a_chain_draft_when_the_parents_are_a_chain():
     assert tree.parents.tolist() == [-1, -1, 0] and tree.k == 3
 
 
+def test_a_drafts_prefix_is_the_tree_of_its_first_tokens():
+    """`prefix(n)`: tokens, parents, q rows and scores of the first n; a tree whose prefix is a chain becomes one."""
+    tokens, q = torch.tensor([5, 6, 7, 8]), torch.eye(9)[[5, 6, 7, 8]]
+    tree = Draft.tree(tokens, [-1, -1, 0, 2], q, scores=[0.9, 0.5, 0.4, 0.2])
+    three = tree.prefix(3)
+    assert three.tokens.tolist() == [5, 6, 7] and three.layout.parents == (-1, -1, 0) and three.scores == [0.9, 0.5, 0.4]
+    assert torch.equal(three.q_draft, q[:3])
+    one = tree.prefix(1)
+    assert one.layout is None and one.parents.tolist() == [-1] and one.k == 1
+    assert tree.prefix(4) is tree and tree.prefix(9) is tree
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Tier 1: greedy verify_tree on hand-built logits
 # ---------------------------------------------------------------------------------------------

@@ -230,6 +230,8 @@ class SpeculativeDecoder:
                 source, k, unread = self._choose_draft(ctx, limit, remaining, len(generated))
             if k > 0:
                 draft = drafter.propose(ctx, k)
+                if draft.scores is not None and params.greedy:  # greedy: any prefix verifies exactly
+                    draft = draft.prefix(self.policy.trim(draft.scores, source))
                 k = draft.k
             else:
                 draft = Draft.chain(sequence.new_empty(0))
@@ -300,7 +302,7 @@ class SpeculativeDecoder:
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores)
             kept_accepted = min(num_accepted, len(committed))
             stats.record_step(k, kept_accepted, source if k > 0 else None, path,
                               tree.height if tree is not None else k)

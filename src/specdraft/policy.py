@@ -32,6 +32,12 @@ Trees (`tree=True`, a node budget as `max_k`): k counts nodes, E[tokens | k] = 1
 with P_i the online estimate that the drafter's i-th node is on the accepted path (drafters
 list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
 passes go by depth: `rate(k) = E[tokens | k] / (c_step + V(k + 1))`).
+
+Once a greedy tree is drafted, `trim` keeps the prefix worth verifying by what the drafter says
+of this very tree: its scores s_i (each node's path probability under the draft) scaled by κ,
+how many accepted tokens each unit of score has brought so far (learnt per source, from 1), so
+E[tokens | n] = 1 + κ·Σ_{i<n} s_i against c_step + V(n + 1). The budget comes from averages over
+past steps; the scores tell a step whose draft is unsure (a new text, a hard turn) from a sure one.
 """
 
 from __future__ import annotations
@@ -71,8 +77,13 @@ class FixedK:
         return min(self.tree_budget or self.k, limit)
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0) -> None:
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
+                scores: list[float] | None = None) -> None:
         """A fixed k learns nothing."""
+
+    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
+        """A fixed k verifies every token drafted."""
+        return len(scores)
 
 
 @dataclass
@@ -89,6 +100,9 @@ class SourceEstimates:
     read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
     plain_streak: int = 0  # steps this source was asked and declined in a row
     probing: bool = False
+    # Decayed sums over the tree nodes it drafted with scores: the scores, and the nodes accepted (κ = hits / mass).
+    score_mass: float = 0.0
+    score_hits: float = 0.0
 
     def __post_init__(self) -> None:
         self.hits = self.hits or [0.0] * self.max_k
@@ -133,14 +147,17 @@ class AutoK:
         for est in self.sources.values():
             est.hits = [h * self.carry_over for h in est.hits]
             est.tries = [t * self.carry_over for t in est.tries]
+            est.score_mass, est.score_hits = est.score_mass * self.carry_over, est.score_hits * self.carry_over
             est.plain_streak, est.probing = 0, False
             est.probe_interval = max(self.probe_every, est.probe_interval // 2)
         self.last_source = None
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0) -> None:
+                source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
+                scores: list[float] | None = None) -> None:
         """Learn from one step: `k` tokens drafted by `source` after reading `unread` committed tokens,
-        `accepted` of them kept (a tree: the nodes at `path`), and what it cost.
+        `accepted` of them kept (a tree: the nodes at `path`), the drafter's `scores` for them where it
+        gave any, and what it cost.
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         self._smooth_verify(k + 1, verify_seconds)
@@ -167,6 +184,9 @@ class AutoK:
             est.read_seconds_per_token = self._smoothed(est.read_seconds_per_token, per_read)
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
+        if scores is not None:
+            est.score_mass = est.score_mass * self.decay + sum(scores[:k])
+            est.score_hits = est.score_hits * self.decay + accepted
         verified = k if self.tree else min(accepted + 1, k)  # a chain: positions up to the first rejection
         for i in range(verified):
             est.tries[i] += 1.0
@@ -193,6 +213,28 @@ class AutoK:
         est = self.estimates(source)
         pooled = self.pooled_alpha(source) if pooled is None else pooled
         return (est.hits[position] + pooled * self.prior_weight) / (est.tries[position] + self.prior_weight)
+
+    def score_calibration(self, source: str = DEFAULT_SOURCE) -> float:
+        """κ: accepted tokens per unit of the drafter's scores so far, shrunk toward 1 (scores taken at their word)."""
+        est = self.estimates(source)
+        return (est.score_hits + self.prior_weight) / (est.score_mass + self.prior_weight)
+
+    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
+        """How many leading tokens of a drafted greedy tree to verify (at least 1), given the drafter's `scores`
+        (best first, parents before children): the prefix n with the most expected tokens per second,
+        (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at its usual cost (module doc)."""
+        if not scores or self.verify_estimate(1) is None:
+            return len(scores)
+        kappa, draft = self.score_calibration(source), self.estimates(source).draft_seconds_per_token or 0.0
+        if not self.tree:
+            draft *= len(scores)
+        best_n, best_rate, expected = 1, 0.0, 1.0
+        for n, score in enumerate(scores[: len(self.verify_seconds) - 2], start=1):  # widths the policy prices
+            expected += kappa * score
+            rate = expected / (draft + self.verify_estimate(n + 1))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
 
     def expected_token_curve(self, n: int, source: str = DEFAULT_SOURCE) -> list[float]:
         """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token.

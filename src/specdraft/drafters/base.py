@@ -16,7 +16,9 @@ class Draft:
 
     A chain is a tree whose parents are `i - 1` (the first token's parent, -1, is the last
     committed token); any other tree carries its compiled `layout`. `q_draft` is the distribution each token was actually drawn from, or
-    `None` for a deterministic proposal (verified as a point mass).
+    `None` for a deterministic proposal (verified as a point mass). `scores`, where the drafter
+    has them, are its own estimates that each token lies on the accepted path (a dynamic tree's
+    path probabilities), never rising from a token to its children.
     """
 
     tokens: torch.Tensor  # [k] int64
@@ -24,24 +26,36 @@ class Draft:
     q_draft: torch.Tensor | None = None  # [k, V] float32
     info: dict = field(default_factory=dict)
     layout: TreeLayout | None = None  # the tree's shape; None for a chain
+    scores: list[float] | None = None  # [k]
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def tree(tokens: torch.Tensor, parents: list[int], q_draft: torch.Tensor | None = None) -> "Draft":
+    def tree(tokens: torch.Tensor, parents: list[int], q_draft: torch.Tensor | None = None,
+             scores: list[float] | None = None) -> "Draft":
         """A tree draft (see `tree.TreeLayout`); a parent list that is a chain gives a chain draft."""
         layout = TreeLayout.from_parents(parents, tokens.device)
         if layout.is_chain:
-            return Draft.chain(tokens, q_draft)
-        return Draft(tokens, torch.tensor(parents, dtype=torch.long, device=tokens.device), q_draft, layout=layout)
+            return Draft.chain(tokens, q_draft, scores)
+        return Draft(tokens, torch.tensor(parents, dtype=torch.long, device=tokens.device), q_draft, layout=layout,
+                     scores=scores)
 
     @staticmethod
-    def chain(tokens: torch.Tensor, q_draft: torch.Tensor | None = None) -> "Draft":
+    def chain(tokens: torch.Tensor, q_draft: torch.Tensor | None = None, scores: list[float] | None = None) -> "Draft":
         """A chain draft: token i's parent is token i - 1."""
         parents = torch.arange(-1, tokens.shape[0] - 1, device=tokens.device)
-        return Draft(tokens=tokens, parents=parents, q_draft=q_draft)
+        return Draft(tokens=tokens, parents=parents, q_draft=q_draft, scores=scores)
+
+    def prefix(self, n: int) -> "Draft":
+        """The draft's first `n` tokens (a tree stays a tree: tokens are in topological order, so every kept
+        token's parent is kept); token indices, and so paths, are unchanged."""
+        if n >= self.k:
+            return self
+        q_draft = None if self.q_draft is None else self.q_draft[:n]
+        scores = None if self.scores is None else self.scores[:n]
+        return Draft.tree(self.tokens[:n], self.parents[:n].tolist(), q_draft, scores)
 
 
 @dataclass

@@ -132,5 +132,6 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
         for i, node in enumerate(chosen):
             if node in drawn_from:
                 q_draft[i] = drawn_from[node]
-    draft = Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft)
+    draft = Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft,
+                       [scores[i] for i in chosen])
     return GrownTree(draft, [fed_slot.get(node) for node in chosen])
