@@ -483,9 +483,10 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
-    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens:
-    identical where every matrix is on our tile kernels (each token computed alone); with Q6_K unpacked
-    (`fallback`: PyTorch's bf16 GEMM, whose roundings depend on the pass width) they may part only at a near-tie."""
+    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens, or
+    parts from them only at a near-tie: the tiny file's Q8_0 and F16 linears (and, `fallback`, its Q6_K ones) run on
+    PyTorch's bf16 GEMM, whose roundings depend on the pass width (seen: logits 0.5-0.75 apart between a one-token
+    and a four-token pass). This model's logits are near 100, where a bf16 step is 0.5: a near-tie is two steps."""
     packed = models(backend)
     drafts = {"close": reference_model(models), "unrelated": tiny_model(tiny_config(vocab_size=VOCAB), seed=5)}
     plain = SpeculativeDecoder(CausalLM(packed))
@@ -496,11 +497,8 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
         for prompt in PROMPTS:
             want = plain.generate(prompt, max_new_tokens=20)
             got = spec.generate(prompt, max_new_tokens=20)
-            if backend == "native":
-                assert got.token_ids == want.token_ids, (name, prompt)
-            else:
-                verdict = compare_greedy(CausalLM(packed), prompt, want.token_ids, got.token_ids)
-                assert verdict.acceptable, (name, prompt, verdict)
+            verdict = compare_greedy(CausalLM(packed), prompt, want.token_ids, got.token_ids, margin=1.0)
+            assert verdict.acceptable, (name, prompt, verdict)
             assert got.stats.new_tokens == 20 and got.stats.drafted > 0
             accepted[name] += got.stats.accepted
     assert accepted["close"] > accepted["unrelated"]

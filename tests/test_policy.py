@@ -290,6 +290,9 @@ def test_the_engine_trims_greedy_trees_only_and_stays_exact(tiny_target, drafts,
     asked = []
 
     class Trimming(AutoK):
+        def choose(self, limit, source=DEFAULT_SOURCE, unread=0, remaining=None, generated=None):
+            return limit  # always the whole budget (timings must not decide whether a tree is drafted)
+
         def trim(self, scores, source=DEFAULT_SOURCE):
             asked.append(len(scores))
             return 1
