@@ -222,12 +222,11 @@ class AutoK:
     def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
         """How many leading tokens of a drafted greedy tree to verify (at least 1), given the drafter's `scores`
         (best first, parents before children): the prefix n with the most expected tokens per second,
-        (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at its usual cost (module doc)."""
+        (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at its usual cost per step (scores
+        come from tree drafters, whose passes go by depth; module doc)."""
         if not scores or self.verify_estimate(1) is None:
             return len(scores)
         kappa, draft = self.score_calibration(source), self.estimates(source).draft_seconds_per_token or 0.0
-        if not self.tree:
-            draft *= len(scores)
         best_n, best_rate, expected = 1, 0.0, 1.0
         for n, score in enumerate(scores[: len(self.verify_seconds) - 2], start=1):  # widths the policy prices
             expected += kappa * score
