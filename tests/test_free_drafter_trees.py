@@ -62,7 +62,7 @@ def test_ngram_tree_shape(k, branch, depth):
     for seq in random_sequences(30, 60, 4, seed=k):
         index = NgramIndex(max_n=4, min_n=2)
         index.extend(seq)
-        tokens, parents, n = index.lookup_tree(k, branch, depth)
+        tokens, parents, _, n = index.lookup_tree(k, branch, depth)
         check_tree(tokens, parents, k, branch, depth)
         assert (n > 0) == bool(tokens) and n == index.lookup(1)[1]
         assert all(followed_a_match(seq, path, 2) for path in paths(tokens, parents))
@@ -73,12 +73,13 @@ def test_ngram_tree_shape(k, branch, depth):
 def test_ngram_two_continuations_are_siblings_the_likelier_first():
     index = NgramIndex(max_n=3, min_n=2)
     index.extend([1, 2, 7, 0, 1, 2, 8, 5, 1, 2])  # "1 2" went on to 7, later to 8
-    tokens, parents, n = index.lookup_tree(6, 2, 3)
+    tokens, parents, _, n = index.lookup_tree(6, 2, 3)
     assert n == 2 and tokens[:2] == [8, 7] and parents[:2] == [-1, -1]  # equally often: the most recent first
     assert tokens == [8, 7, 5, 0, 1, 1] and parents == [-1, -1, 0, 1, 2, 3]
     index.extend([7, 3, 1, 2])  # now 7 twice, 8 once
-    tokens, parents, _ = index.lookup_tree(2, 2, 1)
+    tokens, parents, scores, _ = index.lookup_tree(2, 2, 1)
     assert tokens == [7, 8] and parents == [-1, -1]  # more occurrences first
+    assert scores == pytest.approx([2 / 3, 1 / 3])  # each node's share of the occurrences
     assert index.lookup(2) == ([7, 3], 2)  # the chain still follows the most recent occurrence
 
 
@@ -87,7 +88,7 @@ def test_ngram_longer_match_outweighs_a_shorter_one():
     # gets the 3-gram's whole weight plus a share of the 2-gram's, so it comes first.
     index = NgramIndex(max_n=3, min_n=2)
     index.extend([0, 1, 2, 9, 5, 1, 2, 4, 6, 1, 2, 4, 0, 1, 2])
-    tokens, parents, n = index.lookup_tree(2, 2, 1)
+    tokens, parents, _, n = index.lookup_tree(2, 2, 1)
     assert n == 3 and tokens == [9, 4] and parents == [-1, -1]
 
 
@@ -121,6 +122,7 @@ def test_ngram_drafter_tree_respects_max_depth():
     assert draft.layout is not None and draft.q_draft is None
     check_tree(draft.tokens.tolist(), draft.parents.tolist(), 8, 3, 2)
     assert draft.tokens.tolist()[:3] == [9, 8, 7]  # one occurrence each: the most recent first
+    assert draft.scores == pytest.approx([1 / 3] * 6)  # the scores travel with the draft, for `AutoK.trim`
 
 
 # ----- suffix ----------------------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_suffix_two_continuations_are_siblings_with_their_probabilities():
     tree = index.propose_tree(3, 2, min_score=0.0, max_spec_factor=1.0)
     assert tree.match_length == 2
     assert tree.tokens == [8, 7, 4] and tree.parents == [-1, -1, 0]  # 8 (2/3), 7 (1/3), then 8 -> 4 (1/3, newer)
-    assert tree.score == pytest.approx(2 / 3 + 1 / 3 + 1 / 3)
+    assert tree.scores == pytest.approx([2 / 3, 1 / 3, 1 / 3]) and tree.score == pytest.approx(4 / 3)
     tied = SuffixIndex(max_depth=6)
     tied.start_request([1, 2, 7, 5, 1, 2, 8, 6, 1, 2])
     assert tied.propose_tree(2, 2, max_spec_factor=1.0).tokens == [8, 7]  # equal counts: the most recent first
@@ -187,6 +189,8 @@ def test_suffix_drafter_proposes_a_tree_from_the_corpus():
     draft = drafter.propose(ctx(seq, branch=2), 4)
     assert draft.tokens.tolist() == [14, 12, 15, 13] and draft.parents.tolist() == [-1, -1, 0, 1]
     assert draft.info["match_length"] == 2 and draft.q_draft is None
+    assert draft.scores == pytest.approx([0.5, 0.5, 0.5, 0.5])  # the scores travel with the draft, for `trim`
+    assert drafter.propose(ctx(seq, branch=2), 3).scores == pytest.approx([0.5, 0.5, 0.5])
 
 
 # ----- exactness through the engine ------------------------------------------------------------------

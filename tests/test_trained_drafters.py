@@ -242,6 +242,9 @@ def test_trained_drafters_are_greedy_exact(target, trained_files, prompts_file, 
     if kind == "eagle":  # on the CPU its linears run on int4 kernels (a cheaper, lossy draft: still exact)
         layer = drafter.fallback.model if hasattr(drafter, "fallback") else drafter.model
         assert isinstance(layer.fc, Int4Linear) == int4_kernel_available()
+    drafts = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx, k: drafts.append(propose(ctx, k)) or drafts[-1]
     spec = SpeculativeDecoder(target, drafter, k=3, tree_budget=budget, tree_branch=3)
     ar = SpeculativeDecoder(target)
     accepted = 0
@@ -251,6 +254,11 @@ def test_trained_drafters_are_greedy_exact(target, trained_files, prompts_file, 
         accepted += out.stats.accepted
     if kind == "eagle":  # the EAGLE layer learns the tiny target's continuations well enough to be accepted
         assert accepted > 0
+    trees = [draft for draft in drafts if draft.layout is not None]
+    assert bool(trees) == (budget > 0)
+    for tree in trees:  # path probabilities for `AutoK.trim`: one per node, never above the parent's
+        assert len(tree.scores) == tree.k
+        assert all(tree.scores[i] <= tree.scores[p] + 1e-6 for i, p in enumerate(tree.parents.tolist()) if p >= 0)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])

@@ -107,4 +107,4 @@ class MedusaDrafter(FeatureDrafter):
             for i, node in enumerate(nodes):
                 if node.q_row is not None:
                     q_draft[i] = node.q_row
-        return Draft.tree(draft_tokens, parents, q_draft)
+        return Draft.tree(draft_tokens, parents, q_draft, scores=[node.score for node in nodes])

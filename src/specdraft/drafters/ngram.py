@@ -81,13 +81,14 @@ class NgramIndex:
         n, starts = matches[0]
         return self.tokens[starts[-1] : starts[-1] + k], n
 
-    def lookup_tree(self, k: int, branch: int, depth: int) -> tuple[list[int], list[int], int]:
+    def lookup_tree(self, k: int, branch: int, depth: int) -> tuple[list[int], list[int], list[float], int]:
         """At most `k` nodes merging the continuations of every remembered match (module doc): tokens,
-        parents (-1: the root) and the longest match's n (0: none). At most `branch` children per
-        node, at most `depth` deep; ordered best first, so siblings come likeliest first."""
+        parents (-1: the root), scores (the share of the matches' weight through each node) and the
+        longest match's n (0: none). At most `branch` children per node, at most `depth` deep;
+        ordered best first, so siblings come likeliest first."""
         matches = self._matches()
         if not matches or k < 1 or depth < 1:
-            return [], [], 0
+            return [], [], [], 0
         weights: dict[int, float] = {}  # start -> weight (sums to 1); insertion order = priority
         for _, starts in matches:
             for start in reversed(starts):  # most recent first
@@ -106,8 +107,8 @@ class NgramIndex:
             best = sorted(node.children.values(), key=lambda c: (-c.weight, c.rank))[:branch]
             return [(child.token, child.weight, child) for child in best]
 
-        tokens, parents, _, _ = grow_best_first(root, children, k)
-        return tokens, parents, matches[0][0]
+        tokens, parents, scores, _ = grow_best_first(root, children, k)
+        return tokens, parents, scores, matches[0][0]
 
 
 class _Branch:
@@ -159,5 +160,5 @@ class NgramDrafter(Drafter):
             tokens, _ = self.index.lookup(k)
             return Draft.chain(torch.tensor(tokens, dtype=torch.long, device=device))  # [≤ k]
         depth = k if ctx.max_depth is None else min(k, ctx.max_depth)
-        tokens, parents, _ = self.index.lookup_tree(k, ctx.tree_branch, depth)
-        return Draft.tree(torch.tensor(tokens, dtype=torch.long, device=device), parents)  # [≤ k]
+        tokens, parents, scores, _ = self.index.lookup_tree(k, ctx.tree_branch, depth)
+        return Draft.tree(torch.tensor(tokens, dtype=torch.long, device=device), parents, scores=scores)  # [≤ k]

@@ -194,28 +194,29 @@ class SuffixTrie:
         else:
             parent.children = None
 
-    def walk(self, node: _Node, limit: int, min_score: float) -> tuple[list[int], float, _Node]:
+    def walk(self, node: _Node, limit: int, min_score: float) -> tuple[list[int], list[float], _Node]:
         """Up to `limit` tokens below `node`, each the most frequent child, while the product of
-        their probabilities stays >= `min_score`; with the walk's score Σ_i Π_{j≤i} p_j and the
-        last node reached."""
+        their probabilities stays >= `min_score`; with each token's score Π_{j≤i} p_j (the walk's
+        score is their sum) and the last node reached."""
         tokens: list[int] = []
-        survival, score = 1.0, 0.0
+        scores: list[float] = []
+        survival = 1.0
         while len(tokens) < limit and node.total:
             child = _best_child(node)
             survival *= child.count / node.total
             if survival < min_score:
                 break
             tokens.append(child.token)
-            score += survival
+            scores.append(survival)
             node = child
-        return tokens, score, node
+        return tokens, scores, node
 
     @staticmethod
     def grow(node: _Node, limit: int, branch: int, depth: int, min_score: float
-             ) -> tuple[list[int], list[int], float, int]:
+             ) -> tuple[list[int], list[int], list[float], int]:
         """The speculation tree below `node` (module doc): at most `limit` nodes, at most `branch`
         children each, at most `depth` deep, each with score (product of probabilities) >= `min_score`.
-        Returns tokens, parents (-1: `node`), the tree's score Σ node scores, and the newest stamp used."""
+        Returns tokens, parents (-1: `node`), each node's score, and the newest stamp used."""
         def children(parent: _Node, parent_depth: int, parent_score: float):
             if parent_depth >= depth or not parent.total:
                 return
@@ -226,8 +227,7 @@ class SuffixTrie:
                 yield child.token, score, child
 
         tokens, parents, scores, nodes = grow_best_first(node, children, limit)
-        total, newest = sum(scores), max((child.stamp for child in nodes), default=0)
-        return tokens, parents, total, newest
+        return tokens, parents, scores, max((child.stamp for child in nodes), default=0)
 
 
 @dataclass
@@ -235,13 +235,18 @@ class SuffixProposal:
     """The best continuation found for the current sequence (empty: nothing worth proposing)."""
 
     tokens: list[int]
-    score: float  # expected accepted tokens under the empirical counts: Σ_i Π_{j≤i} p_j
+    scores: list[float]  # per token, the product of empirical probabilities along its path
     match_length: int  # tokens of the tail that matched (0: no proposal)
     request_id: int | None = None  # the corpus request it was drawn from; None: the current request
     parents: list[int] | None = None  # a tree: parent index per token (-1: the last committed token); None: a chain
 
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens under the empirical counts: Σ of the tokens' scores."""
+        return sum(self.scores)
 
-NO_PROPOSAL = SuffixProposal([], 0.0, 0)
+
+NO_PROPOSAL = SuffixProposal([], [], 0)
 
 
 @dataclass
@@ -332,9 +337,9 @@ class SuffixIndex:
                 node = matches[length]
                 if not node.total:  # only the occurrence at the very end: nothing followed it
                     continue
-                tokens, score, last = trie.walk(node, cap, min_score)
-                if score > best.score:
-                    best, best_node, found = SuffixProposal(tokens, score, length), last, True
+                tokens, scores, last = trie.walk(node, cap, min_score)
+                if sum(scores) > best.score:
+                    best, best_node, found = SuffixProposal(tokens, scores, length), last, True
             if found and trie is self.corpus:
                 best.request_id = self._owner(best_node.stamp)
         return best
@@ -358,9 +363,9 @@ class SuffixIndex:
                 node = matches[length]
                 if not node.total:  # only the occurrence at the very end: nothing followed it
                     continue
-                tokens, parents, score, stamp = trie.grow(node, limit, branch, levels, min_score)
-                if score > best.score:
-                    best, best_stamp, found = SuffixProposal(tokens, score, length, parents=parents), stamp, True
+                tokens, parents, scores, stamp = trie.grow(node, limit, branch, levels, min_score)
+                if sum(scores) > best.score:
+                    best, best_stamp, found = SuffixProposal(tokens, scores, length, parents=parents), stamp, True
             if found and trie is self.corpus:
                 best.request_id = self._owner(best_stamp)
         return best
@@ -514,9 +519,13 @@ class SuffixDrafter(Drafter):
         if proposal.request_id is not None:
             self.index.touch(proposal.request_id)
         tokens = torch.tensor(proposal.tokens[:k], dtype=torch.long, device=ctx.sequence.device)  # [≤ k]
+        scores = proposal.scores[:k]
         # A tree's nodes are in topological order, so its first k are a tree too.
-        draft = Draft.chain(tokens) if proposal.parents is None else Draft.tree(tokens, proposal.parents[:k])
-        draft.info.update(match_length=proposal.match_length, score=proposal.score)
+        if proposal.parents is None:
+            draft = Draft.chain(tokens, scores=scores)
+        else:
+            draft = Draft.tree(tokens, proposal.parents[:k], scores=scores)
+        draft.info.update(match_length=proposal.match_length, score=sum(scores))
         return draft
 
     def end(self, sequence: torch.Tensor) -> None:  # sequence: [L] prompt + every committed token
