@@ -80,6 +80,21 @@ def test_summary_without_ar_has_no_speedup_or_exactness():
     assert summarize(RECORDS, None)["spec"]["speedup_vs_ar"] is None
 
 
+def test_speedup_after_the_prompt_pass():
+    """A long prompt's prefill is shared work: the speedup after it is shown beside the whole answer's."""
+    timed = [dict(rec(1, "rag", "ar", 20, 4.0, SAME), prefill_seconds=2.0),
+             dict(rec(1, "rag", "spec", 20, 3.0, SAME), prefill_seconds=2.0),
+             rec(1, "rag", "hf-ar", 20, 5.0, SAME)]  # a peer: its prompt pass is not timed
+    s = summarize(timed, "ar")
+    assert s["spec"]["speedup_vs_ar"] == pytest.approx(4 / 3)
+    assert s["spec"]["decode_speedup_vs_ar"] == pytest.approx(2.0)  # 20 tokens in 1 s against 2 s
+    assert (s["ar"]["prefill_share"], s["spec"]["prefill_share"]) == (pytest.approx(0.5), pytest.approx(2 / 3))
+    assert s["hf-ar"]["decode_speedup_vs_ar"] is None and s["hf-ar"]["prefill_share"] is None
+    assert s["spec"]["categories"]["rag"]["decode_speedup_vs_ar"] == pytest.approx(2.0)
+    report = render_report({"methods": s})
+    assert "after prefill" in report and "| `spec` | rag | 1.33× | 2.00× | 67% |" in report
+
+
 def test_exactness_check_catches_a_planted_mismatch():
     assert find_mismatches(RECORDS, "ar", NEAR_TIES) == [(2, "hf-ar")]
     assert find_mismatches(RECORDS, "ar", {}) == [(2, "spec"), (2, "hf-ar")]  # no near-tie verdict: a mismatch

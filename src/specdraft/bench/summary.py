@@ -41,7 +41,7 @@ from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
 FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
-          "agreement", "cost_ratio", "k", "mean_k")
+          "agreement", "cost_ratio", "k", "mean_k", "prefill_share", "decode_speedup_vs_ar")
 
 
 class ExactnessError(SpecdraftError):
@@ -76,6 +76,22 @@ def rates(records: Sequence[Mapping]) -> dict[str, float | None]:
         "acceptance_rate": _ratio(sum(r["accepted"] for r in drafted), sum(r["drafted"] for r in drafted)),
         "mean_committed_per_step": _ratio(sum(r["new_tokens"] for r in counted), sum(r["steps"] for r in counted)),
     }
+
+
+def _prefill_timed(records: Sequence[Mapping]) -> list[Mapping]:
+    return [r for r in records if r.get("prefill_seconds") is not None]
+
+
+def prefill_share(records: Sequence[Mapping]) -> float | None:
+    """Σ prefill_seconds / Σ wall_seconds over the records that time their prompt pass (our loop only)."""
+    timed = _prefill_timed(records)
+    return _ratio(sum(r["prefill_seconds"] for r in timed), sum(r["wall_seconds"] for r in timed))
+
+
+def decode_tokens_per_second(records: Sequence[Mapping]) -> float | None:
+    """New tokens per second after the prompt pass: Σ new_tokens / Σ (wall − prefill), over timed records."""
+    timed = _prefill_timed(records)
+    return _ratio(sum(r["new_tokens"] for r in timed), sum(r["wall_seconds"] - r["prefill_seconds"] for r in timed))
 
 
 def cost_ratio(records: Sequence[Mapping]) -> float | None:
@@ -196,6 +212,12 @@ def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
     reference_tps = rates(reference_records)["tokens_per_second"] if reference_records else None
     tps = figures["tokens_per_second"]
     figures["speedup_vs_ar"] = tps / reference_tps if tps is not None and reference_tps else None
+    # The prompt pass is the same work for every method of ours: the speedup of what follows it shows what
+    # speculation did where a long prompt's prefill bounds the whole answer's (Amdahl).
+    decode_tps = decode_tokens_per_second(records)
+    reference_decode = decode_tokens_per_second(reference_records) if reference_records else None
+    figures["decode_speedup_vs_ar"] = decode_tps / reference_decode if decode_tps and reference_decode else None
+    figures["prefill_share"] = prefill_share(records)
     by_prompt = {r["question_id"]: r for r in reference_records}
     judged = reference_records and not own_numerics
     figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if judged else None
@@ -332,12 +354,13 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         peer = bool(figures.get("own_numerics"))
         for category, cat in [*figures["categories"].items(), ("all", figures)]:
             rows.append([f"`{method}`", category, _fmt(cat["speedup_vs_ar"], ".2f", "×"),
+                         _fmt(cat.get("decode_speedup_vs_ar"), ".2f", "×"), _fmt(cat.get("prefill_share"), ".0%"),
                          _fmt(cat["mean_committed_per_step"]), _fmt(cat["acceptance_rate"]),
                          _fmt(cat.get("cost_ratio"), ".3f"), _fmt(cat.get("mean_k"), ".2f"),
                          _fmt(cat["tokens_per_second"], ".1f"),
                          exact_cell(cat, peer), *([_fmt(cat.get("agreement"), ".0%")] if peers else [])])
-    lines += _table(["method", "category", "speedup", "τ", "α", "c", "mean k", "tokens/s", "greedy exact", *agree],
-                    rows)
+    lines += _table(["method", "category", "speedup", "after prefill", "prefill", "τ", "α", "c", "mean k", "tokens/s",
+                     "greedy exact", *agree], rows)
     histograms = {m: f["k_histogram"] for m, f in methods.items() if f.get("k_histogram")}
     if histograms:
         lines += ["", "## Draft tokens chosen per step", "",
@@ -361,7 +384,9 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
                         [[f"`{m}`", source, str(row["steps"]), str(row["drafted"]), str(row["accepted"]),
                           _fmt(row["accepted"] / row["drafted"] if row["drafted"] else None, ".2f")]
                          for m, table in sources.items() for source, row in table.items()])
-    lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; τ: tokens per target step; "
+    lines += ["", "speedup: tokens/s over `ar`'s on the same prompts and budget; after prefill: the same for the time "
+              "after the prompt pass (which is the same work for every method of ours; peers do not report it); "
+              "prefill: the prompt pass's share of the method's time; τ: tokens per target step; "
               "α: accepted / drafted; c: one drafted token's time / one verification step's time; "
               "k: most draft tokens per step; mean k: draft tokens per step on average; greedy exact: share of prompts equal to `ar` (near-ties allowed).", ""]
     if peers:
