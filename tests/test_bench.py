@@ -225,6 +225,10 @@ def test_resumption_skips_finished_pairs(tiny_config, counted_runs):
     assert len(lines) == 8 and len({(json.loads(x)["question_id"], json.loads(x)["method"]) for x in lines}) == 8
     assert third.records == second.records
     assert third.summary["methods"]["spec:k=2"]["greedy_exact"] == 1.0
+    for record in map(json.loads, lines):  # the timings and counts land in their own fields
+        assert 0 < record["prefill_seconds"] < record["wall_seconds"]
+        assert len(record["k_per_step"]) == record["steps"] and isinstance(record["by_source"], dict)
+        assert record["k"] == (max(record["k_per_step"]) or None)
     counted_runs.clear()
     run_bench(tiny_config(max_new_tokens=10, max_prompts=1))  # other settings: run again, not reused
     assert len([c for c in counted_runs if c[1] == "run"]) == 4

@@ -112,10 +112,10 @@ class RunOutput:
     drafted_at: list[int] | None = None  # drafted_at[i]: drafts that reached position i
     draft_seconds: float | None = None  # time spent proposing (our loop only)
     verify_seconds: float | None = None  # time spent in the target's verification passes (our loop only)
-    prefill_seconds: float | None = None  # time spent in the target's prompt pass (our loop only)
     k: int | None = None  # the most draft tokens of any step (None when nothing was drafted)
     k_per_step: list[int] | None = None  # draft tokens of each step (our loop only)
     by_source: dict[str, dict[str, int]] | None = None  # steps, drafted, accepted per draft source (our loop only)
+    prefill_seconds: float | None = None  # time spent in the target's prompt pass (our loop only)
 
 
 @dataclass(frozen=True)
@@ -233,10 +233,11 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
     sync_device(target.device)
     wall = time.perf_counter() - started
     stats = completion.stats
-    return RunOutput(completion.token_ids, wall, stats.steps, stats.drafted, stats.accepted,
-                     list(stats.accepted_at), list(stats.drafted_at), stats.draft_seconds, stats.verify_seconds,
-                     max(stats.k_per_step, default=0) or None, list(stats.k_per_step), stats.by_source(),
-                     stats.prefill_seconds)
+    return RunOutput(completion.token_ids, wall, steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+                     accepted_at=list(stats.accepted_at), drafted_at=list(stats.drafted_at),
+                     draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+                     k=max(stats.k_per_step, default=0) or None, k_per_step=list(stats.k_per_step),
+                     by_source=stats.by_source(), prefill_seconds=stats.prefill_seconds)
 
 
 def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
