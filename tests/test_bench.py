@@ -306,7 +306,7 @@ def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
     assert costs["context"] == 128 - 8  # the tiny target's 128 positions less the widest pass
     assert "| `hf-assisted` |" in (out / "report.md").read_text()
     assert "## This machine's costs" in (out / "report.md").read_text()
-    assert "speedup" in result.stderr
+    assert "speedup" in result.stderr and "after prefill" in result.stderr
 
 
 @pytest.mark.parametrize("extra, message", [

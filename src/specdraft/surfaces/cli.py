@@ -283,12 +283,12 @@ def _bench_table(summary: dict) -> Table:
     peers = any(f.get("own_numerics") for f in methods.values())  # then an agreement column (see bench.summary)
     table = Table(title="specdraft bench")
     table.add_column("method", overflow="fold")
-    for column in ("tok/s", "speedup", "τ", "α", "exact", *(["agree"] if peers else []), *categories):
+    for column in ("tok/s", "speedup", "after prefill", "τ", "α", "exact", *(["agree"] if peers else []), *categories):
         table.add_column(column, justify="right", no_wrap=True)
     for label, f in methods.items():
         exact = "n/a" if f.get("own_numerics") else fmt(f["greedy_exact"], ".0%")
         table.add_row(label, fmt(f["tokens_per_second"], ".1f"), fmt(f["speedup_vs_ar"], ".2f", "×"),
-                      fmt(f["mean_committed_per_step"]), fmt(f["acceptance_rate"]), exact,
+                      fmt(f.get("decode_speedup_vs_ar"), ".2f", "×"), fmt(f["mean_committed_per_step"]), fmt(f["acceptance_rate"]), exact,
                       *([fmt(f.get("agreement"), ".0%")] if peers else []),
                       *(fmt(f["categories"].get(c, {}).get("speedup_vs_ar"), ".2f", "×") for c in categories))
     return table
