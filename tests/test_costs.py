@@ -120,3 +120,16 @@ def test_costs_cli(tiny_model_dirs, tmp_path):
     assert set(saved["costs"]["pass_seconds"]) == {"1", "2", "3"} and len(saved["draft"]) == 2
     result = runner.invoke(app, ["costs", *models, "--draft", "", "--widths", "2,3"])
     assert result.exit_code == 2 and "must include 1" in result.output
+
+
+def test_costs_cli_loads_gguf_files_as_asked(monkeypatch):
+    """`--gguf-weights` reaches the loader, as in `generate` and `bench` (unpacked: memory-bound passes)."""
+    asked = []
+
+    def loader(name, **options):
+        asked.append(options.get("gguf_weights"))
+        raise SpecdraftError("stopped before loading")
+
+    monkeypatch.setattr("specdraft.models.loading.load_model", loader)
+    result = CliRunner().invoke(app, ["costs", "--gguf-weights", "unpacked"])
+    assert result.exit_code == 2 and "stopped before loading" in result.output and asked == ["unpacked"]

@@ -27,6 +27,9 @@ from specdraft.models import registry
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Lossless speculative decoding: same output as the target model, sooner.")
+GGUF_WEIGHTS_OPTION = typer.Option(  # one definition for every command that loads models
+    "auto", "--gguf-weights", help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
+                                   "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU).")
 err = Console(stderr=True, soft_wrap=True)
 
 # Colour of each token by what happened to it.
@@ -95,9 +98,7 @@ def generate(
     n: int = typer.Option(1, "--n", min=1, help="Independent samples."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    gguf_weights: str = typer.Option("auto", "--gguf-weights",
-                                     help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
-                                          "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU)."),
+    gguf_weights: str = GGUF_WEIGHTS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
     """Generate from a prompt, streaming tokens coloured by what happened to each."""
@@ -245,9 +246,7 @@ def bench(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     threads: Optional[int] = typer.Option(None, "--threads",
                                           help="torch threads, and llama-cpp's (default: torch's)."),
-    gguf_weights: str = typer.Option("auto", "--gguf-weights",
-                                     help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
-                                          "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU)."),
+    gguf_weights: str = GGUF_WEIGHTS_OPTION,
     out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
     """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
@@ -338,6 +337,7 @@ def costs(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    gguf_weights: str = GGUF_WEIGHTS_OPTION,
     out: Optional[Path] = typer.Option(None, "--out", help="Write the measurements and predictions to this JSON file."),
 ) -> None:
     """Time this machine: the target's pass by width, the draft per token, memory rate; expected speedup by α."""
@@ -352,8 +352,9 @@ def costs(
         torch.set_num_threads(threads)
     try:
         alphas, pass_widths = parse_list(alpha, float, "--alpha"), parse_list(widths, int, "--widths")
-        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device), draft_quant) if draft else None
-        target_lm = load_model(target, dtype=dtype, device=device)
+        draft_lm = (prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant)
+                    if draft else None)
+        target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
         report = predict(measure_costs(target_lm, draft_lm, pass_widths, context, repeats), alphas)
         if out is not None:
             out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
