@@ -82,10 +82,37 @@ def test_sampled_trees_are_reproducible_and_seed_dependent(tiny_target, drafts, 
 
 @pytest.mark.parametrize("budget,branch", [(2, 3), (7, 2), (12, 4)])
 def test_sampled_trees_keep_to_the_budget(tiny_target, drafts, make_lm, budget, branch):
+    """Every level keeps room for its drawn node: a budget of 2 under k = 6 is a chain of 2 (a sibling only where
+    the answer's end allows one level), larger budgets branch."""
     drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0)
     spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=6, tree_budget=budget, tree_branch=branch)
     stats = spec.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=4), max_new_tokens=40).stats
-    assert max(stats.k_per_step) <= budget and any(k > depth for k, depth in zip(stats.k_per_step, stats.depth_per_step))
+    assert max(stats.k_per_step) <= budget
+    branched = [depth for k, depth in zip(stats.k_per_step, stats.depth_per_step) if k > depth]
+    assert set(branched) <= {1} if budget == 2 else branched
+
+
+def test_sampled_trees_are_the_sampled_chain_with_leaf_siblings(tiny_target, drafts, make_lm):
+    """One node a level goes on (the drawn one, first among its siblings); the siblings fill the shallowest
+    levels while each deeper level keeps room for its drawn node, so the tree is as deep as the chain."""
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0)
+    grown = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx, k: grown.append(propose(ctx, k)) or grown[-1]
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter, k=4, tree_budget=10, tree_branch=3)
+    spec.generate(PROMPTS[2], SamplingParams(temperature=1.0, seed=4), max_new_tokens=40)
+    for draft in grown:
+        parents = draft.parents.tolist()
+        depths = []
+        for parent in parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        sizes = [depths.count(d) for d in range(1, max(depths) + 1)]
+        assert sizes == sorted(sizes, reverse=True)  # siblings at the top
+        expanded = sorted({parent for parent in parents if parent >= 0})
+        assert len(expanded) == max(depths) - 1  # one node a level goes on
+        first_children = {parent: parents.index(parent) for parent in [-1, *expanded]}
+        assert all(first_children[parents[node]] == node for node in expanded)  # and it is the drawn one
+    assert grown[0].k == 10 and grown[0].layout.height == 4  # levels of 3, 3, 3 and 1
 
 
 @pytest.mark.parametrize("budget,branch", [(-1, 2), (4, 0), (2.5, 2)])

@@ -9,13 +9,16 @@ committed tokens, its fed ancestors and itself) and become the next frontier. At
 the choice keeps every chosen node's parent.
 
 Greedy, the children are the drafter's top choices (q_draft None: point masses). Sampling,
-a node's first child is drawn from the drafter's warped distribution q (its q row goes to
-the verifier, which accepts it with min(1, p/q) like a chain token) and the others are the
-top choices besides it (one-hot q rows: point masses tried after it). The drawn child is
-always tried first among its siblings: the later ones depend on it, which multi-draft
-rejection allows only for proposals tried after it. Every candidate is kept and levels are
-expanded only as far as the budget holds: choosing a drawn child by its drawn value would
-bias it away from q.
+the tree is the sampled chain with leaf siblings: each level's one expanded node is the drawn
+child of the level above (drawn from the drafter's warped distribution q; its q row goes to
+the verifier, which accepts it with min(1, p/q) like a chain token), and its siblings are the
+top choices besides it (one-hot q rows: point masses tried after it, a second chance where the
+drawn token is rejected). The drawn child is always tried first among its siblings: the later
+ones depend on it, which multi-draft rejection allows only for proposals tried after it.
+Every candidate is kept (choosing a drawn child by its drawn value would bias it away from q),
+and siblings go to the shallowest levels, which every step passes through, as long as each
+level still to come keeps room for its drawn node. So a sampled tree is as deep as the chain
+the same budget allows, and accepts at least as much as that chain.
 """
 
 from __future__ import annotations
@@ -72,13 +75,13 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
         probs = ranking(logits, params, seen_rows)  # [m, V]
         if params.greedy:
             top_probs, top_tokens = probs.topk(branch, dim=-1)  # [m, B]
-        else:  # column 0 drawn from q, then the likeliest others
-            drawn = sample(probs, ctx.generator).unsqueeze(-1)  # [m, 1]
-            rest_probs, rest_tokens = probs.scatter(-1, drawn, -1.0).topk(branch - 1, dim=-1)  # [m, B - 1]
-            if depth == 1 and budget < branch:  # the root's children alone would overrun the budget
-                rest_probs, rest_tokens = rest_probs[:, : budget - 1], rest_tokens[:, : budget - 1]
-            top_tokens = torch.cat([drawn, rest_tokens], dim=-1)  # [m, B]
-            top_probs = torch.cat([probs.gather(-1, drawn), rest_probs.clamp_min(0.0)], dim=-1)  # [m, B]
+        else:  # one frontier node (m = 1): column 0 drawn from q, then the likeliest others
+            drawn = sample(probs, ctx.generator).unsqueeze(-1)  # [1, 1]
+            levels_to_come = max_depth - depth  # each keeps one node for its drawn child
+            siblings = max(0, min(branch - 1, budget - len(tokens) - 1 - levels_to_come))
+            rest_probs, rest_tokens = probs.scatter(-1, drawn, -1.0).topk(siblings, dim=-1)  # [1, A]
+            top_tokens = torch.cat([drawn, rest_tokens], dim=-1)  # [1, 1 + A]
+            top_probs = torch.cat([probs.gather(-1, drawn), rest_probs.clamp_min(0.0)], dim=-1)  # [1, 1 + A]
         width = top_probs.shape[-1]  # candidates per frontier row (B, or fewer where the budget is smaller)
         level = (torch.tensor(frontier_scores).unsqueeze(-1) * top_probs.cpu()).flatten()  # [m * B]
         top_tokens = top_tokens.flatten().tolist()
@@ -93,9 +96,10 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
             parents.append(frontier[flat // width])
             scores.append(float(level[flat]))
             depths.append(depth)
-        frontier = [node for node in new_nodes[:branch] if scores[node] >= min_confidence]
-        if not params.greedy:  # every candidate joins the tree: expand only what the budget holds
-            frontier = frontier[: (budget - len(tokens)) // branch]
+        if params.greedy:
+            frontier = [node for node in new_nodes[:branch] if scores[node] >= min_confidence]
+        else:  # the drawn child goes on (a choice by position, not by its value)
+            frontier = [node for node in new_nodes if node in drawn_from and scores[node] >= min_confidence]
         if depth == max_depth or not frontier:
             break
         frontier_scores = [scores[node] for node in frontier]
