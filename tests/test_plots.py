@@ -67,7 +67,7 @@ def test_report_shows_c_and_lists_the_plots():
     report = render_report({"methods": summarize(RECORDS, "ar")}, PLOTS)
     assert "| α | c | k |" in report
     assert "| 0.72 | 0.400 | 4 |" in report  # spec: α = 28 / 39, c, k
-    assert "| `spec` | code | 2.40× | 3.00 | 0.67 | 0.250 |" in report  # (12 / 0.5) / (10 / 1.0); 8 / 12
+    assert "| `spec` | code | 2.40× | - | - | 3.00 | 0.67 | 0.250 |" in report  # (12 / 0.5) / (10 / 1.0); 8 / 12; no prefill timed
     for name in PLOTS:
         assert f"]({name})" in report
     assert "![" not in render_report({"methods": summarize(RECORDS, "ar")})
