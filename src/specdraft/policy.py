@@ -33,8 +33,9 @@ with P_i the online estimate that the drafter's i-th node is on the accepted pat
 list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
 passes go by depth: `rate(k) = E[tokens | k] / (c_step + V(k + 1))`).
 
-Once a greedy tree is drafted, `trim` keeps the prefix worth verifying by what the drafter says
-of this very tree: its scores s_i (each node's path probability under the draft) scaled by κ,
+Once a greedy draft with scores is made (every tree drafter's, and `suffix` chains), `trim` keeps
+the prefix worth verifying by what the drafter says of this very draft: its scores s_i (each
+token's path probability under the drafter) scaled by κ,
 how many accepted tokens each unit of score has brought so far (learnt per source, from 1), so
 E[tokens | n] = 1 + κ·Σ_{i<n} s_i against c_step + V(n + 1). The budget comes from averages over
 past steps; the scores tell a step whose draft is unsure (a new text, a hard turn) from a sure one.
@@ -220,10 +221,11 @@ class AutoK:
         return (est.score_hits + self.prior_weight) / (est.score_mass + self.prior_weight)
 
     def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
-        """How many leading tokens of a drafted greedy tree to verify (at least 1), given the drafter's `scores`
-        (best first, parents before children): the prefix n with the most expected tokens per second,
-        (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at its usual cost per step (scores
-        come from tree drafters, whose passes go by depth; module doc)."""
+        """How many leading tokens of a drafted greedy tree or scored chain to verify (at least 1), given the
+        drafter's `scores` (best first, parents before children): the prefix n with the most expected tokens per
+        second, (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at the source's measured
+        draft time per step of a tree drafter (whose passes go by depth) or per token of a chain drafter (the one
+        scored chain, `suffix`, costs next to nothing either way; module doc)."""
         if not scores or self.verify_estimate(1) is None:
             return len(scores)
         kappa, draft = self.score_calibration(source), self.estimates(source).draft_seconds_per_token or 0.0

@@ -17,8 +17,8 @@ class Draft:
     A chain is a tree whose parents are `i - 1` (the first token's parent, -1, is the last
     committed token); any other tree carries its compiled `layout`. `q_draft` is the distribution each token was actually drawn from, or
     `None` for a deterministic proposal (verified as a point mass). `scores`, where the drafter
-    has them, are its own estimates that each token lies on the accepted path (a dynamic tree's
-    path probabilities), never rising from a token to its children.
+    has them, are its own estimates that each token lies on the accepted path (path probabilities
+    under the draft, the heads or the empirical counts), never rising from a token to its children.
     """
 
     tokens: torch.Tensor  # [k] int64

@@ -525,7 +525,7 @@ class SuffixDrafter(Drafter):
             draft = Draft.chain(tokens, scores=scores)
         else:
             draft = Draft.tree(tokens, proposal.parents[:k], scores=scores)
-        draft.info.update(match_length=proposal.match_length, score=sum(scores))
+        draft.info.update(match_length=proposal.match_length)
         return draft
 
     def end(self, sequence: torch.Tensor) -> None:  # sequence: [L] prompt + every committed token
