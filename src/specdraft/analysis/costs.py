@@ -174,8 +174,9 @@ def _pass_tensors(lm: CausalLM, buffers: bool) -> Iterator[torch.Tensor]:
 
 
 def weight_bytes(lm: CausalLM) -> int:
-    """Bytes of the weights a pass reads (`_pass_tensors`, packed buffers included)."""
-    return sum(t.numel() * t.element_size() for t in _pass_tensors(lm, buffers=True))
+    """Bytes of the weights a pass reads (`_pass_tensors`, packed buffers and oneDNN's opaque ones included)."""
+    return sum(t.numel() * t.element_size() for t in _pass_tensors(lm, buffers=True)) + \
+        sum(m.opaque_weight_bytes() for m in lm.model.modules() if hasattr(m, "opaque_weight_bytes"))
 
 
 def token_macs(lm: CausalLM) -> int:

@@ -16,6 +16,7 @@ from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
+from specdraft.models.prepacked import prepack_linears, unpack_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -145,13 +146,15 @@ def load_model(
     device: str | torch.device | None = None,
     verbose: bool = True,
     gguf_weights: str = "auto",
+    prepack: bool = True,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
     GGUF weights (`gguf_weights`): `packed` runs the file's Q4_K and Q6_K blocks on CPU
     kernels and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
     `dtype` with transformers' loader; `auto` is packed on the CPU for the architectures it
-    supports.
+    supports. `prepack` puts plain bf16 linears on the CPU on oneDNN's prepacked weights
+    (`models.prepacked`: same outputs, faster); a model to train keeps PyTorch's (False).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
@@ -167,6 +170,8 @@ def load_model(
         with compact_heap():
             model, tokenizer, packed = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights)
             model.to(torch_device)
+            if prepack:
+                prepack_linears(model)
     except SpecdraftError:
         raise
     except (OSError, ValueError, KeyError) as error:
@@ -241,10 +246,12 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     prepared = CausalLM(model, draft.tokenizer, name=draft.name)
     started = time.perf_counter()
     with compact_heap():
+        unpack_linears(model)  # vocabulary narrowing and int4 read plain weights
         found = token_counts_for(draft.tokenizer) if vocab and draft.tokenizer is not None else None
         scored = restrict_draft_vocab(prepared, vocab, found[0] if found else None)
         swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
         fast_decoder_layers(model)
+        prepack_linears(model)  # what stays bf16 (quant none, a head int4 cannot take)
     ranked = f" (by {found[1].name}, then lowest ids)" if found and scored < draft.vocab_size else ""
     print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens{ranked} "
           f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)

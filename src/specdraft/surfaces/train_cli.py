@@ -217,7 +217,7 @@ def distill(
     try:
         config.check()
         dataset = SelfDistillData(*data)
-        lm = load_model(draft, device=device, gguf_weights="unpacked")
+        lm = load_model(draft, device=device, gguf_weights="unpacked", prepack=False)
         train_distill(lm, dataset, out, config, layers, log=lambda line: err.print(line, highlight=False))
     except SpecdraftError as error:
         _fail(str(error))
