@@ -7,8 +7,10 @@ PyTorch's compiler gives CPU linears) and multiplies with `torch.ops.mkldnn._lin
 function: its output equals `F.linear`'s bit for bit, and each row is the same whatever the number of
 rows in the pass, so a verify pass scores a token exactly as a one-token pass does (tests check both).
 
-Measured (AMD EPYC Zen 4, 2 threads, Qwen2.5-1.5B in bf16, 300 cached tokens): a one-token pass
-202 → 163 ms, a four-token pass 208 → 145 ms (see docs/benchmarks/session20-prepacked).
+Measured (`specdraft costs --gguf-weights unpacked`, AMD EPYC Zen 4, 2 threads, the bundled 1.5B target
+in bf16, 300 cached tokens, each way twice, alternated; docs/benchmarks/session20-prepacked): a pass over
+1 / 2 / 4 / 8 / 16 tokens 244-255 / 209-219 / 229-231 / 257-268 / 328-344 ms on `nn.Linear`, 141-158 /
+149-154 / 140-159 / 167-180 / 217-225 ms prepacked.
 
 Set `SPECDRAFT_PREPACK=0` to keep PyTorch's linears (for comparisons).
 """
