@@ -297,9 +297,6 @@ def test_the_engine_trims_greedy_trees_only_and_stays_exact(tiny_target, drafts,
             asked.append(len(scores))
             return 1
 
-        def sampled_tree_shape(self, budget, limit, source=DEFAULT_SOURCE):
-            return budget, budget  # the whole budget sampled too
-
     expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPT, max_new_tokens=24)
     policy = Trimming(max_k=6, tree=True)
     decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=policy,
@@ -310,36 +307,3 @@ def test_the_engine_trims_greedy_trees_only_and_stays_exact(tiny_target, drafts,
     asked.clear()
     sampled = decoder.generate(PROMPT, SamplingParams(temperature=0.8, seed=3), max_new_tokens=12)
     assert not asked and max(sampled.stats.k_per_step) > 1
-
-
-def test_a_sampled_tree_is_as_deep_as_a_chain_would_go_with_free_siblings():
-    policy = AutoK(max_k=16, tree=True)
-    assert policy.sampled_tree_shape(16, 16, "model") == (16, 8)  # nothing measured: the budget as it is
-    policy.verify_seconds = [None, 0.100, 0.100, 0.101, 0.100, 0.102, 0.103, 0.130] + [None] * 11
-    est = policy.estimates("model")
-    est.level_seconds = 0.010
-    est.depth_hits = [60.0, 30.0, 20.0] + [1.0] * 13  # depth 1 kept 60% of the time, then 50%, then 67%, then 10%
-    est.depth_tries = [100.0, 60.0, 30.0] + [10.0] * 13
-    nodes, depth = policy.sampled_tree_shape(16, 16, "model")
-    rates = {}
-    for d in range(1, 9):
-        expected, survive = 1.0, 1.0
-        for j in range(d):
-            pooled = (sum(est.depth_hits) + 0.6 * 2) / (sum(est.depth_tries) + 2)
-            survive *= (est.depth_hits[j] + pooled * 2) / (est.depth_tries[j] + 2)
-            expected += survive
-        rates[d] = expected / (0.010 * d + policy.verify_estimate(d + 1))
-    assert depth == max(rates, key=rates.get) == 3
-    assert nodes == 5  # passes over 5 and 6 tokens measured within 5% of the pass over 4; 7 not measured alike
-    assert policy.sampled_tree_shape(16, 4, "model") == (4, 3)  # never past the limit
-    assert FixedK(3, tree_budget=6).sampled_tree_shape(6, 16) == (6, 6)
-
-
-def test_sampled_tree_depths_are_counted_like_chain_positions():
-    policy = AutoK(max_k=8, tree=True)
-    policy.observe(6, 2, 0.040, 0.1, "model", path=[0, 2], levels=4)
-    est = policy.estimates("model")
-    assert est.depth_tries[:4] == [1.0, 1.0, 1.0, 0.0] and est.depth_hits[:3] == [1.0, 1.0, 0.0]
-    policy.observe(6, 4, 0.040, 0.1, "model", path=[0, 2, 3, 5], levels=4)  # caught up: its levels are timed
-    assert est.level_seconds == pytest.approx(0.010)
-    assert est.depth_tries[3] == 1.0 and est.depth_hits[3] == 1.0

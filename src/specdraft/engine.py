@@ -17,7 +17,7 @@ nothing and the target's own token is the whole commitment.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -228,14 +228,8 @@ class SpeculativeDecoder:
                 ctx = DraftContext(sequence, params, generator, seen, tree_branch=self.tree_branch if self.tree_budget
                                    else 1, max_depth=min(depth, self.policy.max_depth))
                 source, k, unread = self._choose_draft(ctx, limit, remaining, len(generated))
-            levels = None  # a sampled tree grown a level a pass: its depth
             if k > 0:
-                nodes = k
-                if self.tree_budget and not params.greedy:  # sized before drafting (never cut after)
-                    nodes, deepest = self.policy.sampled_tree_shape(k, limit, source)
-                    ctx = replace(ctx, max_depth=min(ctx.max_depth or deepest, deepest))
-                draft = drafter.propose(ctx, nodes)
-                levels = None if params.greedy else draft.info.get("levels")
+                draft = drafter.propose(ctx, k)
                 if draft.scores is not None and params.greedy:  # greedy: any prefix verifies exactly
                     draft = draft.prefix(self.policy.trim(draft.scores, source))
                 k = draft.k
@@ -308,7 +302,7 @@ class SpeculativeDecoder:
             pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
 
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores, levels)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores)
             kept_accepted = min(num_accepted, len(committed))
             stats.record_step(k, kept_accepted, source if k > 0 else None, path,
                               tree.height if tree is not None else k)

@@ -57,7 +57,6 @@ PROBE_READ_SHARE = 0.1  # a probe may spend at most this share of the answer's e
 # Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
-FREE_SLACK = 0.05  # a sampled tree's pass this much dearer than its chain's still counts as free
 DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
 
 
@@ -80,12 +79,8 @@ class FixedK:
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
                 source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
-                scores: list[float] | None = None, levels: int | None = None) -> None:
+                scores: list[float] | None = None) -> None:
         """A fixed k learns nothing."""
-
-    def sampled_tree_shape(self, budget: int, limit: int, source: str = DEFAULT_SOURCE) -> tuple[int, int]:
-        """A fixed budget: `budget` nodes, as deep as they go."""
-        return budget, budget
 
     def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
         """A fixed k verifies every token drafted."""
@@ -109,17 +104,10 @@ class SourceEstimates:
     # Decayed sums over the tree nodes it drafted with scores: the scores, and the nodes accepted (κ = hits / mass).
     score_mass: float = 0.0
     score_hits: float = 0.0
-    # Sampled trees: decayed counts per depth j of steps whose accepted path reached depth j and whose tree went
-    # deeper (tries), and of those whose path went on to depth j + 1 (hits); the draft's time per level.
-    depth_hits: list[float] = field(default_factory=list)
-    depth_tries: list[float] = field(default_factory=list)
-    level_seconds: float | None = None
 
     def __post_init__(self) -> None:
         self.hits = self.hits or [0.0] * self.max_k
         self.tries = self.tries or [0.0] * self.max_k
-        self.depth_hits = self.depth_hits or [0.0] * self.max_k
-        self.depth_tries = self.depth_tries or [0.0] * self.max_k
 
 
 class AutoK:
@@ -167,10 +155,10 @@ class AutoK:
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
                 source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
-                scores: list[float] | None = None, levels: int | None = None) -> None:
+                scores: list[float] | None = None) -> None:
         """Learn from one step: `k` tokens drafted by `source` after reading `unread` committed tokens,
         `accepted` of them kept (a tree: the nodes at `path`), the drafter's `scores` for them where it
-        gave any, what it cost, and for a sampled tree grown a level a pass, its `levels`.
+        gave any, and what it cost.
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         self._smooth_verify(k + 1, verify_seconds)
@@ -186,15 +174,6 @@ class AutoK:
         self.last_source = source if k > 0 else None
         if k == 0:
             return
-        if levels:  # a sampled tree: its depths, counted like a chain's positions
-            est.depth_hits = [h * self.decay for h in est.depth_hits]
-            est.depth_tries = [t * self.decay for t in est.depth_tries]
-            for j in range(min(levels, accepted + 1, self.max_k)):
-                est.depth_tries[j] += 1.0
-            for j in range(min(accepted, self.max_k)):
-                est.depth_hits[j] += 1.0
-            if caught_up:
-                est.level_seconds = self._smoothed(est.level_seconds, draft_seconds / levels)
         if caught_up:
             # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
             # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
@@ -257,34 +236,6 @@ class AutoK:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
-
-    def sampled_tree_shape(self, budget: int, limit: int, source: str = DEFAULT_SOURCE) -> tuple[int, int]:
-        """(nodes, depth) for a sampled tree grown a level a pass: the depth d of its drawn chain priced like
-        a chain (acceptance per depth, the draft's time per level), and as many nodes as passes measured no
-        dearer than the pass over d + 1 tokens allow (the extra ones are siblings: free where passes are flat).
-        `budget` itself until the source's levels have been timed."""
-        est = self.estimates(source)
-        base = self.verify_estimate(1)
-        if est.level_seconds is None or base is None:
-            return budget, min(budget, self.max_depth)
-        top = min(limit, self.max_depth, self.max_k)
-        pooled = (sum(est.depth_hits) + self.prior_alpha * self.prior_weight) / (sum(est.depth_tries) + self.prior_weight)
-        best_d, best_rate, expected, survive = 1, 0.0, 1.0, 1.0
-        for d in range(1, top + 1):
-            alpha = (est.depth_hits[d - 1] + pooled * self.prior_weight) / (est.depth_tries[d - 1] + self.prior_weight)
-            survive *= alpha
-            expected += survive
-            seconds = est.level_seconds * d + self.verify_estimate(d + 1)
-            if expected / seconds > best_rate:
-                best_d, best_rate = d, expected / seconds
-        cap = self.verify_estimate(best_d + 1) * (1 + FREE_SLACK)
-        nodes = best_d
-        for n in range(best_d + 1, min(limit, self.max_k) + 1):  # widths measured themselves, contiguous
-            measured = self.verify_seconds[n + 1] if n + 1 < len(self.verify_seconds) else None
-            if measured is None or measured > cap:
-                break
-            nodes = n
-        return nodes, best_d
 
     def expected_token_curve(self, n: int, source: str = DEFAULT_SOURCE) -> list[float]:
         """E[tokens committed by a step that drafts k] for k = 0..n: accepted drafts plus the target's token.

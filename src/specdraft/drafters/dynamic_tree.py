@@ -138,5 +138,4 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
                 q_draft[i] = drawn_from[node]
     draft = Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft,
                        [scores[i] for i in chosen])
-    draft.info["levels"] = depth  # the drafter's passes: one a level
     return GrownTree(draft, [fed_slot.get(node) for node in chosen])
