@@ -99,8 +99,11 @@ def prepack_linears(model: nn.Module) -> int:
     where they are too."""
     if not available():
         return 0
-    swaps = [(parent, name) for parent, name in _linears(model, nn.Linear)
-             if getattr(parent, name).weight.dtype == torch.bfloat16 and getattr(parent, name).weight.device.type == "cpu"]
+    def fits(linear: nn.Linear) -> bool:
+        return linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
+
+    # (parent, name) pairs, not the linears: a list holding them would keep every plain weight alive to the end
+    swaps = [(parent, name) for parent, name in _linears(model, nn.Linear) if fits(getattr(parent, name))]
     with torch.no_grad():
         for parent, name in swaps:  # one at a time, so each plain weight is freed as soon as it is replaced
             setattr(parent, name, PrepackedLinear.from_linear(getattr(parent, name)))
