@@ -392,8 +392,6 @@ def _batched_tree_verifier(tokens, p_rows, q_rows, generator, *, chain_residual=
         empty = mass <= 1e-12
         residual[:, rows] = torch.where(empty, current, rest / torch.where(empty, 1.0, mass))
     passed = uniform * q_at_token < p_at_token  # [B, n]
-    recover_from = residual if recover_from_residual else p_rows
-    candidates = sample(recover_from.reshape(-1, V), generator).view(batch, n + 1)  # [B, n + 1]
     chosen = torch.zeros(batch, n, dtype=torch.bool)
     taken = torch.zeros(batch, n + 1, dtype=torch.bool)
     for nodes in layout.by_rank:
@@ -404,7 +402,9 @@ def _batched_tree_verifier(tokens, p_rows, q_rows, generator, *, chain_residual=
     accepted = ~(layout.ancestors.unsqueeze(0) & ~chosen.unsqueeze(1)).any(-1)  # [B, n]
     deepest = torch.where(accepted, layout.depth, 0).argmax(-1)  # [B]
     last_node = torch.where(accepted.any(-1), deepest, -1)
-    next_token = candidates.gather(1, (last_node + 1).unsqueeze(1)).squeeze(1)
+    recover_from = residual if recover_from_residual else p_rows  # [B, n + 1, V]
+    end_row = (last_node + 1).view(batch, 1, 1).expand(batch, 1, V)
+    next_token = sample(recover_from.gather(1, end_row).squeeze(1), generator)  # [B]: from the row the path ends at
     return last_node, next_token
 
 

@@ -230,3 +230,33 @@ def test_negative_control_point_mass_not_removed(monkeypatch):
     pvalue = _pvalue(params, ARGMAX)
     assert calls and all(calls)
     assert pvalue < P_REJECT, f"unremoved point mass went unnoticed: p-value {pvalue:.3g}"
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    """`sample` (inverse CDF) follows its rows, unnormalised ones too; the harness rejects a
+    neighbouring distribution (negative control), so it can tell."""
+    g = _gen(11)
+    rows = torch.tensor([[0.0, 0.1, 0.0, 0.4, 0.2, 0.3, 0.0],  # zeros first, between and last
+                         [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0]])  # unnormalised, mass at both ends
+    drawn = sample(rows.repeat_interleave(B, 0), g).view(2, B)  # [2, B]
+    for row, tokens in zip(rows, drawn):
+        expected = (row.double() / row.double().sum()).numpy() * B
+        observed = torch.bincount(tokens, minlength=V).double().numpy()
+        assert chi_square_pvalue(observed, expected) > P_PASS
+    right = rows[0].double()
+    wrong = rows[0].clone()
+    wrong[3], wrong[5] = 0.35, 0.35  # 0.05 moved from token 3 to token 5
+    observed = torch.bincount(sample(wrong.repeat(B, 1), g), minlength=V).double().numpy()
+    assert chi_square_pvalue(observed, (right / right.sum()).numpy() * B) < P_REJECT
+
+
+def test_sample_never_draws_a_zero_and_reproduces_with_its_seed():
+    tiny = torch.zeros(4, 1000)
+    tiny[0, 0] = 1e-30  # the only token: the first
+    tiny[1, -1] = 1e-30  # the only token: the last
+    tiny[2, 500] = 1.0
+    tiny[3, ::7] = 1e-3
+    for _ in range(200):
+        tokens = sample(tiny, _gen(_))
+        assert (tiny.gather(1, tokens.unsqueeze(1)) > 0).all()
+    assert torch.equal(sample(tiny[3:].repeat(50, 1), _gen(5)), sample(tiny[3:].repeat(50, 1), _gen(5)))

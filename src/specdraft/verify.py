@@ -88,12 +88,17 @@ def verify_sampled(
     accepted = (uniform * q_at_draft < p_at_draft).long()  # [B, k]
     num_accepted = accepted.cumprod(-1).sum(-1)  # [B]
 
-    residual = residual_distribution(p_target[:, :k], q_draft, draft_tokens)  # [B, k, V]
-    # One candidate per position: recovered tokens for 0..k-1, the bonus for k.
-    candidates_dist = torch.cat([residual, p_target[:, k:]], dim=1)  # [B, k + 1, V]
-    vocab = candidates_dist.shape[-1]
-    candidates = sample(candidates_dist.reshape(-1, vocab), generator).view(batch, k + 1)  # [B, k + 1]
-    next_token = candidates.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
+    # Only the row after the accepted prefix is drawn from: the residual there (recovered), or p's last row (bonus).
+    vocab = p_target.shape[-1]
+    row = num_accepted.view(batch, 1, 1)  # [B, 1, 1]
+    p_row = p_target.gather(1, row.expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+    if k == 0:
+        return Verdict(num_accepted, sample(p_row, generator))
+    judged = row.clamp_max(k - 1)  # [B, 1, 1]: the rejected token's position (any, after a full acceptance)
+    q_row = None if q_draft is None else q_draft.gather(1, judged.expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+    residual = residual_distribution(p_row, q_row, draft_tokens.gather(1, judged.view(batch, 1)).squeeze(1))  # [B, V]
+    recovering = (num_accepted < k).unsqueeze(1)  # [B, 1]
+    next_token = sample(torch.where(recovering, residual, p_row), generator)  # [B]
     return Verdict(num_accepted, next_token)
 
 
@@ -133,7 +138,6 @@ def verify_tree(
     if generator is None:
         choice = p_target.argmax(-1)  # [n + 1]
         passed = tokens == choice[parent_rows]  # [n]
-        candidates = choice
     else:
         uniform = torch.rand(n, generator=generator, device=p_target.device)  # [n]
         residual = p_target.clone()  # [n + 1, V]: p' per row, after the siblings tried so far
@@ -150,7 +154,6 @@ def verify_tree(
             residual[rows] = residual_distribution(current, q_rows, drawn)
         # u < p'/q written without a division: a token with q = 0 is accepted iff p' > 0.
         passed = uniform * q_at_token < p_at_token  # [n]
-        candidates = sample(residual, generator)  # [n + 1]
 
     # A child is chosen when it passed and no earlier sibling did; accepted when it and all its ancestors were chosen.
     chosen = torch.zeros(n, dtype=torch.bool, device=tokens.device)
@@ -164,5 +167,8 @@ def verify_tree(
     num_accepted = accepted.sum().view(1)
     deepest = torch.where(accepted, layout.depth, 0).argmax().view(1)
     last_node = torch.where(num_accepted > 0, deepest, -1)
-    next_token = candidates.gather(0, last_node + 1)  # [1]
+    if generator is None:
+        next_token = choice.gather(0, last_node + 1)  # [1]
+    else:  # drawn from the one row the path ends at: its p' after every child was tried (p below a leaf)
+        next_token = sample(residual.index_select(0, last_node + 1), generator)  # [1]
     return TreeVerdict(num_accepted, next_token, last_node)
