@@ -25,6 +25,7 @@ from specdraft.drafters import EagleDrafter, MedusaDrafter, make_drafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle import EagleConfig, EagleDrafterModel
 from specdraft.models.medusa import MedusaConfig, MedusaHeads
+from specdraft.policy import DEFAULT_SOURCE, FixedK
 
 V = 8
 PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes [4, 1, 2, ...]
@@ -125,6 +126,51 @@ def test_sampled_tree_output_follows_the_target(target_model, name):
     assert drafted["trees"] > SAMPLES // 10, drafted
     pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
     assert pvalue > P_PASS, f"{name} trees: p-value {pvalue:.3g}"
+
+
+class CutSiblingsByDraw(FixedK):
+    """Cuts a sampled tree's point-mass siblings by what was drawn: all of them when the drawn chain's path score
+    is above the median here (a surer chain), none otherwise. `honour_keep=False` cuts the drawn chain after its
+    first token when the second one's path score is below the median (the wrong cut the negative control must
+    catch: it keeps a drawn token by its own value)."""
+
+    def __init__(self, honour_keep: bool = True) -> None:
+        super().__init__(3, tree_budget=6)
+        self.honour_keep, self.cuts = honour_keep, 0
+
+    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE, keep: int = 1) -> int:
+        if not self.honour_keep:
+            cut = keep > 1 and scores[1] < 0.025
+            self.cuts += cut
+            return 1 if cut else len(scores)
+        cut = scores[keep - 1] > 0.02 and keep < len(scores)
+        self.cuts += cut
+        return keep if cut else len(scores)
+
+
+def test_sampled_trees_cut_by_what_was_drawn_follow_the_target(target_model):
+    """The engine may drop a sampled tree's point-mass siblings by any rule, even one that looks at the drawn
+    tokens (`Draft.must_keep` keeps the drawn chain): the output keeps the target's distribution."""
+    draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
+    policy = CutSiblingsByDraw()
+    decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS["model"](None, draft), k=policy,
+                                 tree_budget=6, tree_branch=3)
+    counts, drafted = sampled_pairs(decoder, TREE_PROMPT)
+    assert drafted["trees"] > SAMPLES // 10 and policy.cuts > SAMPLES // 10, (drafted, policy.cuts)
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
+    assert pvalue > P_PASS, f"cut siblings: p-value {pvalue:.3g}"
+
+
+def test_cutting_drawn_tokens_by_their_scores_is_caught(target_model):
+    """Negative control: a cut that drops drawn tokens whose own path score is low (ignoring `keep`)."""
+    draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
+    policy = CutSiblingsByDraw(honour_keep=False)
+    decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS["model"](None, draft), k=policy,
+                                 tree_budget=6, tree_branch=3)
+    counts, _ = sampled_pairs(decoder, TREE_PROMPT)
+    assert policy.cuts > SAMPLES // 10, policy.cuts
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
+    assert pvalue < P_REJECT, f"drawn tokens cut by their value went unnoticed: p-value {pvalue:.3g}"
 
 
 def test_point_mass_left_in_the_residual_is_caught(target_model, monkeypatch):

@@ -284,26 +284,36 @@ def test_trim_learns_how_far_to_trust_the_scores():
     assert overstated.estimates().score_mass == pytest.approx(before * overstated.carry_over)
 
 
-def test_the_engine_trims_greedy_trees_only_and_stays_exact(tiny_target, drafts, make_lm):
-    """Greedy: the engine verifies the prefix `trim` keeps (output still plain decoding's); sampling: every node
-    (a cut that depends on what was drawn would bias the draw), so `trim` is never asked."""
+def test_the_engine_trims_trees_but_never_a_drawn_token(tiny_target, drafts, make_lm):
+    """Greedy: the engine verifies the prefix `trim` keeps (output still plain decoding's). Sampling: `trim` must
+    keep the drawn chain (`keep`, the draft's drawn tokens, listed first); what it may cut are the point-mass
+    siblings after them."""
     asked = []
 
     class Trimming(AutoK):
         def choose(self, limit, source=DEFAULT_SOURCE, unread=0, remaining=None, generated=None):
             return limit  # always the whole budget (timings must not decide whether a tree is drafted)
 
-        def trim(self, scores, source=DEFAULT_SOURCE):
-            asked.append(len(scores))
-            return 1
+        def trim(self, scores, source=DEFAULT_SOURCE, keep=1):
+            asked.append((len(scores), keep))
+            return keep
 
     expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPT, max_new_tokens=24)
     policy = Trimming(max_k=6, tree=True)
-    decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=policy,
-                                 tree_budget=6, tree_branch=2)
+    drafter = ModelDrafter(make_lm(drafts["close"]))
+    decoder = SpeculativeDecoder(make_lm(tiny_target), drafter, k=policy, tree_budget=6, tree_branch=2)
     got = decoder.generate(PROMPT, max_new_tokens=24)
     assert got.token_ids == expected.token_ids
-    assert asked and max(asked) > 1 and all(k <= 1 for k in got.stats.k_per_step)
+    assert asked and max(n for n, _ in asked) > 1 and {keep for _, keep in asked} == {1}
+    assert all(k <= 1 for k in got.stats.k_per_step)
+
     asked.clear()
+    grown = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx, k: grown.append(propose(ctx, k)) or grown[-1]
     sampled = decoder.generate(PROMPT, SamplingParams(temperature=0.8, seed=3), max_new_tokens=12)
-    assert not asked and max(sampled.stats.k_per_step) > 1
+    assert len(asked) == len(grown) and any(n > keep > 1 for n, keep in asked)
+    for (n, keep), draft, k in zip(asked, grown, [k for k in sampled.stats.k_per_step if k]):
+        assert keep == draft.drawn == draft.layout.height if draft.layout else keep == draft.k
+        one_hot = (draft.q_draft == 1.0).sum(-1) == 1  # [n]: point-mass rows
+        assert not one_hot[:keep].all() and one_hot[keep:].all() and k == keep

@@ -230,8 +230,8 @@ class SpeculativeDecoder:
                 source, k, unread = self._choose_draft(ctx, limit, remaining, len(generated))
             if k > 0:
                 draft = drafter.propose(ctx, k)
-                if draft.scores is not None and params.greedy:  # greedy: any prefix verifies exactly
-                    draft = draft.prefix(self.policy.trim(draft.scores, source))
+                if draft.scores is not None:  # any prefix holding the drawn tokens verifies exactly
+                    draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
                 k = draft.k
             else:
                 draft = Draft.chain(sequence.new_empty(0))

@@ -33,8 +33,8 @@ with P_i the online estimate that the drafter's i-th node is on the accepted pat
 list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
 passes go by depth: `rate(k) = E[tokens | k] / (c_step + V(k + 1))`).
 
-Once a greedy draft with scores is made (every tree drafter's, and `suffix` chains), `trim` keeps
-the prefix worth verifying by what the drafter says of this very draft: its scores s_i (each
+Once a draft with scores is made (every tree drafter's, and `suffix` chains), `trim` keeps
+the prefix worth verifying (a sampled tree: at least its drawn chain, `Draft.must_keep`) by what the drafter says of this very draft: its scores s_i (each
 token's path probability under the drafter) scaled by κ,
 how many accepted tokens each unit of score has brought so far (learnt per source, from 1), so
 E[tokens | n] = 1 + κ·Σ_{i<n} s_i against c_step + V(n + 1). The budget comes from averages over
@@ -82,7 +82,7 @@ class FixedK:
                 scores: list[float] | None = None) -> None:
         """A fixed k learns nothing."""
 
-    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
+    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE, keep: int = 1) -> int:
         """A fixed k verifies every token drafted."""
         return len(scores)
 
@@ -220,18 +220,20 @@ class AutoK:
         est = self.estimates(source)
         return (est.score_hits + self.prior_weight) / (est.score_mass + self.prior_weight)
 
-    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE) -> int:
-        """How many leading tokens of a drafted greedy tree or scored chain to verify (at least 1), given the
-        drafter's `scores` (best first, parents before children): the prefix n with the most expected tokens per
+    def trim(self, scores: list[float], source: str = DEFAULT_SOURCE, keep: int = 1) -> int:
+        """How many leading tokens of a drafted tree or scored chain to verify (at least `keep`, at least 1),
+        given the drafter's `scores` (parents before children): the prefix n with the most expected tokens per
         second, (1 + κ·Σ_{i<n} s_i) / (c_step + V(n + 1)), the draft already made priced at the source's measured
         draft time per step of a tree drafter (whose passes go by depth) or per token of a chain drafter (the one
-        scored chain, `suffix`, costs next to nothing either way; module doc)."""
-        if not scores or self.verify_estimate(1) is None:
+        scored chain, `suffix`, costs next to nothing either way; module doc). `keep`: a sampled tree's drawn
+        chain, which no cut may touch (`Draft.must_keep`)."""
+        keep = max(1, keep)
+        if len(scores) <= keep or self.verify_estimate(1) is None:
             return len(scores)
         kappa, draft = self.score_calibration(source), self.estimates(source).draft_seconds_per_token or 0.0
-        best_n, best_rate, expected = 1, 0.0, 1.0
-        for n, score in enumerate(scores[: len(self.verify_seconds) - 2], start=1):  # widths the policy prices
-            expected += kappa * score
+        best_n, best_rate, expected = keep, 0.0, 1.0 + kappa * sum(scores[: keep - 1])
+        for n in range(keep, min(len(scores), len(self.verify_seconds) - 2) + 1):  # widths the policy prices
+            expected += kappa * scores[n - 1]
             rate = expected / (draft + self.verify_estimate(n + 1))
             if rate > best_rate:
                 best_n, best_rate = n, rate

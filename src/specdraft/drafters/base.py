@@ -19,6 +19,8 @@ class Draft:
     `None` for a deterministic proposal (verified as a point mass). `scores`, where the drafter
     has them, are its own estimates that each token lies on the accepted path (path probabilities
     under the draft, the heads or the empirical counts), never rising from a token to its children.
+    `drawn` counts the leading tokens drawn from their q rows; the rest are point masses (a sampled
+    tree lists its drawn chain first, then its siblings). None: every token when `q_draft` is set.
     """
 
     tokens: torch.Tensor  # [k] int64
@@ -27,26 +29,35 @@ class Draft:
     info: dict = field(default_factory=dict)
     layout: TreeLayout | None = None  # the tree's shape; None for a chain
     scores: list[float] | None = None  # [k]
+    drawn: int | None = None
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def must_keep(self) -> int:
+        """How many leading tokens a cut must keep (at least 1): every drawn one. Cutting a drawn token by
+        what was drawn would bias it away from its q; point masses may go by any rule of the drafter's."""
+        drawn = self.k if self.drawn is None and self.q_draft is not None else self.drawn or 0
+        return max(1, drawn)
+
     @staticmethod
     def tree(tokens: torch.Tensor, parents: list[int], q_draft: torch.Tensor | None = None,
-             scores: list[float] | None = None) -> "Draft":
+             scores: list[float] | None = None, drawn: int | None = None) -> "Draft":
         """A tree draft (see `tree.TreeLayout`); a parent list that is a chain gives a chain draft."""
         layout = TreeLayout.from_parents(parents, tokens.device)
         if layout.is_chain:
-            return Draft.chain(tokens, q_draft, scores)
+            return Draft.chain(tokens, q_draft, scores, drawn)
         return Draft(tokens, torch.tensor(parents, dtype=torch.long, device=tokens.device), q_draft, layout=layout,
-                     scores=scores)
+                     scores=scores, drawn=drawn)
 
     @staticmethod
-    def chain(tokens: torch.Tensor, q_draft: torch.Tensor | None = None, scores: list[float] | None = None) -> "Draft":
+    def chain(tokens: torch.Tensor, q_draft: torch.Tensor | None = None, scores: list[float] | None = None,
+              drawn: int | None = None) -> "Draft":
         """A chain draft: token i's parent is token i - 1."""
         parents = torch.arange(-1, tokens.shape[0] - 1, device=tokens.device)
-        return Draft(tokens=tokens, parents=parents, q_draft=q_draft, scores=scores)
+        return Draft(tokens=tokens, parents=parents, q_draft=q_draft, scores=scores, drawn=drawn)
 
     def prefix(self, n: int) -> "Draft":
         """The draft's first `n` tokens (a tree stays a tree: tokens are in topological order, so every kept
@@ -55,7 +66,8 @@ class Draft:
             return self
         q_draft = None if self.q_draft is None else self.q_draft[:n]
         scores = None if self.scores is None else self.scores[:n]
-        return Draft.tree(self.tokens[:n], self.parents[:n].tolist(), q_draft, scores)
+        drawn = None if self.drawn is None else min(self.drawn, n)
+        return Draft.tree(self.tokens[:n], self.parents[:n].tolist(), q_draft, scores, drawn)
 
 
 @dataclass

@@ -15,10 +15,12 @@ the verifier, which accepts it with min(1, p/q) like a chain token), and its sib
 top choices besides it (one-hot q rows: point masses tried after it, a second chance where the
 drawn token is rejected). The drawn child is always tried first among its siblings: the later
 ones depend on it, which multi-draft rejection allows only for proposals tried after it.
-Every candidate is kept (choosing a drawn child by its drawn value would bias it away from q),
-and siblings go to the shallowest levels, which every step passes through, as long as each
-level still to come keeps room for its drawn node. So a sampled tree is as deep as the chain
-the same budget allows, and accepts at least as much as that chain.
+Every drawn child is kept (choosing one by its drawn value would bias it away from q), and
+siblings go to the shallowest levels, which every step passes through, as long as each level
+still to come keeps room for its drawn node. So a sampled tree is as deep as the chain the same
+budget allows, and accepts at least as much as that chain. The draft lists the drawn chain
+first and then the siblings, likeliest first, so a cut of its tail (`Draft.must_keep`) drops
+only point masses, which any rule may choose: the sampled draw stays exact.
 """
 
 from __future__ import annotations
@@ -114,18 +116,17 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
             seen_rows = ctx.seen.unsqueeze(0).repeat(len(frontier), 1)  # [m, V]
             for row, node in enumerate(frontier):
                 seen_rows[row, [tokens[i] for i in path_to(node, parents)]] = True
-    # The tree: greedy, the `budget` best candidates; sampling, every candidate. Parents first (ties:
-    # shallower first), each drawn child moved ahead of its siblings.
+    # The tree: greedy, the `budget` best candidates, parents first (ties: shallower first); sampling, every
+    # candidate: the drawn chain root down (so each drawn child is tried before its siblings), then the siblings,
+    # likeliest first (point-mass leaves: a cut may drop any of them, see Draft.must_keep).
     ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))
     chosen: list[int] = []
-    for node in ranked[:budget] if params.greedy else ranked:
-        if parents[node] < 0 or parents[node] in chosen:
-            chosen.append(node)
-    for node in drawn_from:
-        if node in chosen:
-            first_sibling = next(i for i, other in enumerate(chosen) if parents[other] == parents[node])
-            chosen.remove(node)
-            chosen.insert(first_sibling, node)
+    if params.greedy:
+        for node in ranked[:budget]:
+            if parents[node] < 0 or parents[node] in chosen:
+                chosen.append(node)
+    else:
+        chosen = sorted(drawn_from, key=lambda i: depths[i]) + [i for i in ranked if i not in drawn_from]
     position = {node: i for i, node in enumerate(chosen)}
     fed_slot = {node: slot for slot, node in enumerate(fed)}
     draft_tokens = torch.tensor([tokens[i] for i in chosen], dtype=torch.long, device=device)  # [n]
@@ -137,5 +138,5 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
             if node in drawn_from:
                 q_draft[i] = drawn_from[node]
     draft = Draft.tree(draft_tokens, [position[parents[i]] if parents[i] >= 0 else -1 for i in chosen], q_draft,
-                       [scores[i] for i in chosen])
+                       [scores[i] for i in chosen], drawn=None if params.greedy else len(drawn_from))
     return GrownTree(draft, [fed_slot.get(node) for node in chosen])
