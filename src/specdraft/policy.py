@@ -33,10 +33,10 @@ with P_i the online estimate that the drafter's i-th node is on the accepted pat
 list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
 passes go by depth: `rate(k) = E[tokens | k] / (c_step + V(k + 1))`).
 
-Once a draft with scores is made (every tree drafter's, and `suffix` chains), `trim` keeps
-the prefix worth verifying (a sampled tree: at least its drawn chain, `Draft.must_keep`) by what the drafter says of this very draft: its scores s_i (each
-token's path probability under the drafter) scaled by κ,
-how many accepted tokens each unit of score has brought so far (learnt per source, from 1), so
+Once a draft with scores is made (every tree drafter's, and `suffix` chains), `trim` keeps the
+prefix worth verifying (a sampled tree: at least its drawn chain, `Draft.must_keep`) by what the
+drafter says of this very draft: its scores s_i (each token's path probability under the drafter)
+scaled by κ, how many accepted tokens each unit of score has brought so far (learnt per source, from 1), so
 E[tokens | n] = 1 + κ·Σ_{i<n} s_i against c_step + V(n + 1). The budget comes from averages over
 past steps; the scores tell a step whose draft is unsure (a new text, a hard turn) from a sure one.
 """

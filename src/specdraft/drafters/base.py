@@ -29,7 +29,7 @@ class Draft:
     info: dict = field(default_factory=dict)
     layout: TreeLayout | None = None  # the tree's shape; None for a chain
     scores: list[float] | None = None  # [k]
-    drawn: int | None = None
+    drawn: int | None = None  # leading tokens drawn from their q rows (see above)
 
     @property
     def k(self) -> int:
