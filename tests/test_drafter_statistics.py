@@ -148,28 +148,30 @@ class CutSiblingsByDraw(FixedK):
         return keep if cut else len(scores)
 
 
-def test_sampled_trees_cut_by_what_was_drawn_follow_the_target(target_model):
-    """The engine may drop a sampled tree's point-mass siblings by any rule, even one that looks at the drawn
-    tokens (`Draft.must_keep` keeps the drawn chain): the output keeps the target's distribution."""
+def cut_tree_pairs(target_model: Qwen2ForCausalLM, policy: CutSiblingsByDraw) -> tuple[float, dict]:
+    """Sampled `model` trees (budget 6, 3 children) cut by `policy`: the p-value of the first two tokens' counts
+    against the target's exact distribution, and the drafts per source."""
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
-    policy = CutSiblingsByDraw()
     decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS["model"](None, draft), k=policy,
                                  tree_budget=6, tree_branch=3)
     counts, drafted = sampled_pairs(decoder, TREE_PROMPT)
+    return chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES), drafted
+
+
+def test_sampled_trees_cut_by_what_was_drawn_follow_the_target(target_model):
+    """The engine may drop a sampled tree's point-mass siblings by any rule, even one that looks at the drawn
+    tokens (`Draft.must_keep` keeps the drawn chain): the output keeps the target's distribution."""
+    policy = CutSiblingsByDraw()
+    pvalue, drafted = cut_tree_pairs(target_model, policy)
     assert drafted["trees"] > SAMPLES // 10 and policy.cuts > SAMPLES // 10, (drafted, policy.cuts)
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
     assert pvalue > P_PASS, f"cut siblings: p-value {pvalue:.3g}"
 
 
 def test_cutting_drawn_tokens_by_their_scores_is_caught(target_model):
     """Negative control: a cut that drops drawn tokens whose own path score is low (ignoring `keep`)."""
-    draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
     policy = CutSiblingsByDraw(honour_keep=False)
-    decoder = SpeculativeDecoder(CausalLM(target_model), TREE_DRAFTERS["model"](None, draft), k=policy,
-                                 tree_budget=6, tree_branch=3)
-    counts, _ = sampled_pairs(decoder, TREE_PROMPT)
+    pvalue, _ = cut_tree_pairs(target_model, policy)
     assert policy.cuts > SAMPLES // 10, policy.cuts
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES)
     assert pvalue < P_REJECT, f"drawn tokens cut by their value went unnoticed: p-value {pvalue:.3g}"
 
 

@@ -314,6 +314,6 @@ def test_the_engine_trims_trees_but_never_a_drawn_token(tiny_target, drafts, mak
     sampled = decoder.generate(PROMPT, SamplingParams(temperature=0.8, seed=3), max_new_tokens=12)
     assert len(asked) == len(grown) and any(n > keep > 1 for n, keep in asked)
     for (n, keep), draft, k in zip(asked, grown, [k for k in sampled.stats.k_per_step if k]):
-        assert keep == draft.drawn == draft.layout.height if draft.layout else keep == draft.k
+        assert (keep == draft.drawn == draft.layout.height) if draft.layout else (keep == draft.k)
         one_hot = (draft.q_draft == 1.0).sum(-1) == 1  # [n]: point-mass rows
         assert not one_hot[:keep].all() and one_hot[keep:].all() and k == keep
