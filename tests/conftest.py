@@ -30,20 +30,23 @@ CORPUS = [
 
 
 def _tile_kernel_params():
-    """(kernel module, dot flavour) pairs: AMX where granted; the AVX-512 kernels in each flavour this CPU runs."""
-    from specdraft.kernels import amx_tiles, avx512_tiles
+    """(kernel module, dot flavour) pairs: AMX where granted; the AVX-512 kernels in each flavour this CPU runs; AVX2."""
+    from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles
 
     return [pytest.param((amx_tiles, None), id="amx",
                          marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"))] + [
         pytest.param((avx512_tiles, flavour), id=f"avx512-{flavour}",
                      marks=pytest.mark.skipif(avx512_tiles._built(flavour) is None,
                                               reason=f"the AVX-512 {flavour} tile kernels do not run on this CPU"))
-        for flavour in ("int16", "bf16")]
+        for flavour in ("int16", "bf16")] + [
+        pytest.param((avx2_tiles, None), id="avx2",
+                     marks=pytest.mark.skipif(avx2_tiles._library() is None, reason="no AVX2 (or no C compiler) here"))]
 
 
 @pytest.fixture(params=_tile_kernel_params())
 def tile_kernel(request, monkeypatch):
-    """Each tile kernel this CPU runs (AVX-512 in both dot flavours, set by `SPECDRAFT_TILE_DOTS` for the test)."""
+    """Each tile kernel this CPU runs (AVX-512 in both dot flavours, set by `SPECDRAFT_TILE_DOTS` for the test; AVX2
+    even where AVX-512 is there)."""
     kernel, flavour = request.param
     if flavour is not None:
         monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
@@ -62,11 +65,12 @@ def tile_dots(request, monkeypatch):
 
 
 def activations_as_multiplied(x: torch.Tensor, kernel) -> torch.Tensor:
-    """x `[tokens, K]` bf16 as `kernel` multiplies it, in float64: the int16 grid under the AVX-512 int16 flavour,
-    else x itself."""
-    from specdraft.kernels import avx512_tiles, tile_dots
+    """x `[tokens, K]` bf16 as `kernel` multiplies it, in float64: the int16 grid under AVX2 and the AVX-512 int16
+    flavour, else x itself."""
+    from specdraft.kernels import avx2_tiles, avx512_tiles, tile_dots
 
-    return int16_activation_grid(x) if kernel is avx512_tiles and tile_dots.dots() == "int16" else x.double()
+    on_grid = kernel is avx2_tiles or (kernel is avx512_tiles and tile_dots.dots() == "int16")
+    return int16_activation_grid(x) if on_grid else x.double()
 
 
 def int16_activation_grid(x: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, amx_tiles, layer_ops
-from specdraft.models import causal_lm, quantize
+from specdraft.kernels import amx_tiles, avx512_tiles, decoder_avx512, gguf_matmul, layer_ops, tiles
+from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
@@ -193,7 +193,7 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
 def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, tile_dots, monkeypatch):
     if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)
-        monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
+        monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
     model = build()
     fast_decoder_layers(model)
     fused = fused_decoder(model)

@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import amx_tiles, avx512_tiles, gguf_matmul
+from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, isa, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
                                           q6k_unpack, unpack_rows)
@@ -357,10 +357,16 @@ def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the Q6_K tile kernel does not run here")
-def test_q6k_linears_take_the_amx_kernel_where_it_runs():
+@pytest.mark.parametrize("level", ["amx", "avx512", "avx2"])
+def test_q6k_linears_take_the_fastest_kernel_the_isa_allows(level, monkeypatch):
+    """AMX where granted, else AVX-512, else AVX2; `SPECDRAFT_ISA` forces a lower level on a bigger CPU."""
+    if not isa.CPU_FLAGS[level] <= isa.cpu_flags():
+        pytest.skip(f"this CPU has no {level}")
+    monkeypatch.setenv(isa.VARIABLE, level)
     raw = torch.from_numpy(random_q6k(16, 1, np.random.default_rng(0)))
     packed, x = gguf_matmul.pack_q6k(raw), torch.randn(2, 256).bfloat16()
-    kernel = amx_tiles if amx_tiles.available() else avx512_tiles
+    kernel = next(k for k in (amx_tiles, avx512_tiles, avx2_tiles) if isa.allows(tiles.kernel_name(k)) and k._library())
+    assert tiles.tile_kernel() is kernel
     assert torch.equal(gguf_matmul.block_matmul(packed, x), kernel.q6k_matmul(packed.tiles, packed.d, x, 16))
 
 

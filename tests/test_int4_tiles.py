@@ -8,8 +8,7 @@ import torch
 
 from conftest import activations_as_multiplied
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import amx_tiles, avx512_tiles, build, int4_layout, tile_dots
-from specdraft.models import quantize
+from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, build, int4_layout, tile_dots, tiles
 from specdraft.models.quantize import Int4Linear
 
 
@@ -68,9 +67,9 @@ def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatc
     kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(64, 128, seed=4)
     bias = torch.randn(64)
-    monkeypatch.setattr(quantize, "_tile_kernel", lambda: kernel)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
     on_tiles = Int4Linear.from_affine(codes, scale, minimum, bias)
-    monkeypatch.setattr(quantize, "_tile_kernel", lambda: None)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda: None)
     on_torch = Int4Linear.from_affine(codes, scale, minimum, bias)
     assert on_tiles.tiles is not None and on_tiles.tile_matmul is kernel.matmul and on_torch.tiles is None
     x = torch.randn(1, tokens, 128, generator=torch.Generator().manual_seed(5)).bfloat16()  # [1, T, K]
@@ -83,14 +82,13 @@ def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatc
     torch.testing.assert_close(on_tiles.dequantized_weight(), on_torch.dequantized_weight(), rtol=1e-2, atol=1e-2)
 
 
-def test_int4_linear_prefers_amx_then_avx512_then_pytorch(monkeypatch):
-    monkeypatch.setattr(amx_tiles, "available", lambda: True)
-    assert quantize._tile_kernel() is amx_tiles
-    monkeypatch.setattr(amx_tiles, "available", lambda: False)
-    monkeypatch.setattr(avx512_tiles, "available", lambda: True)
-    assert quantize._tile_kernel() is avx512_tiles
-    monkeypatch.setattr(avx512_tiles, "available", lambda: False)
-    assert quantize._tile_kernel() is None
+def test_int4_linear_prefers_amx_then_avx512_then_avx2_then_pytorch(monkeypatch):
+    for kernel in (amx_tiles, avx512_tiles, avx2_tiles):
+        monkeypatch.setattr(kernel, "available", lambda: True)
+    for kernel in (amx_tiles, avx512_tiles, avx2_tiles):
+        assert tiles.tile_kernel() is kernel and tiles.kernel_name(kernel) in ("amx", "avx512", "avx2")
+        monkeypatch.setattr(kernel, "available", lambda: False)
+    assert tiles.tile_kernel() is None and tiles.kernel_name(None) == "torch"
     codes, scale, minimum, _ = affine_matrix(32, 64, seed=7)
     assert Int4Linear.from_affine(codes, scale, minimum).tiles is None  # PyTorch's layout instead
 
@@ -148,3 +146,16 @@ def test_the_two_flavours_are_two_builds_of_one_function():
            for flavour in ("int16", "bf16")}
     assert not torch.equal(out["int16"], out["bf16"])
     torch.testing.assert_close(out["int16"], out["bf16"], rtol=1e-4, atol=1e-4 * out["bf16"].abs().max().item())
+
+
+@pytest.mark.skipif(avx2_tiles._library() is None or avx512_tiles._built("int16") is None,
+                    reason="needs the AVX2 and the AVX-512 int16 tile kernels on one CPU")
+@pytest.mark.parametrize("tokens", [1, 3, 6, 11])
+def test_avx2_gives_the_avx512_int16_bits(tokens):
+    """The AVX2 kernels do the AVX-512 int16 flavour's arithmetic in the same order: the same bits, 4-bit and Q6_K."""
+    codes, scale, minimum, _ = affine_matrix(64, 256, seed=10)
+    packed = int4_layout.pack(codes, scale, minimum)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
+    x[0, :16] *= 300.0  # a huge activation (an attention sink's) coarsens its 16's grid alone
+    wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul, packed, x)
+    assert torch.equal(avx2_tiles.matmul(packed, x), wide)

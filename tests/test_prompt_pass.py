@@ -7,8 +7,7 @@ import torch
 
 from specdraft import ModelDrafter, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.kernels import avx512_tiles, gguf_matmul, int4_layout, vnni_tiles
-from specdraft.models import quantize
+from specdraft.kernels import avx512_tiles, gguf_matmul, int4_layout, tiles, vnni_tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import dequantize
 from test_fast_layers import int4_model, random_q6k_raw
@@ -91,7 +90,7 @@ def cache_keys(lm: CausalLM) -> torch.Tensor:
 def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
     """`prefill` fills the cache on int8 activations (close to, not equal to, the 16-bit kernels'); a pass
     over the cache is the same function as before."""
-    monkeypatch.setattr(quantize, "_tile_kernel", lambda: avx512_tiles)  # the prompt kernels' tiles (on AMX too)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda: avx512_tiles)  # the prompt kernels' tiles (on AMX too)
     lm = CausalLM(int4_model())
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     keys, logits = {}, {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.kernels import isa
 from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
@@ -39,8 +40,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the AMX tile kernels run on this machine."""
-    return _library() is not None
+    """Whether the AMX tile kernels run on this machine (and `SPECDRAFT_ISA` allows them)."""
+    return isa.allows("amx") and _library() is not None
 
 
 def _loaded() -> ctypes.CDLL:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.kernels import isa
 from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("attention_avx512.c")
@@ -33,8 +34,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernel runs on this machine."""
-    return _library() is not None
+    """Whether the kernel runs on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
+    return isa.allows("avx512") and _library() is not None
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import vnni_tiles
+from specdraft.kernels import isa, vnni_tiles
 from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
@@ -58,8 +58,8 @@ def _built(flavour: str) -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the AVX-512 tile kernels of `dots()` run on this machine (AVX-512 VNNI, BF16 for the bf16 flavour, and
-    a C compiler)."""
-    return _library() is not None
+    a C compiler; `SPECDRAFT_ISA` allows AVX-512)."""
+    return isa.allows("avx512") and _library() is not None
 
 
 def _loaded() -> ctypes.CDLL:

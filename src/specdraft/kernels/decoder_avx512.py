@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import amx_tiles
+from specdraft.kernels import amx_tiles, isa
 from specdraft.kernels.build import compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 
@@ -47,13 +47,13 @@ class Layer(ctypes.Structure):
 
 
 def _library() -> ctypes.CDLL | None:
-    return _built(dots())
+    return _built(dots(), amx_tiles.available())
 
 
 @lru_cache(maxsize=None)
-def _built(flavour: str) -> ctypes.CDLL | None:  # the tile kernels of `flavour` run its AVX-512 projections
+def _built(flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # the tile kernels of `flavour` run its AVX-512 projections
     flags, required = build_options(flavour)
-    if amx_tiles.available():  # the tile state is granted: the AMX build runs projections on AMX
+    if with_amx:  # the tile state is granted: the AMX build runs projections on AMX
         library = compiled_library(_SOURCE, _FLAGS + flags + _AMX_FLAGS,
                                    _REQUIRED_CPU_FLAGS | required | amx_tiles.REQUIRED_CPU_FLAGS,
                                    "the AVX-512 decoder layers with AMX")
@@ -88,8 +88,8 @@ def same_silu_as_torch() -> bool:
 
 
 def available() -> bool:
-    """Whether the fused decoder layers run on this machine."""
-    return _library() is not None
+    """Whether the fused decoder layers run on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
+    return isa.allows("avx512") and _library() is not None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for `amx_tiles.c` (where the CPU
-grants AMX) or `avx512_tiles.c`.
+grants AMX), `avx512_tiles.c` or `avx2_tiles.c` (`tiles.tile_kernel`).
 
 PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for Q6_K's 6-bit
 codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdraft.kernels import amx_tiles, avx512_tiles
+from specdraft.kernels import tiles
 from specdraft.kernels.int4_layout import nibble_tiles
 from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES, QK_K
 
@@ -28,7 +28,7 @@ _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries
 
 def available() -> bool:
     """Whether a Q6_K tile kernel runs on this machine."""
-    return amx_tiles.available() or avx512_tiles.available()
+    return tiles.tile_kernel() is not None
 
 
 @lru_cache(maxsize=1)
@@ -103,11 +103,12 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for a Q6_K matrix in tiles; x `[tokens, K]` -> float32 `[tokens, N]`.
 
     x is rounded to bf16 (as a bf16 model's activations are); on AMX the products and sums are float32, on
-    AVX-512 x is taken on an int16 grid per 16 inputs and the sums are integers (`avx512_tiles.c`).
+    AVX-512 and AVX2 x is taken on an int16 grid per 16 inputs and the sums are integers (`avx512_tiles.c`; the
+    bf16 flavour of AVX-512 multiplies x as it is).
     """
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
-    kernel = amx_tiles if amx_tiles.available() else avx512_tiles  # one kernel for every pass on a machine
+    kernel = tiles.tile_kernel()  # one kernel for every pass on a machine
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 

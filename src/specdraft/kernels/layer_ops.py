@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.kernels import isa
 from specdraft.kernels.build import compiled_library
 
 _SOURCE = Path(__file__).with_name("layer_ops.c")
@@ -28,8 +29,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernels run on this machine."""
-    return _library() is not None
+    """Whether the kernels run on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
+    return isa.allows("avx512") and _library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

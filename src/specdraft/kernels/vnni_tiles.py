@@ -17,6 +17,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from specdraft.kernels import isa
 from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 
@@ -45,8 +46,8 @@ def _built(flavour: str) -> ctypes.CDLL | None:  # the leading precise rows run 
 
 
 def available() -> bool:
-    """Whether the int8-activation kernels run on this machine."""
-    return _library() is not None
+    """Whether the int8-activation kernels run on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
+    return isa.allows("avx512") and _library() is not None
 
 
 def enabled() -> bool:

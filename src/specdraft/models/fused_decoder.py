@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.kernels import avx512_tiles, decoder_avx512, gguf_matmul, amx_tiles
+from specdraft.kernels import amx_tiles, avx512_tiles, decoder_avx512, gguf_matmul, tiles
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear
@@ -29,7 +29,7 @@ _INT4_KINDS = {avx512_tiles.matmul: decoder_avx512.INT4, amx_tiles.matmul: decod
 
 def _q6k_kind() -> int:
     """The run kind of Q6_K matrices: the kernel `gguf_matmul.block_matmul` runs them on here."""
-    return decoder_avx512.Q6K_AMX if amx_tiles.available() else decoder_avx512.Q6K
+    return decoder_avx512.Q6K_AMX if tiles.tile_kernel() is amx_tiles else decoder_avx512.Q6K
 
 
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:

@@ -1,5 +1,5 @@
-"""Weight-only int4 linears on our tile kernels: AMX where the CPU grants it (`kernels/amx_tiles`),
-else AVX-512 VNNI (`kernels/avx512_tiles`), else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
+"""Weight-only int4 linears on our tile kernels (`kernels/tiles.tile_kernel`): AMX where the CPU grants it,
+else AVX-512 VNNI, else AVX2, else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import avx512_tiles, amx_tiles
+from specdraft.kernels import tiles
 from specdraft.kernels.int4_layout import fits, pack
 
 _INNER_K_TILES = 2
@@ -29,14 +29,9 @@ _PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
 PASS_WIDTH = 8
 
 
-def _tile_kernel():
-    """The fastest tile kernel module that runs here (`amx_tiles`, `avx512_tiles`), or None."""
-    return next((kernel for kernel in (amx_tiles, avx512_tiles) if kernel.available()), None)
-
-
 def int4_kernel_available() -> bool:
     """Whether an int4 weight-only matmul runs here (one of ours, or this PyTorch build's CPU one)."""
-    return _tile_kernel() is not None or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return tiles.tile_kernel() is not None or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def _minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,8 +48,8 @@ class Int4Linear(nn.Module):
     """`y = x W^T + b` with W stored as packed 4-bit groups.
 
     With groups of 32 and N a multiple of 16, every pass runs on a tile kernel (`tile_matmul`):
-    AMX (flat cost from 1 to 16 tokens) or AVX-512 VNNI (each weight unpacked once per 8
-    tokens). Otherwise PyTorch's kernel runs; `dense_weight`, when kept, then serves passes wider
+    AMX (flat cost from 1 to 16 tokens), AVX-512 VNNI (each weight unpacked once per 8
+    tokens) or AVX2 (once per 4). Otherwise PyTorch's kernel runs; `dense_weight`, when kept, then serves passes wider
     than `PASS_WIDTH` tokens (faster there, at the cost of its memory).
     """
 
@@ -72,7 +67,7 @@ class Int4Linear(nn.Module):
         self.group_size = k // scale.shape[1]
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.dense_weight = dense_weight
-        kernel, self.tiles = _tile_kernel(), None
+        kernel, self.tiles = tiles.tile_kernel(), None
         if kernel is not None and fits(n, k, self.group_size):
             self.tiles = pack(codes, scale, minimum)
             self.tile_matmul = kernel.matmul

@@ -1,0 +1,265 @@
+/* AVX2 kernels for weights kept in 4-bit and 6-bit tiles: y = x W^T without unpacking W to float,
+ * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
+ *
+ * The same tiles as the AVX-512 kernels (`int4_layout.py`, `gguf_matmul.pack_q6k`) and the same
+ * arithmetic as their int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
+ * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
+ * float32 in the same order:
+ *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
+ *   Q6_K  (w = d·sc·(q − 32), sub-blocks of 16): y += (s·2^e) ⊙ Σ q·x̂ − 32 s ⊙ S,  s = d·sc
+ * so every output is bit for bit what the AVX-512 int16 build gives (tested where both run).
+ *
+ * The dot product is `vpmaddwd` (two int16 products summed into an int32) plus `vpaddd`: the
+ * integer sums are exact, whatever their order, so one chain per half-group or sub-block suffices.
+ * A 256-bit vector holds 8 output rows, so a tile of 16 rows is taken as two halves of 8; the
+ * halves are separate work items (each reads its 32 bytes of every 64 of the tile). With 16
+ * vector registers, a pass takes MAX_TOKENS = 4 tokens at a time: 4 float accumulators, 4
+ * integer sums and 4 unpacked code vectors stay in registers.
+ *
+ * Each token is computed alone, in an order that does not depend on the pass width, so a verify
+ * pass agrees bit for bit with one-token decoding. Rows are split across OpenMP threads.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+#define SUB 16
+#define MAX_TOKENS 4
+#define INT4_TILE_BYTES 256
+#define Q6_TILE_BYTES 416
+#define PREFETCH_BYTES 4096  /* codes are fetched this far ahead */
+
+/* 8 bf16 values -> float32 (exact). */
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Token activations as int16 with a power of two per 16 inputs: x [tokens, K] bf16 -> x̂ [tokens, K],
+ * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. */
+typedef struct {
+    int16_t *x;
+    float *scale, *sums;
+} TileActivations;
+
+static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens) {
+    const int64_t parts = K / SUB;
+    TileActivations act = {malloc(sizeof(int16_t) * (size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * parts)),
+                           malloc(sizeof(float) * (size_t)(tokens * parts))};
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < tokens * parts; i++) {
+        const __m256 lo = bf16x8_to_ps(x + i * SUB), hi = bf16x8_to_ps(x + i * SUB + 8);
+        const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi)));
+        /* e = floor(log2 max|x|) − 14, so that max|x| / 2^e lies in [2^14, 2^15) */
+        const int e = amax > 0.0f ? ilogbf(amax) - 14 : 0;
+        __m256i q_lo, q_hi;
+        if (e >= -126 && e <= 127) {  /* 2^-e is a normal float: the product is exact (a scaling by a power of two) */
+            const __m256 factor = _mm256_set1_ps(ldexpf(1.0f, -e));
+            q_lo = _mm256_cvtps_epi32(_mm256_mul_ps(lo, factor));  /* nearest, ties even */
+            q_hi = _mm256_cvtps_epi32(_mm256_mul_ps(hi, factor));
+        } else {  /* activations below 2^-112: scaled one at a time */
+            float scaled[16];
+            _mm256_storeu_ps(scaled, lo);
+            _mm256_storeu_ps(scaled + 8, hi);
+            for (int j = 0; j < 16; j++) scaled[j] = ldexpf(scaled[j], -e);
+            q_lo = _mm256_cvtps_epi32(_mm256_loadu_ps(scaled));
+            q_hi = _mm256_cvtps_epi32(_mm256_loadu_ps(scaled + 8));
+        }
+        /* int32 -> int16 (|x̂| <= 2^15 − 2^7: no saturation); packs interleaves 64-bit lanes, the permute restores order */
+        _mm256_storeu_si256((__m256i *)(act.x + i * SUB), _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xD8));
+        act.scale[i] = ldexpf(1.0f, e);  /* 2^e */
+        act.sums[i] = act.scale[i] * (float)hsum8_epi32(_mm256_add_epi32(q_lo, q_hi));
+    }
+    return act;
+}
+
+static void release_activations(TileActivations act) {
+    free(act.x);
+    free(act.scale);
+    free(act.sums);
+}
+
+/* 32 bytes of nibbles (one half of a 64-byte chunk: rows 8·half .. 8·half + 7) -> the code pairs as bytes. */
+static inline __attribute__((always_inline)) void nibble_pairs8(const uint8_t *bytes, __m256i pairs[2]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)bytes);
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    pairs[0] = _mm256_unpacklo_epi8(lo, hi);
+    pairs[1] = _mm256_unpackhi_epi8(lo, hi);
+}
+
+/* Code bytes -> four vectors of int16 code pairs: dword lane c = (q[c][2r], q[c][2r + 1]) of 8 rows. */
+static inline __attribute__((always_inline)) void code_pair_rows8(const __m256i pairs[2], __m256i rows[4]) {
+    const __m256i zero = _mm256_setzero_si256();
+    rows[0] = _mm256_unpacklo_epi8(pairs[0], zero);
+    rows[1] = _mm256_unpackhi_epi8(pairs[0], zero);
+    rows[2] = _mm256_unpacklo_epi8(pairs[1], zero);
+    rows[3] = _mm256_unpackhi_epi8(pairs[1], zero);
+}
+
+/* The 6-bit code pairs of chunk `chunk` (pairs 4·chunk .. 4·chunk + 3) of a Q6_K tile, rows of `half`: the nibbles
+ * with their two high bits ORed in at bits 4-5 (AVX-512 shifts the high-bit bytes by 4/0 for rows 0-7 and 2/2 for
+ * rows 8-15; see `tile_unpack.h`). */
+static inline __attribute__((always_inline)) void q6_unpack_rows8(const uint8_t *tile, int chunk, int half, __m256i rows[4]) {
+    const __m256i top = _mm256_set1_epi8(0x30);
+    __m256i pairs[2];
+    nibble_pairs8(tile + chunk * 64 + half * 32, pairs);
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32));
+    const __m256i first = half ? _mm256_slli_epi16(high, 2) : _mm256_slli_epi16(high, 4);
+    const __m256i second = half ? _mm256_srli_epi16(high, 2) : high;
+    pairs[0] = _mm256_or_si256(pairs[0], _mm256_and_si256(first, top));
+    pairs[1] = _mm256_or_si256(pairs[1], _mm256_and_si256(second, top));
+    code_pair_rows8(pairs, rows);
+}
+
+/* sum + Σ of the two int16 products of each dword lane. */
+#define DOT(sum, rows, pair) _mm256_add_epi32((sum), _mm256_madd_epi16((rows), (pair)))
+
+/* `call(T)` with T = tokens as a constant (1..MAX_TOKENS), so the accumulators stay in registers. */
+#define WITH_CONSTANT_TOKENS(tokens, call) \
+    switch (tokens) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); break; }
+
+/* Half `half` (8 rows) of a block of 16 output rows of 4-bit tiles against `tokens` tokens (a constant after inlining). */
+static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes, const uint16_t *block_scale,
+                                                           const uint16_t *block_zero, const TileActivations *act, int64_t K,
+                                                           int64_t groups, int tokens, int half, float *y, int64_t ldy) {
+    __m256 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
+        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line + half * 32), _MM_HINT_T0);
+        const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
+        const int16_t *xg = act->x + g * GROUP;
+        for (int part = 0; part < 2; part++) {  /* inputs 16·part .. 16·part + 15: chunks 2·part, 2·part + 1 */
+            __m256i sum[MAX_TOKENS];
+            for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
+            for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
+                __m256i pairs[2], rows[4];
+                nibble_pairs8(group_codes + chunk * 64 + half * 32, pairs);
+                code_pair_rows8(pairs, rows);
+                for (int j = 0; j < 4; j++)
+                    for (int t = 0; t < tokens; t++) {
+                        const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
+                        sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[0]));
+                    }
+            }
+            for (int t = 0; t < tokens; t++) {
+                const float scale = act->scale[t * 2 * groups + 2 * g + part];
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+            }
+        }
+        const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
+        for (int t = 0; t < tokens; t++) {
+            const float *sums = act->sums + t * 2 * groups + 2 * g;
+            acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[0] + sums[1]), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+}
+
+/* Half `half` (8 rows) of a block of 16 output rows of Q6_K tiles against `tokens` tokens. */
+static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, const float *d, const TileActivations *act,
+                                                         int64_t K, int64_t groups, int tokens, int half, float *y, int64_t ldy) {
+    __m256 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
+        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + half * 8);
+        for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
+            __m256i sum[MAX_TOKENS];
+            for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
+            const int16_t *xs = act->x + g * GROUP + sub * SUB;
+            for (int c = 0; c < 2; c++) {
+                __m256i rows[4];
+                q6_unpack_rows8(tile, 2 * sub + c, half, rows);
+                for (int j = 0; j < 4; j++)
+                    for (int t = 0; t < tokens; t++) {
+                        const int32_t *xp = (const int32_t *)(xs + t * K);
+                        sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[4 * c + j]));
+                    }
+            }
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + sub * 16 + half * 8))));
+            const __m256 s = _mm256_mul_ps(sc, dg);
+            for (int t = 0; t < tokens; t++) {
+                const int64_t part = t * 2 * groups + 2 * g + sub;
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(act->scale[part])), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(32.0f)), _mm256_set1_ps(act->sums[part]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+}
+
+/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    const int64_t groups = K / GROUP, items = 2 * (N / 16);
+    const TileActivations act = tile_activations(x, K, tokens);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t nb = item / 2;
+        const int half = (int)(item % 2);
+        const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
+        const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+        float *out = y + nb * 16;
+#define INT4_HALF(T) int4_half(codes, bs, bz, &act, K, groups, T, half, out, ldy)
+        WITH_CONSTANT_TOKENS(tokens, INT4_HALF)
+#undef INT4_HALF
+    }
+    release_activations(act);
+}
+
+void int4_avx2_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
+        const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
+        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
+    }
+}
+
+/* ----- Q6_K tiles ----------------------------------------------------------------------------- */
+static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+                     int tokens, int64_t ldy) {
+    const int64_t groups = K / GROUP, items = 2 * (N / 16);
+    const TileActivations act = tile_activations(x, K, tokens);
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t nb = item / 2;
+        const int half = (int)(item % 2);
+        const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
+        const float *bd = d + nb * (K / 256) * 16;
+        float *out = y + nb * 16;
+#define Q6_HALF(T) q6_half(block, bd, &act, K, groups, T, half, out, ldy)
+        WITH_CONSTANT_TOKENS(tokens, Q6_HALF)
+#undef Q6_HALF
+    }
+    release_activations(act);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */
+void q6k_avx2_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+                     int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
+        const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
+        q6_chunk(tiles, d, x + t0 * K, y + t0 * N, N, K, chunk, N);
+    }
+}

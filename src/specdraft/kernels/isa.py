@@ -1,0 +1,52 @@
+"""Which instruction sets the native kernels may use: the best this CPU has, or the one `SPECDRAFT_ISA` forces.
+
+The levels build on each other: `torch` (no native kernel: PyTorch's own), `avx2` (AVX2 + FMA + F16C:
+`avx2_tiles`), `avx512` (AVX-512 with VNNI: `avx512_tiles`, the fused decoder, the layer and attention
+kernels, the int8 prompt kernels), `amx` (AVX-512 plus AMX tiles where the OS grants them: `amx_tiles`).
+A kernel of one level runs where `allows(level)` holds and the CPU has its flags, so forcing a lower level
+on a bigger CPU (`SPECDRAFT_ISA=avx2` on an AVX-512 machine) runs and tests that level's kernels there.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from specdraft.errors import SpecdraftError
+from specdraft.kernels.build import cpu_flags
+
+LEVELS = ("torch", "avx2", "avx512", "amx")  # each level's kernels add to those below it
+VARIABLE = "SPECDRAFT_ISA"
+CPU_FLAGS = {  # what a level needs of /proc/cpuinfo's flags
+    "torch": set(),
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"},
+    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
+}
+
+
+@lru_cache(maxsize=1)
+def detected() -> str:
+    """The highest level whose CPU flags this machine has (whether the OS grants AMX is `amx_tiles`'s question)."""
+    flags = cpu_flags()
+    return next(level for level in reversed(LEVELS) if CPU_FLAGS[level] <= flags)
+
+
+def isa() -> str:
+    """`$SPECDRAFT_ISA` when set (torch, avx2, avx512 or amx; the CPU must have it), else `detected()`."""
+    chosen = os.environ.get(VARIABLE, "").strip().lower()
+    if not chosen:
+        return detected()
+    if chosen not in LEVELS:
+        raise SpecdraftError(f"{VARIABLE} must be one of {', '.join(LEVELS)} (or unset to use the best this CPU has), "
+                             f"got {chosen!r}.")
+    missing = CPU_FLAGS[chosen] - cpu_flags()
+    if missing:
+        raise SpecdraftError(f"{VARIABLE}={chosen} needs CPU flags this machine lacks ({', '.join(sorted(missing))}); "
+                             f"this CPU runs up to {detected()}: set {VARIABLE} to that or lower, or unset it.")
+    return chosen
+
+
+def allows(level: str) -> bool:
+    """Whether kernels of `level` may run: it is at or below `isa()`."""
+    return LEVELS.index(level) <= LEVELS.index(isa())
