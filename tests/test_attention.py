@@ -4,7 +4,7 @@ with grouped key/value heads, for every mask form transformers and the tree pass
 import pytest
 import torch
 
-from specdraft.kernels import attention_avx512
+from specdraft.kernels import cache_attention
 from specdraft.models.attention import few_query_attention
 
 
@@ -51,7 +51,7 @@ def test_a_fully_hidden_row_stays_finite():
                                rtol=1e-2, atol=1e-2)
 
 
-kernel_runs = pytest.mark.skipif(not attention_avx512.available(), reason="no AVX-512 BF16 attention kernel here")
+kernel_runs = pytest.mark.skipif(not cache_attention.available(), reason="no native attention kernel here")
 
 
 def random_states(length, keys, dim, seed, heads=12, kv_heads=2):
@@ -72,8 +72,8 @@ def test_attention_kernel_matches_the_definition(length, keys, dim, mask_form):
     mask = {"none": None, "bool": allowed.view(1, 1, length, keys),
             "additive": torch.zeros(1, 1, length, keys, dtype=torch.bfloat16).masked_fill(
                 ~allowed, torch.finfo(torch.bfloat16).min)}[mask_form]
-    assert attention_avx512.supports(query, key, value)
-    out = attention_avx512.attend(query, key, value, mask, dim ** -0.5)
+    assert cache_attention.supports(query, key, value)
+    out = cache_attention.attend(query, key, value, mask, dim ** -0.5)
     assert out.shape == (1, length, 12, dim) and out.dtype == torch.bfloat16
     want = reference(query, key, value, allowed.view(1, 1, length, keys), dim ** -0.5)
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)  # bf16 output rounding
@@ -84,9 +84,9 @@ def test_attention_kernel_gives_each_query_the_same_bits_in_any_pass():
     """A verify pass's queries equal one-token passes bit for bit (so verification agrees with decoding)."""
     query, key, value = random_states(6, 50, 128, seed=3)
     causal = (torch.arange(50) <= torch.arange(44, 50).unsqueeze(1)).view(1, 1, 6, 50)
-    together = attention_avx512.attend(query, key, value, causal, 0.1)  # [1, 6, 12, 128]
+    together = cache_attention.attend(query, key, value, causal, 0.1)  # [1, 6, 12, 128]
     for t in range(6):
-        alone = attention_avx512.attend(query[:, :, t:t + 1], key[:, :, :45 + t], value[:, :, :45 + t], None, 0.1)
+        alone = cache_attention.attend(query[:, :, t:t + 1], key[:, :, :45 + t], value[:, :, :45 + t], None, 0.1)
         assert torch.equal(alone[:, 0], together[:, t])
 
 
@@ -104,8 +104,8 @@ def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_after_its_ancestors
         seen[59] = True  # the node itself
         mask = torch.zeros(1, 1, 1, 60).masked_fill(~seen, hidden)
         for t in range(4):
-            in_tree = attention_avx512.attend(query[:, :, t:t + 1], key, value, mask, 0.1)
-            as_chain = attention_avx512.attend(query[:, :, t:t + 1], key[:, :, seen], value[:, :, seen], None, 0.1)
+            in_tree = cache_attention.attend(query[:, :, t:t + 1], key, value, mask, 0.1)
+            as_chain = cache_attention.attend(query[:, :, t:t + 1], key[:, :, seen], value[:, :, seen], None, 0.1)
             assert torch.equal(in_tree, as_chain), (seed, t)
 
 
@@ -115,8 +115,8 @@ def test_attention_kernel_reads_a_cache_cut_back_in_place():
     query, key, value = random_states(2, 40, 64, seed=4)
     buffer_k, buffer_v = torch.randn(1, 2, 70, 64).bfloat16(), torch.randn(1, 2, 70, 64).bfloat16()
     buffer_k[:, :, :40], buffer_v[:, :, :40] = key, value
-    assert torch.equal(attention_avx512.attend(query, buffer_k[:, :, :40], buffer_v[:, :, :40], None, 0.2),
-                       attention_avx512.attend(query, key, value, None, 0.2))
+    assert torch.equal(cache_attention.attend(query, buffer_k[:, :, :40], buffer_v[:, :, :40], None, 0.2),
+                       cache_attention.attend(query, key, value, None, 0.2))
 
 
 @kernel_runs
@@ -125,7 +125,7 @@ def test_attention_kernel_fully_hidden_row_averages_the_values():
     query, key, value = random_states(2, 5, 32, seed=5, heads=4, kv_heads=2)
     allowed = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
     allowed[0, 0, 1] = True
-    out = attention_avx512.attend(query, key, value, allowed, 1.0)
+    out = cache_attention.attend(query, key, value, allowed, 1.0)
     assert torch.isfinite(out.float()).all()
     mean = value.double().mean(dim=2).repeat_interleave(2, dim=1)  # [1, 4, 32]
     torch.testing.assert_close(out[0, 0].double(), mean[0], rtol=1e-2, atol=1e-2)
@@ -135,6 +135,6 @@ def test_attention_kernel_fully_hidden_row_averages_the_values():
 def test_few_query_attention_takes_the_kernel_for_bf16_batches_of_one():
     query, key, value = random_states(1, 30, 64, seed=6)
     assert torch.equal(few_query_attention(query, key, value, None, 0.125),
-                       attention_avx512.attend(query, key, value, None, 0.125))
+                       cache_attention.attend(query, key, value, None, 0.125))
     batch = [torch.cat([s, s]) for s in (query, key, value)]  # batch 2: PyTorch's path
-    assert not attention_avx512.supports(*batch)
+    assert not cache_attention.supports(*batch)

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import amx_tiles, avx512_tiles, decoder_avx512, gguf_matmul, layer_ops, tiles
+from specdraft.kernels import amx_tiles, avx512_tiles, decoder_layers, gguf_matmul, isa, layer_ops, tiles
 from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
@@ -103,7 +103,7 @@ def test_mixed_block_types_run_one_call_per_type_with_the_same_outputs():
     assert torch.equal(out.to(torch.bfloat16), torch.cat(parts, dim=-1))
 
 
-@pytest.mark.skipif(not layer_ops.available(), reason="no AVX-512 BF16 layer operations here")
+@pytest.mark.skipif(not layer_ops.available(), reason="no native layer operations here")
 def test_native_rms_norm_matches_transformers_and_each_row_stands_alone():
     norm = Qwen2RMSNorm(256, eps=1e-6)
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_fast_layers_swap_norms_only_where_the_kernel_runs():
     assert type(float_model.model.norm).__name__ == "Qwen2RMSNorm"
 
 
-@pytest.mark.skipif(not layer_ops.available(), reason="no AVX-512 BF16 layer operations here")
+@pytest.mark.skipif(not layer_ops.available(), reason="no native layer operations here")
 @pytest.mark.parametrize("dim, tokens", [(128, 1), (64, 5), (32, 8)])
 def test_native_rotary_gives_transformers_bits(dim, tokens):
     """q and k heads of a stacked q|k|v row rotated in place equal `apply_rotary_pos_emb` in bf16; v untouched."""
@@ -151,7 +151,7 @@ def test_native_rotary_gives_transformers_bits(dim, tokens):
 
 
 # ----- the fused decoder: the whole layer stack in one C call ----------------------------------------------
-fused_run = pytest.mark.skipif(not decoder_avx512.available(), reason="no AVX-512 BF16 decoder kernel here")
+fused_run = pytest.mark.skipif(not decoder_layers.available(), reason="no fused decoder kernel here")
 
 
 def mixed_model() -> Qwen2ForCausalLM:
@@ -187,18 +187,37 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture(params=["avx512-int16", "avx512-bf16", "avx2"])
+def decoder_build(request, monkeypatch):
+    """Each build of the fused decoder this CPU runs: AVX-512 in both dot flavours, and AVX2 (forced by `SPECDRAFT_ISA`
+    where the CPU has more)."""
+    level, _, flavour = request.param.partition("-")
+    if level == "avx2":
+        if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags() or decoder_layers._built("avx2", "int16", False) is None:
+            pytest.skip("the AVX2 decoder does not run on this CPU")
+        monkeypatch.setenv(isa.VARIABLE, "avx2")
+    else:
+        if isa.detected() not in ("avx512", "amx") or avx512_tiles._built(flavour) is None:
+            pytest.skip(f"the AVX-512 {flavour} tile kernels do not run on this CPU")
+        monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
+    assert decoder_layers.level() == level
+    return level
+
+
 @tiles_run
 @fused_run
 @pytest.mark.parametrize("build", [int4_model, mixed_model])
 @pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
-def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, tile_dots, monkeypatch):
+def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decoder_build, monkeypatch):
     if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)
+        if decoder_build != "avx512":
+            pytest.skip("AVX-512 tiles run under the AVX-512 decoder only")
         monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
     model = build()
     fast_decoder_layers(model)
     fused = fused_decoder(model)
     assert fused is not None and len(fused.table) == 2
-    int4_kind = decoder_avx512.INT4_AMX if kernel is None and amx_tiles.available() else decoder_avx512.INT4
+    int4_kind = decoder_layers.INT4_AMX if kernel is None and amx_tiles.available() else decoder_layers.INT4
     assert fused.table[1].qkv.run[0].kind == int4_kind
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
@@ -233,25 +252,25 @@ def test_fused_decoder_needs_every_layer_on_tile_kernels():
 
 
 @fused_run
-@pytest.mark.skipif(not decoder_avx512.same_silu_as_torch(), reason="PyTorch's exp is not reachable here")
+@pytest.mark.skipif(not decoder_layers.same_silu_as_torch(), reason="PyTorch's exp is not reachable here")
 def test_silu_mul_gives_pytorch_bits():
     g = torch.Generator().manual_seed(0)
     for scale in (1.0, 8.0, 200.0):
         gate_up = (scale * torch.randn(3, 2 * 128, generator=g)).bfloat16()
         want = torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:]
-        assert torch.equal(decoder_avx512.silu_mul(gate_up), want)
+        assert torch.equal(decoder_layers.silu_mul(gate_up), want)
 
 
 @fused_run
 def test_silu_mul_without_pytorchs_exp_stays_within_a_bf16_step():
     """Where PyTorch's exp cannot be reached, the kernel's own exp stands in: the same values up to a last bf16 bit."""
-    library = decoder_avx512._library()
+    library = decoder_layers._library()
     gate_up = (4 * torch.randn(5, 2 * 256, generator=torch.Generator().manual_seed(1))).bfloat16()
     want = torch.nn.functional.silu(gate_up[:, :256]) * gate_up[:, 256:]
     try:
         library.use_exp(None)
-        got = decoder_avx512.silu_mul(gate_up)
+        got = decoder_layers.silu_mul(gate_up)
     finally:
-        library.use_exp(decoder_avx512._torch_exp16())
+        library.use_exp(decoder_layers._torch_exp(decoder_layers.level()))
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
     assert (got != want).float().mean() < 0.02

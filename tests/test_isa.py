@@ -4,7 +4,8 @@ or a wrong name, is a clear error."""
 import pytest
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, decoder_avx512, isa, layer_ops, tiles, vnni_tiles
+from specdraft.kernels import (amx_tiles, avx2_tiles, avx512_tiles, cache_attention, decoder_layers, isa, layer_ops,
+                               tiles, vnni_tiles)
 
 AVX2 = {"avx", "avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
@@ -44,10 +45,14 @@ def test_the_variable_forces_a_lower_level_and_refuses_a_higher_one(cpu, monkeyp
 
 @pytest.mark.skipif(not avx2_tiles.available(), reason="no AVX2 tile kernels here")
 def test_forcing_avx2_turns_every_avx512_kernel_off(monkeypatch):
-    """What `SPECDRAFT_ISA=avx2` runs on any x86-64 CPU with AVX2: the AVX2 tiles, nothing of AVX-512 or AMX."""
+    """What `SPECDRAFT_ISA=avx2` runs on any x86-64 CPU with AVX2: the AVX2 tiles, layer operations, attention and
+    fused decoder, nothing of AVX-512 or AMX; `torch` turns every native kernel off."""
     monkeypatch.setenv(isa.VARIABLE, "avx2")
-    assert tiles.tile_kernel() is avx2_tiles
-    for module in (amx_tiles, avx512_tiles, vnni_tiles, decoder_avx512, layer_ops):
+    assert tiles.tile_kernel() is avx2_tiles and decoder_layers.level() == "avx2"
+    for module in (amx_tiles, avx512_tiles, vnni_tiles):
         assert not module.available(), module.__name__
+    assert layer_ops._library() is layer_ops._built("avx2") and cache_attention._library() is cache_attention._built("avx2")
     monkeypatch.setenv(isa.VARIABLE, "torch")
     assert tiles.tile_kernel() is None and not avx2_tiles.available()
+    for module in (decoder_layers, layer_ops, cache_attention):
+        assert not module.available(), module.__name__

@@ -24,17 +24,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "avx2_vectors.h"
+
 #define GROUP 32
 #define SUB 16
 #define MAX_TOKENS 4
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead */
-
-/* 8 bf16 values -> float32 (exact). */
-static inline __m256 bf16x8_to_ps(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
 
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -56,6 +56,7 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
     if not built.is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
         partial = built.with_suffix(f".{os.getpid()}.partial")
+        print(f"note: building {what} (once; cached in {built.parent})", file=sys.stderr)
         result = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
         if result.returncode != 0:
             print(f"note: {what} did not build ({result.stderr.strip()[:300]}); falling back to PyTorch kernels",

@@ -50,3 +50,8 @@ def isa() -> str:
 def allows(level: str) -> bool:
     """Whether kernels of `level` may run: it is at or below `isa()`."""
     return LEVELS.index(level) <= LEVELS.index(isa())
+
+
+def first_built(build, levels: tuple[str, ...] = ("avx512", "avx2")):
+    """`build(level)` for the best of `levels` that `allows` and that builds and runs here (not None), or None."""
+    return next((built for level in levels if allows(level) and (built := build(level)) is not None), None)

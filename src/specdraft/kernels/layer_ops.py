@@ -1,4 +1,5 @@
-"""Per-token decoder-layer operations in C for bf16 activations (`layer_ops.c`): RMSNorm, rotary embedding."""
+"""Per-token decoder-layer operations in C for bf16 activations: RMSNorm, rotary embedding (`layer_ops.c` with
+AVX-512 BF16, else `layer_ops_avx2.c`)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,23 @@ import torch
 from specdraft.kernels import isa
 from specdraft.kernels.build import compiled_library
 
-_SOURCE = Path(__file__).with_name("layer_ops.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+_HERE = Path(__file__).parent
+_BUILDS = {  # level -> (source, compiler flags, CPU flags)
+    "avx512": (_HERE / "layer_ops.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared",
+                                       "-fPIC"], {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
+    "avx2": (_HERE / "layer_ops_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"],
+             isa.CPU_FLAGS["avx2"]),
+}
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 layer operations")
+    return isa.first_built(_built)
+
+
+@lru_cache(maxsize=None)
+def _built(level: str) -> ctypes.CDLL | None:
+    source, flags, required = _BUILDS[level]
+    library = compiled_library(source, flags, required, f"the {level} layer operations")
     if library is None:
         return None
     library.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
@@ -29,8 +39,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernels run on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
-    return isa.allows("avx512") and _library() is not None
+    """Whether the kernels run on this machine (AVX-512 BF16 or AVX2, as `SPECDRAFT_ISA` allows)."""
+    return _library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdraft.kernels import attention_avx512
+from specdraft.kernels import cache_attention
 
 GROUPED_SDPA = "specdraft_grouped_sdpa"
 FEW_QUERIES = 64  # passes of at most this many query tokens over a cache skip SDPA
@@ -41,9 +41,9 @@ def few_query_attention(
     scaling: float,
 ) -> torch.Tensor:  # [B, T, heads, head_dim] in the query's dtype
     """softmax(q kᵀ · scaling + mask) v in float32, each key/value head shared by its group of query heads
-    (in C, `kernels/attention_avx512.c`, where it runs: bf16, batch 1)."""
-    if attention_avx512.supports(query, key, value):
-        return attention_avx512.attend(query, key, value, attention_mask, scaling)
+    (in C, `kernels/attention_avx512.c` or `attention_avx2.c`, where it runs: bf16, batch 1)."""
+    if cache_attention.supports(query, key, value):
+        return cache_attention.attend(query, key, value, attention_mask, scaling)
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads

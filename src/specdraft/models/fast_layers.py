@@ -24,7 +24,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb, eager_attention_forward
 
-from specdraft.kernels import decoder_avx512, gguf_matmul, layer_ops
+from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.heap import trim_heap
 
@@ -102,12 +102,12 @@ class StackedMLP(nn.Module):
         # SiLU·up as one C call where it gives PyTorch's bits (its own exp): 4 PyTorch passes over a prompt's
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
         self.native_silu = (isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)) and self.intermediate % 16 == 0
-                            and decoder_avx512.same_silu_as_torch())
+                            and decoder_layers.same_silu_as_torch())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., H] bf16
         gate_up = self.gate_up(x).to(x.dtype)  # [..., 2I]: rounded as the separate projections' outputs were
         if self.native_silu and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            return self.down_proj(decoder_avx512.silu_mul(gate_up))
+            return self.down_proj(decoder_layers.silu_mul(gate_up))
         return self.down_proj(self.act_fn(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
 
 

@@ -1,4 +1,5 @@
-"""A Qwen2 model's decoder layers as one C call for passes of a few tokens (`kernels/decoder_avx512.c`).
+"""A Qwen2 model's decoder layers as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or
+AVX2).
 
 After `fast_layers.fast_decoder_layers`, every projection of a packed model runs on a tile kernel,
 yet a decoding step still spent about a sixth of its time (the bundled 0.5B draft: a third) in
@@ -9,7 +10,7 @@ the pass's keys and values into the model's `GrowingLayer` caches in place, so t
 take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
-MLP on our tile kernels (AVX-512 or AMX), native norms, no sliding window), else returns None; it is kept on
+MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms, no sliding window), else returns None; it is kept on
 the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 
@@ -18,48 +19,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft.kernels import amx_tiles, avx512_tiles, decoder_avx512, gguf_matmul, tiles
+from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear
 
 
-_INT4_KINDS = {avx512_tiles.matmul: decoder_avx512.INT4, amx_tiles.matmul: decoder_avx512.INT4_AMX}
-
-
-def _q6k_kind() -> int:
-    """The run kind of Q6_K matrices: the kernel `gguf_matmul.block_matmul` runs them on here."""
-    return decoder_avx512.Q6K_AMX if tiles.tile_kernel() is amx_tiles else decoder_avx512.Q6K
-
-
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
-    """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on our tile kernels."""
+    """A projection as (kind, packed matrix) runs and its float32 bias, or None if it is not all on the tile kernels
+    of the decoder build that runs here."""
+    int4_kinds, q6k_kind = decoder_layers.int4_kinds(), decoder_layers.q6k_kind()
     if isinstance(projection, StackedProjection):
         runs = []
         for matmul, packed in projection.runs:
-            if matmul in _INT4_KINDS and isinstance(packed, PackedInt4):
-                runs.append((_INT4_KINDS[matmul], packed))
-            elif matmul is gguf_matmul.block_matmul:
-                runs.append((_q6k_kind(), packed))
+            if matmul in int4_kinds and isinstance(packed, PackedInt4):
+                runs.append((int4_kinds[matmul], packed))
+            elif matmul is gguf_matmul.block_matmul and q6k_kind is not None:
+                runs.append((q6k_kind, packed))
             else:
                 return None
         return runs, projection.bias
     bias = None if projection.bias is None else projection.bias.detach().float().contiguous()
     if isinstance(projection, Int4Linear):
-        if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in _INT4_KINDS:
+        if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in int4_kinds:
             return None
-        return [(_INT4_KINDS[projection.tile_matmul], projection.tiles)], bias
-    if isinstance(projection, gguf_matmul.BlockLinear):
-        return [(_q6k_kind(), projection.packed)], bias
+        return [(int4_kinds[projection.tile_matmul], projection.tiles)], bias
+    if isinstance(projection, gguf_matmul.BlockLinear) and q6k_kind is not None:
+        return [(q6k_kind, projection.packed)], bias
     return None
 
 
-def _describe(target: decoder_avx512.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None) -> None:
+def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None) -> None:
     target.bias = 0 if bias is None else bias.data_ptr()
     target.runs = len(runs)
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
-        if kind in (decoder_avx512.INT4, decoder_avx512.INT4_AMX):
+        if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0
@@ -78,7 +73,7 @@ class FusedDecoder:
         self.sizes = (config.hidden_size, attention.q_size // attention.head_dim, self.kv_heads, self.head_dim,
                       base.layers[0].mlp.intermediate)
         self.eps, self.scaling = float(base.layers[0].input_layernorm.variance_epsilon), float(attention.scaling)
-        self.table = (decoder_avx512.Layer * len(base.layers))()
+        self.table = (decoder_layers.Layer * len(base.layers))()
         self._alive = []  # tensors the table points to (biases converted here)
         for entry, layer, projections in zip(self.table, base.layers, layer_projections):
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -102,7 +97,7 @@ class FusedDecoder:
                 raise RuntimeError("the cache does not hold cache_len tokens")
             entry.keys, entry.values = layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()
             entry.capacity = layer.key_buffer.shape[-2]
-        decoder_avx512.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
+        decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
                                   cos[0].contiguous(), sin[0].contiguous(), mask)
         for layer in cache.layers:
             layer.advance(cache_len + length)
@@ -114,7 +109,7 @@ def _qualifies(model: nn.Module) -> list | None:
     base = getattr(model, "model", None)
     config = getattr(model, "config", None)
     layers = getattr(base, "layers", None)
-    if (not layers or getattr(config, "model_type", None) != "qwen2" or not decoder_avx512.available()
+    if (not layers or getattr(config, "model_type", None) != "qwen2" or not decoder_layers.available()
             or "sliding_attention" in (getattr(config, "layer_types", None) or ())
             or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
         return None
@@ -122,12 +117,12 @@ def _qualifies(model: nn.Module) -> list | None:
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         if not (isinstance(attention, StackedAttention) and isinstance(mlp, StackedMLP) and attention.native_rotary
-                and attention.head_dim <= decoder_avx512.MAX_HEAD_DIM
+                and attention.head_dim <= decoder_layers.MAX_HEAD_DIM
                 and isinstance(layer.input_layernorm, NativeRMSNorm)
                 and isinstance(layer.post_attention_layernorm, NativeRMSNorm)):
             return None
         projections = [_runs(p) for p in (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)]
-        if any(p is None or len(p[0]) > decoder_avx512.MAX_RUNS for p in projections):
+        if any(p is None or len(p[0]) > decoder_layers.MAX_RUNS for p in projections):
             return None
         described.append(projections)
     return described

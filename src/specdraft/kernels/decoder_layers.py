@@ -1,4 +1,5 @@
-"""A stack of decoder layers in one C call (`decoder_avx512.c`) for passes of a few bf16 tokens.
+"""A stack of decoder layers in one C call for passes of a few bf16 tokens: `decoder_avx512.c` (with AMX where
+granted) or `decoder_avx2.c`, the one layer of `decoder_layers.h` on each instruction set's kernels.
 
 The C side runs the tile kernels, norms, rotary embedding, attention and SiLU of every layer
 without returning to Python; `models/fused_decoder.py` describes a model's layers to it.
@@ -12,16 +13,23 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import amx_tiles, isa
+from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, isa, tiles
 from specdraft.kernels.build import compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 
-_SOURCE = Path(__file__).with_name("decoder_avx512.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_HERE = Path(__file__).parent
+_BUILDS = {  # level -> (source, compiler flags, CPU flags)
+    "avx512": (_HERE / "decoder_avx512.c",
+               ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma",
+                "-fopenmp", "-shared", "-fPIC"],
+               {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}),
+    "avx2": (_HERE / "decoder_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"],
+             isa.CPU_FLAGS["avx2"]),
+}
 _AMX_FLAGS = ["-DWITH_AMX", "-mamx-tile", "-mamx-bf16"]  # the build that may run 4-bit projections on AMX
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}
+_TORCH_EXP = {"avx512": "Sleef_expf16_u10", "avx2": "Sleef_expf8_u10"}  # PyTorch's exp for the build's vector width
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
-MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in attention_avx512.c)
+MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in the attention C files)
 INT4, Q6K, INT4_AMX, Q6K_AMX = 0, 1, 2, 3  # run kinds (the AMX ones only where `amx_tiles.available()`)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
@@ -46,19 +54,32 @@ class Layer(ctypes.Structure):
                 ("capacity", _SIZE)]
 
 
+def level() -> str | None:
+    """The instruction set of the build that runs here (`avx512` or `avx2`), or None."""
+    if isa.allows("avx512") and _built("avx512", dots(), amx_tiles.available()) is not None:
+        return "avx512"
+    if isa.allows("avx2") and _built("avx2", "int16", False) is not None:
+        return "avx2"
+    return None
+
+
 def _library() -> ctypes.CDLL | None:
-    return _built(dots(), amx_tiles.available())
+    chosen = level()
+    if chosen == "avx512":
+        return _built("avx512", dots(), amx_tiles.available())
+    return _built("avx2", "int16", False) if chosen == "avx2" else None
 
 
 @lru_cache(maxsize=None)
-def _built(flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # the tile kernels of `flavour` run its AVX-512 projections
-    flags, required = build_options(flavour)
-    if with_amx:  # the tile state is granted: the AMX build runs projections on AMX
-        library = compiled_library(_SOURCE, _FLAGS + flags + _AMX_FLAGS,
-                                   _REQUIRED_CPU_FLAGS | required | amx_tiles.REQUIRED_CPU_FLAGS,
-                                   "the AVX-512 decoder layers with AMX")
-    else:
-        library = compiled_library(_SOURCE, _FLAGS + flags, _REQUIRED_CPU_FLAGS | required, "the AVX-512 decoder layers")
+def _built(chosen: str, flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # avx512: the tiles of `flavour`
+    source, flags, required = _BUILDS[chosen]
+    what = f"the {chosen.upper().replace('AVX512', 'AVX-512')} decoder layers"
+    if chosen == "avx512":
+        extra, extra_required = build_options(flavour)
+        flags, required = flags + extra, required | extra_required
+        if with_amx:  # the tile state is granted: the AMX build runs projections on AMX
+            flags, required, what = flags + _AMX_FLAGS, required | amx_tiles.REQUIRED_CPU_FLAGS, what + " with AMX"
+    library = compiled_library(source, flags, required, what)
     if library is None:
         return None
     library.decoder_layers_forward.argtypes = ([_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [ctypes.c_float] * 2
@@ -67,29 +88,48 @@ def _built(flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # the tile kern
     library.silu_mul_bf16.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
     library.silu_mul_bf16.restype = None
     library.use_exp.argtypes, library.use_exp.restype = [_POINTER], None
-    torch_exp = _torch_exp16()
+    torch_exp = _torch_exp(chosen)
     if torch_exp is not None:
         library.use_exp(torch_exp)
     return library
 
 
-def _torch_exp16() -> int | None:
-    """The address of SLEEF's 16-lane float32 exp in PyTorch's CPU library (what its SiLU uses), or None."""
+def _torch_exp(chosen: str) -> int | None:
+    """The address of SLEEF's float32 exp of the build's vector width in PyTorch's CPU library (what its SiLU
+    uses), or None."""
     try:
-        return ctypes.cast(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).Sleef_expf16_u10,
-                           ctypes.c_void_p).value
+        function = getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")), _TORCH_EXP[chosen])
+        return ctypes.cast(function, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
 
 
 def same_silu_as_torch() -> bool:
     """Whether SiLU here uses PyTorch's own exp (so it gives PyTorch's bits)."""
-    return available() and _torch_exp16() is not None
+    chosen = level()
+    return chosen is not None and _torch_exp(chosen) is not None
 
 
 def available() -> bool:
-    """Whether the fused decoder layers run on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
-    return isa.allows("avx512") and _library() is not None
+    """Whether the fused decoder layers run on this machine (AVX-512 or AVX2, as `SPECDRAFT_ISA` allows)."""
+    return level() is not None
+
+
+def int4_kinds() -> dict:
+    """The 4-bit tile functions the loaded build runs, as run kinds: {matmul function: kind}."""
+    chosen = level()
+    if chosen == "avx512":
+        return {avx512_tiles.matmul: INT4, amx_tiles.matmul: INT4_AMX}
+    return {avx2_tiles.matmul: INT4} if chosen == "avx2" else {}
+
+
+def q6k_kind() -> int | None:
+    """The run kind of Q6_K matrices (on the kernel `gguf_matmul.block_matmul` runs them on here), or None where the
+    loaded build does not have that kernel."""
+    kernel, chosen = tiles.tile_kernel(), level()
+    if chosen == "avx512" and kernel in (amx_tiles, avx512_tiles):
+        return Q6K_AMX if kernel is amx_tiles else Q6K
+    return Q6K if chosen == "avx2" and kernel is avx2_tiles else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Few-query attention over a bf16 cache in C with AVX-512 BF16 (`attention_avx512.c`): the CPU
-path of `models.attention.few_query_attention` where it builds and runs.
+"""Few-query attention over a bf16 cache in C (`attention_avx512.c` with AVX-512 BF16, else `attention_avx2.c`):
+the CPU path of `models.attention.few_query_attention` where it builds and runs.
 
 Measured (1.5B target, 28 layers, 300 cached keys, one query, 2 cores): see the C file's notes
 and `few_query_attention`'s.
@@ -16,15 +16,25 @@ import torch
 from specdraft.kernels import isa
 from specdraft.kernels.build import compiled_library
 
-_SOURCE = Path(__file__).with_name("attention_avx512.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}
+_HERE = Path(__file__).parent
+_BUILDS = {  # level -> (source, compiler flags, CPU flags)
+    "avx512": (_HERE / "attention_avx512.c",
+               ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
+    "avx2": (_HERE / "attention_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"],
+             isa.CPU_FLAGS["avx2"]),
+}
 _MAX_DIM = 256
 
 
-@lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    library = compiled_library(_SOURCE, _FLAGS, _REQUIRED_CPU_FLAGS, "the AVX-512 attention kernel")
+    return isa.first_built(_built)
+
+
+@lru_cache(maxsize=None)
+def _built(level: str) -> ctypes.CDLL | None:
+    source, flags, required = _BUILDS[level]
+    library = compiled_library(source, flags, required, f"the {level} attention kernel")
     if library is None:
         return None
     function = library.few_query_attention_bf16
@@ -34,8 +44,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernel runs on this machine (and `SPECDRAFT_ISA` allows AVX-512)."""
-    return isa.allows("avx512") and _library() is not None
+    """Whether the kernel runs on this machine (AVX-512 BF16 or AVX2, as `SPECDRAFT_ISA` allows)."""
+    return _library() is not None
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -1,0 +1,123 @@
+/* The decoder-layer stack of `decoder_avx512.c` and `decoder_avx2.c`, written once: a layer is
+ * norm -> stacked q|k|v -> rotary -> cache append -> attention -> o -> residual -> norm ->
+ * stacked gate|up -> SiLU·up -> down -> residual (see `decoder_avx512.c` for why and what each rounds).
+ *
+ * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
+ * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_one`, `silu_mul_bf16`, and
+ * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))).
+ */
+#ifndef SPECDRAFT_DECODER_LAYERS_H
+#define SPECDRAFT_DECODER_LAYERS_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_RUNS 3
+
+/* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
+typedef struct {
+    int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
+                             2, 3: 4-bit, Q6_K tiles on AMX (`amx_tiles.c`, in the WITH_AMX build only) */
+    const uint8_t *tiles;
+    const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
+    const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */
+    int64_t rows;         /* output features of this run */
+} Run;
+
+typedef struct {
+    const float *bias;    /* [out] float32 or NULL */
+    int64_t runs;
+    Run run[MAX_RUNS];
+} Projection;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;  /* [hidden] bf16 */
+    Projection qkv, o, gate_up, down;
+    uint16_t *keys, *values;                  /* [kv_heads][capacity][head_dim] bf16 */
+    int64_t capacity;                         /* tokens the cache buffers hold room for */
+} Layer;
+
+/* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns, in passes of
+ * as many tokens as its kernel takes. */
+static void project(const Projection *p, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t out) {
+    int64_t column = 0;
+    for (int64_t i = 0; i < p->runs; i++) {
+        const Run *run = &p->run[i];
+#ifdef WITH_AMX
+        const int64_t width = run->kind >= 2 ? AMX_TOKENS : MAX_TOKENS;
+#else
+        const int64_t width = MAX_TOKENS;
+#endif
+        for (int64_t t0 = 0; t0 < tokens; t0 += width) {
+            const int chunk = (int)(tokens - t0 < width ? tokens - t0 : width);
+            float *dest = y + t0 * out + column;
+            if (run->kind == 0)
+                int4_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+            else if (run->kind == 1)
+                q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
+#ifdef WITH_AMX
+            else if (run->kind == 2)
+                int4_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+            else
+                q6k_amx_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
+#endif
+        }
+        column += run->rows;
+    }
+    if (p->bias)
+        for (int64_t t = 0; t < tokens; t++) add_bias(y + t * out, p->bias, out);
+}
+
+/* Run `hidden` [tokens][hidden_size] bf16 through `count` layers in place. cos and sin: [tokens][head_dim] bf16. */
+void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden, int64_t tokens,
+                            int64_t hidden_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t intermediate, float eps, float scaling, int64_t cache_len,
+                            const uint16_t *cos, const uint16_t *sin, const float *mask) {
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    const int64_t total = cache_len + tokens, groups = heads / kv_heads;
+    const int64_t widest = qkv_size > 2 * intermediate ? qkv_size : 2 * intermediate;
+    uint16_t *normed = malloc(sizeof(uint16_t) * tokens * hidden_size);
+    uint16_t *qkv = malloc(sizeof(uint16_t) * tokens * qkv_size);
+    uint16_t *attended = malloc(sizeof(uint16_t) * tokens * q_size);
+    uint16_t *gate_up = malloc(sizeof(uint16_t) * tokens * 2 * intermediate);
+    uint16_t *activated = malloc(sizeof(uint16_t) * tokens * intermediate);
+    float *projected = malloc(sizeof(float) * tokens * (widest > hidden_size ? widest : hidden_size));
+    for (int64_t l = 0; l < count; l++) {
+        const Layer *layer = &layers[l];
+        rms_norm_bf16(hidden, layer->input_norm, normed, tokens, hidden_size, eps);
+        project(&layer->qkv, normed, projected, tokens, hidden_size, qkv_size);
+        to_bf16(projected, qkv, tokens * qkv_size);
+        rotary_bf16(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin);
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const int64_t slot = (h * layer->capacity + cache_len + t) * head_dim;
+                memcpy(layer->keys + slot, qkv + t * qkv_size + q_size + h * head_dim, sizeof(uint16_t) * head_dim);
+                memcpy(layer->values + slot, qkv + t * qkv_size + q_size + kv_size + h * head_dim, sizeof(uint16_t) * head_dim);
+            }
+#pragma omp parallel
+        {
+            float *scores = malloc(sizeof(float) * (size_t)(total + 16));
+            int32_t *rows = malloc(sizeof(int32_t) * (size_t)total);
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < heads * tokens; item++) {
+                const int64_t h = item / tokens, t = item % tokens, kv = h / groups;
+                attend_one(qkv + t * qkv_size + h * head_dim, layer->keys + kv * layer->capacity * head_dim,
+                           layer->values + kv * layer->capacity * head_dim, mask ? mask + t * total : NULL,
+                           attended + (t * heads + h) * head_dim, mask ? total : cache_len + t + 1, head_dim, scaling,
+                           scores, rows);
+            }
+            free(scores);
+            free(rows);
+        }
+        project(&layer->o, attended, projected, tokens, q_size, hidden_size);
+        add_residual(hidden, projected, tokens * hidden_size);
+        rms_norm_bf16(hidden, layer->post_norm, normed, tokens, hidden_size, eps);
+        project(&layer->gate_up, normed, projected, tokens, hidden_size, 2 * intermediate);
+        to_bf16(projected, gate_up, tokens * 2 * intermediate);
+        silu_mul_bf16(gate_up, activated, tokens, intermediate);
+        project(&layer->down, activated, projected, tokens, intermediate, hidden_size);
+        add_residual(hidden, projected, tokens * hidden_size);
+    }
+    free(normed); free(qkv); free(attended); free(gate_up); free(activated); free(projected);
+}
+#endif
