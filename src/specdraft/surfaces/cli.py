@@ -211,6 +211,26 @@ def models() -> None:
 
 
 @app.command()
+def kernels() -> None:
+    """Build every native kernel this CPU runs (once; cached), and say which are ready and which level runs."""
+    from specdraft.kernels import isa
+    from specdraft.kernels.prebuild import build_all, in_use_text
+
+    try:
+        ready = build_all()
+        line = in_use_text()
+        detected = isa.detected()
+    except SpecdraftError as error:
+        _fail(str(error))
+    out = Console(highlight=False, soft_wrap=True)
+    width = max(map(len, ready), default=0)
+    for name, runs in ready.items():
+        out.print(f"{name:<{width}}  " + ("[green]ready[/]" if runs else "[dim]does not run here[/]"))
+    out.print(f"{line}; this CPU runs up to {detected}")
+    err.print(f"built kernels are cached in {registry.cache_dir() / 'kernels'}", highlight=False)
+
+
+@app.command()
 def drafters() -> None:
     """The registered drafters, one line each."""
     from specdraft.drafters import DRAFTERS
@@ -346,12 +366,14 @@ def costs(
     from specdraft.analysis.costs import measure_costs, predict
     from specdraft.analysis.render import pass_cost_table, prediction_table
     from specdraft.analysis.theory import parse_list
+    from specdraft.kernels.prebuild import build_all
     from specdraft.models.loading import load_model, prepare_draft
 
     if threads:
         torch.set_num_threads(threads)
     try:
         alphas, pass_widths = parse_list(alpha, float, "--alpha"), parse_list(widths, int, "--widths")
+        build_all()  # no compile inside a timed pass
         draft_lm = (prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant)
                     if draft else None)
         target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)

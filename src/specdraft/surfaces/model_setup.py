@@ -17,18 +17,21 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
                 gguf_weights: str, draft_quant: str, draft_vocab: int):
     """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one.
 
-    The drafter and its options are checked before anything loads, and the draft loads first,
-    so its unpacking peak passes before the target is in memory.
+    The drafter and its options are checked before anything loads, the native kernels are built (where
+    not yet cached: no compile inside the first generation), and the draft loads first, so its unpacking
+    peak passes before the target is in memory.
     """
     from specdraft.drafters import check_drafter, needs_draft_model
+    from specdraft.kernels.prebuild import build_all
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
 
-    draft_lm = None
     if drafter is not None:
         check_drafter(drafter, options)
-        if needs_draft_model(drafter):
-            draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
-                                     draft_quant, vocab=draft_vocab)
+    build_all()
+    draft_lm = None
+    if drafter is not None and needs_draft_model(drafter):
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
+                                 draft_quant, vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
     if draft_lm is not None:
         check_compatible(target_lm, draft_lm)

@@ -1,0 +1,54 @@
+"""`kernels.prebuild`: every native kernel built ahead of use, and the line that names the ones in use."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from specdraft.kernels import isa, prebuild
+from specdraft.kernels.build import cpu_flags
+from specdraft.surfaces.cli import app
+
+HAS_AVX2 = isa.CPU_FLAGS["avx2"] <= cpu_flags() and shutil.which("cc") is not None
+
+
+def test_kernel_modules_are_found():
+    names = prebuild.kernel_names()
+    assert {"amx_tiles", "avx512_tiles", "avx2_tiles", "vnni_tiles"} <= set(names)
+    assert not set(names) & prebuild.NOT_KERNELS and "tiles" not in names and "isa" not in names
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 (or no C compiler) here")
+def test_build_all_builds_what_this_cpu_runs(monkeypatch):
+    monkeypatch.delenv(isa.VARIABLE, raising=False)
+    monkeypatch.delenv("SPECDRAFT_NO_NATIVE_KERNELS", raising=False)
+    ready = prebuild.build_all()
+    assert list(ready) == prebuild.kernel_names() and all(isinstance(runs, bool) for runs in ready.values())
+    assert ready["avx2_tiles"]
+    if not isa.allows("avx512"):
+        assert not ready["avx512_tiles"] and not ready["vnni_tiles"] and not ready["amx_tiles"]
+
+
+def test_build_all_under_torch_builds_nothing(monkeypatch):
+    monkeypatch.setenv(isa.VARIABLE, "torch")
+    ready = prebuild.build_all()
+    assert ready and not any(ready.values())
+    assert prebuild.in_use() == {"isa": "torch", "tiles": "torch", isa.VARIABLE: "torch"}
+    assert prebuild.in_use_text() == "kernels: torch level, torch tiles (forced by SPECDRAFT_ISA=torch)"
+
+
+def test_in_use_text_names_the_override():
+    line = prebuild.in_use_text({"isa": "avx2", "tiles": "avx2", isa.VARIABLE: None})
+    assert line == "kernels: avx2 level, avx2 tiles (SPECDRAFT_ISA=torch|avx2|avx512|amx forces a level)"
+
+
+def test_kernels_command(monkeypatch):
+    monkeypatch.setenv(isa.VARIABLE, "torch")
+    result = CliRunner().invoke(app, ["kernels"])
+    assert result.exit_code == 0, result.output
+    assert "avx2_tiles" in result.stdout and "kernels: torch level" in result.stdout
+    monkeypatch.setenv(isa.VARIABLE, "mmx")
+    result = CliRunner().invoke(app, ["kernels"])
+    assert result.exit_code == 2 and "SPECDRAFT_ISA must be one of" in result.output
