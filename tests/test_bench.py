@@ -1,6 +1,7 @@
 """`specdraft bench`: summary arithmetic, method strings, prompts, resumption, the exactness check, the CLI."""
 
 import dataclasses
+import importlib.util
 import json
 import sys
 from types import SimpleNamespace
@@ -297,7 +298,9 @@ def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
     assert all(r["steps"] is None and r["accepted_at"] is None for r in records if r["method"].startswith("hf-"))
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= {"machine", "settings", "methods"}
-    assert {"cpu", "cores", "torch", "threads", "python"} <= set(summary["machine"])
+    assert {"cpu", "cores", "torch", "threads", "python", "kernels"} <= set(summary["machine"])
+    assert summary["machine"]["kernels"]["isa"] in ("torch", "avx2", "avx512", "amx")  # our kernels' level, tiles
+    assert "llama_cpp_system_info" not in summary["machine"]  # only where the llama-cpp peer ran
     assert list(summary["methods"]) == ["ar", "spec:k=2", "hf-ar", "hf-assisted"]
     for figures in summary["methods"].values():
         assert figures["greedy_exact"] == 1.0 and set(figures["categories"]) == {"code", "prose"}
@@ -428,6 +431,9 @@ class FakeLlamaCpp:
         self.step += 1
         return self.script[self.step - 1]
 
+    def llama_print_system_info(self):
+        return b"CPU : SSE3 = 1 | AVX2 = 1 | "
+
 
 def test_llama_cpp_run_with_a_fake_llama(gguf_file, monkeypatch):
     fake = FakeLlamaCpp(script=[5, 6, 2, 7, 8])  # 2 is an EOS id
@@ -446,6 +452,24 @@ def test_llama_cpp_run_with_a_fake_llama(gguf_file, monkeypatch):
     assert fake.chain == [("temp", 0.7), ("top-k", 5), ("top-p", 0.9), ("dist", 3), "freed"]  # our warping order
     run(models, list(range(2000)), parse_method("llama-cpp").params(4))
     assert len(fake.made) == 2 and fake.made[1][1]["n_ctx"] >= 2004  # a longer prompt: a larger context
+
+
+def test_machine_block_records_what_llama_cpp_reports(monkeypatch):
+    from specdraft.bench.runner import machine_info
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", FakeLlamaCpp(script=[]))
+    info = machine_info(torch.device("cpu"), llama_cpp=True)
+    assert info["llama_cpp_system_info"] == "CPU : SSE3 = 1 | AVX2 = 1 |"  # bytes decoded
+    assert set(info["kernels"]) == {"isa", "tiles", "SPECDRAFT_ISA"}
+    assert "llama_cpp_system_info" not in machine_info(torch.device("cpu"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_llama_cpp_system_info_of_the_installed_build():
+    from specdraft.bench.llama_cpp_peer import system_info
+
+    info = system_info()
+    assert info and "CPU" in info
 
 
 def test_summary_reports_agreement_not_exactness_for_own_numerics():

@@ -118,6 +118,7 @@ def test_costs_cli(tiny_model_dirs, tmp_path):
     assert "expected speedup" in result.output and "free draft" in result.output
     saved = json.loads(out.read_text())
     assert set(saved["costs"]["pass_seconds"]) == {"1", "2", "3"} and len(saved["draft"]) == 2
+    assert "kernels: " in result.output and saved["kernels"]["isa"] in ("torch", "avx2", "avx512", "amx")  # in use
     result = runner.invoke(app, ["costs", *models, "--draft", "", "--widths", "2,3"])
     assert result.exit_code == 2 and "must include 1" in result.output
 

@@ -27,7 +27,9 @@ target's top-2 gap at that position, for information.
 
 llama-cpp-python is optional and not installed by `pip install -e '.[models,dev]'`; `make
 peers` builds it from source (with AMX off: a native build dies with SIGILL on CPUs whose
-AMX instructions the OS does not enable). It runs on the CPU here (no layers offloaded).
+AMX instructions the OS does not enable). It runs on the CPU here (no layers offloaded). A run's
+machine block records `system_info()`, the CPU features llama.cpp reports it was built with, so
+a comparison shows which kernels each side ran.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def import_llama_cpp():
             "Run `make peers` (builds it from source into .venv, about 5 minutes), or leave llama-cpp out of --methods."
         ) from None
     return llama_cpp
+
+
+def system_info() -> str | None:
+    """`llama_cpp.llama_print_system_info()` as text (the CPU features llama.cpp was built with: `AVX2 = 1 | ...`),
+    or None where the loaded module does not have it."""
+    function = getattr(import_llama_cpp(), "llama_print_system_info", None)
+    if function is None:
+        return None
+    info = function()
+    return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()
 
 
 def target_gguf(target_spec: str | None) -> Path:

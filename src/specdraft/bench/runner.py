@@ -41,7 +41,7 @@ from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompt_fi
 from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
 from specdraft.errors import SpecdraftError
 from specdraft.exactness import compare_greedy
-from specdraft.kernels.prebuild import build_all
+from specdraft.kernels.prebuild import build_all, in_use as kernels_in_use
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import check_compatible, load_model
@@ -97,8 +97,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(device: torch.device) -> dict:
-    """What the numbers were measured on."""
+def machine_info(device: torch.device, llama_cpp: bool = False) -> dict:
+    """What the numbers were measured on: the CPU, the libraries, our native kernels in use (`kernels`: their
+    level and tile kernel), and, where the llama-cpp peer ran (`llama_cpp`), the CPU features llama.cpp reports."""
     info = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
@@ -106,6 +107,7 @@ def machine_info(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "kernels": kernels_in_use(),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -113,6 +115,10 @@ def machine_info(device: torch.device) -> dict:
         version = getattr(sys.modules.get(package), "__version__", None)
         if version is not None:
             info[package] = version
+    if llama_cpp:
+        from specdraft.bench.llama_cpp_peer import system_info
+
+        info["llama_cpp_system_info"] = system_info()
     return info
 
 
@@ -358,7 +364,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         records = [done[(p.question_id, s.label)] for p in asked for s in methods]
         near_ties, divergences = judge_divergences(records, reference, models.target, prompt_ids)
         summary = {
-            "machine": machine_info(models.target.device),
+            "machine": machine_info(models.target.device, llama_cpp=any(s.name == "llama-cpp" for s in methods)),
             "costs": machine_costs(models),
             "settings": settings,
             "methods": summarize(records, reference, near_ties, [s.label for s in methods], own_numerics),

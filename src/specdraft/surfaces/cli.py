@@ -366,7 +366,7 @@ def costs(
     from specdraft.analysis.costs import measure_costs, predict
     from specdraft.analysis.render import pass_cost_table, prediction_table
     from specdraft.analysis.theory import parse_list
-    from specdraft.kernels.prebuild import build_all
+    from specdraft.kernels.prebuild import build_all, in_use, in_use_text
     from specdraft.models.loading import load_model, prepare_draft
 
     if threads:
@@ -378,13 +378,15 @@ def costs(
                     if draft else None)
         target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
         report = predict(measure_costs(target_lm, draft_lm, pass_widths, context, repeats), alphas)
+        running = in_use()  # the kernels that ran the passes
         if out is not None:
-            out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            out.write_text(json.dumps({**report.to_dict(), "kernels": running}, indent=2) + "\n")
     except SpecdraftError as error:
         _fail(str(error))
     except OSError as error:
         _fail(f"Cannot write {out}: {error.strerror or error}.")
     console = Console()
+    console.print(in_use_text(running), highlight=False, soft_wrap=True)
     console.print(pass_cost_table(report.costs))
     console.print(prediction_table(report))
     if out is not None:
