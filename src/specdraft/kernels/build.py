@@ -43,8 +43,9 @@ def source_text(source: Path) -> bytes:
 
 def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str], what: str) -> ctypes.CDLL | None:
     """`source` built with `flags` (cached by a hash of both and of what it includes), or None where it cannot be built or run here
-    (`SPECDRAFT_NO_NATIVE_KERNELS` set, a CPU flag missing, no compiler, a failed build)."""
-    if os.environ.get("SPECDRAFT_NO_NATIVE_KERNELS") or not required_cpu_flags <= cpu_flags():
+    (a CPU flag missing, no compiler, a failed build). Whether a build may run is the caller's question
+    (`isa.allows`: `SPECDRAFT_ISA=torch` turns every native kernel off)."""
+    if not required_cpu_flags <= cpu_flags():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
