@@ -36,13 +36,18 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default
 
 # Optional: llama-cpp-python for the `llama-cpp` bench peer, built from source (about 5 minutes on 2
-# cores). AMX is off: a default (GGML_NATIVE) build dies with SIGILL (`tilezero`) on this project's
-# CPU. Not part of setup, so `make test` and CI never build it. If an earlier build is installed,
-# `$(PY) -m pip uninstall -y llama-cpp-python` first (pip would call it already satisfied).
-# --no-deps keeps pip from touching torch; diskcache is its one requirement that setup lacks.
+# cores) with llama.cpp's native CPU detection (-DGGML_NATIVE=ON: every instruction set this CPU has).
+# AMX is turned off only where the CPU has it but the OS does not grant its tile state (a native build
+# would die with SIGILL at `tilezero` there): src/specdraft/bench/llama_cpp_build.py asks the kernel
+# (arch_prctl ARCH_REQ_XCOMP_PERM) and prints the CMake arguments. Not part of setup, so `make test`
+# and CI never build it. If an earlier build is installed, `$(PY) -m pip uninstall -y llama-cpp-python`
+# first (pip would call it already satisfied). --no-deps keeps pip from touching torch; diskcache is
+# its one requirement that setup lacks.
 peers: setup
 	$(PY) -m pip install -q diskcache
-	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" $(PY) -m pip install --no-deps llama-cpp-python==0.3.36
+	args="$$($(PY) src/specdraft/bench/llama_cpp_build.py)" && echo "CMAKE_ARGS=$$args" && \
+		CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$$args" $(PY) -m pip install --no-deps llama-cpp-python==0.3.36
+	$(PY) -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -464,6 +464,19 @@ def test_machine_block_records_what_llama_cpp_reports(monkeypatch):
     assert "llama_cpp_system_info" not in machine_info(torch.device("cpu"))
 
 
+def test_llama_cpp_build_turns_amx_off_only_where_the_os_refuses_it():
+    from specdraft.bench.llama_cpp_build import NATIVE, NO_AMX, cmake_args
+
+    def never():
+        raise AssertionError("no AMX on the CPU: nothing to ask the OS")
+
+    assert cmake_args({"avx2", "fma"}, granted=never) == NATIVE == ["-DGGML_NATIVE=ON"]
+    assert cmake_args({"avx512f", "amx_tile"}, granted=lambda: True) == NATIVE
+    refused = cmake_args({"avx512f", "amx_tile"}, granted=lambda: False)
+    assert refused == NATIVE + NO_AMX and "-DGGML_AMX_INT8=OFF" in refused
+    assert any(arg.startswith("-DCMAKE_CXX_FLAGS=") and "-mno-amx-int8" in arg for arg in refused)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_llama_cpp_system_info_of_the_installed_build():
     from specdraft.bench.llama_cpp_peer import system_info

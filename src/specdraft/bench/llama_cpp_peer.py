@@ -26,10 +26,10 @@ difference from `ar`, over the longer output) instead, and the exactness check t
 target's top-2 gap at that position, for information.
 
 llama-cpp-python is optional and not installed by `pip install -e '.[models,dev]'`; `make
-peers` builds it from source (with AMX off: a native build dies with SIGILL on CPUs whose
-AMX instructions the OS does not enable). It runs on the CPU here (no layers offloaded). A run's
-machine block records `system_info()`, the CPU features llama.cpp reports it was built with, so
-a comparison shows which kernels each side ran.
+peers` builds it from source for this CPU (llama.cpp's native detection; AMX off only where the
+CPU has it but the OS does not grant it: see `bench.llama_cpp_build`). It runs on the CPU here (no
+layers offloaded). A run's machine block records `system_info()`, the CPU features llama.cpp
+reports it was built with, so a comparison shows which kernels each side ran.
 """
 
 from __future__ import annotations
