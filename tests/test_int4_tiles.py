@@ -8,7 +8,8 @@ import torch
 
 from conftest import activations_as_multiplied
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, build, int4_layout, tile_dots, tiles
+from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, build, int4_layout, isa, prompt_pass,
+                               tile_dots, tiles, vnni_tiles)
 from specdraft.models.quantize import Int4Linear
 
 
@@ -159,3 +160,19 @@ def test_avx2_gives_the_avx512_int16_bits(tokens):
     x[0, :16] *= 300.0  # a huge activation (an attention sink's) coarsens its 16's grid alone
     wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul, packed, x)
     assert torch.equal(avx2_tiles.matmul(packed, x), wide)
+
+
+@pytest.mark.skipif(not vnni_tiles.available() or vnni_tiles._built("int16") is None or avx2_prompt._library() is None,
+                    reason="needs the AVX-512 VNNI and the AVX2 prompt kernels on one CPU")
+@pytest.mark.parametrize("tokens", [1, 5, 19])
+def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
+    """The AVX2 prompt kernels compute `vnni_tiles.c`'s function in its order: the same bits (int16 tiles for the
+    leading precise row on both)."""
+    codes, scale, minimum, _ = affine_matrix(96, 512, seed=tokens)
+    packed = int4_layout.pack(codes, scale, minimum)
+    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    monkeypatch.setenv("SPECDRAFT_TILE_DOTS", "int16")
+    with prompt_pass.prompt_pass(starts_sequence=True):
+        wide = avx512_tiles.matmul(packed, x)
+        monkeypatch.setenv(isa.VARIABLE, "avx2")
+        assert torch.equal(avx2_tiles.matmul(packed, x), wide)

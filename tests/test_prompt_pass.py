@@ -1,19 +1,37 @@
-"""Prompt passes on int8 activations (`kernels/vnni_tiles`): the 4-bit and Q6_K tiles times activations
-quantized per group of 32, only inside `prompt_pass()` (which `CausalLM.prefill` opens), each token
-computed alone; speculation stays exact against plain decoding with them."""
+"""Prompt passes on int8 activations (`kernels/vnni_tiles` on AVX-512, `kernels/avx2_prompt` on AVX2): the 4-bit
+and Q6_K tiles times activations quantized per group of 32, only inside `prompt_pass()` (which `CausalLM.prefill`
+opens), each token computed alone; speculation stays exact against plain decoding with them. Every test runs on
+each build this CPU runs (AVX2 forced by `SPECDRAFT_ISA` where the CPU has more)."""
 
 import pytest
 import torch
 
 from specdraft import ModelDrafter, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.kernels import avx512_tiles, gguf_matmul, int4_layout, tiles, vnni_tiles
+from specdraft.kernels import (avx2_prompt, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, prompt_pass, tiles,
+                               vnni_tiles)
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import dequantize
 from test_fast_layers import int4_model, random_q6k_raw
 from test_int4_tiles import affine_matrix
 
-pytestmark = pytest.mark.skipif(not vnni_tiles.available(), reason="no AVX-512 VNNI + BF16 on this CPU")
+
+@pytest.fixture(autouse=True, params=["avx512-int16", "avx512-bf16", "avx2"])
+def prompt_tiles(request, monkeypatch):
+    """(tile kernel module, prompt kernel module) of each build this CPU runs; the tile kernel is the one models use."""
+    level, _, flavour = request.param.partition("-")
+    if level == "avx2":
+        if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags() or avx2_prompt._library() is None:
+            pytest.skip("the AVX2 prompt kernels do not run on this CPU")
+        monkeypatch.setenv(isa.VARIABLE, "avx2")
+        kernels = (avx2_tiles, avx2_prompt)
+    else:
+        if not vnni_tiles.available() or vnni_tiles._built(flavour) is None:
+            pytest.skip(f"no AVX-512 VNNI + BF16 ({flavour} tiles) on this CPU")
+        monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
+        kernels = (avx512_tiles, vnni_tiles)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda: kernels[0])  # the prompt kernels' tiles (on AMX too)
+    return kernels
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -23,7 +41,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def int4_case(tokens: int):
     codes, scale, minimum, weight = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    return (lambda inputs: avx512_tiles.matmul(int4_layout.pack(codes, scale, minimum), inputs)), x, x.double() @ weight.double().T
+    return (lambda inputs: tiles.tile_kernel().matmul(int4_layout.pack(codes, scale, minimum), inputs)), x, x.double() @ weight.double().T
 
 
 def q6k_case(tokens: int):
@@ -31,7 +49,7 @@ def q6k_case(tokens: int):
     packed = gguf_matmul.pack_q6k(torch.from_numpy(raw))
     weight = dequantize(raw, "Q6_K", (48, 512))  # [N, K]
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    return (lambda inputs: avx512_tiles.q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
+    return (lambda inputs: tiles.tile_kernel().q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
 
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
@@ -41,7 +59,7 @@ def test_prompt_pass_rounds_activations_to_8_bits_and_nothing_else(case, tokens)
     about 0.5% on Gaussian inputs (the step is max|x| / 127), and not the bf16 path's bits."""
     matmul, x, want = case(tokens)
     assert relative_error(matmul(x), want) < 1e-5
-    with vnni_tiles.prompt_pass():
+    with prompt_pass.prompt_pass():
         got = matmul(x)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert 1e-3 < relative_error(got, want) < 1e-2
@@ -51,36 +69,36 @@ def test_prompt_pass_rounds_activations_to_8_bits_and_nothing_else(case, tokens)
 def test_prompt_pass_computes_each_token_alone(case):
     """A token's output has the same bits in any pass width, so a prompt may be cut into passes anywhere."""
     matmul, x, _ = case(19)
-    with vnni_tiles.prompt_pass():
+    with prompt_pass.prompt_pass():
         together = matmul(x)
         for i in range(19):
             assert torch.equal(matmul(x[i:i + 1])[0], together[i])
 
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
-def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case, tile_dots):
+def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case):
     """`starts_sequence`: row 0 (the attention sink) gets the 16-bit kernel's bits (either dot flavour), the others
     the int8 ones."""
     matmul, x, _ = case(9)
     plain = matmul(x)
-    with vnni_tiles.prompt_pass():
+    with prompt_pass.prompt_pass():
         int8 = matmul(x)
-    with vnni_tiles.prompt_pass(starts_sequence=True):
+    with prompt_pass.prompt_pass(starts_sequence=True):
         mixed = matmul(x)
         assert torch.equal(matmul(x[:1]), plain[:1])
     assert torch.equal(mixed[0], plain[0]) and torch.equal(mixed[1:], int8[1:]) and not torch.equal(int8[0], plain[0])
 
 
-def test_prompt_pass_can_be_switched_off(monkeypatch):
+def test_prompt_pass_can_be_switched_off(monkeypatch, prompt_tiles):
     matmul, x, _ = int4_case(4)
     plain = matmul(x)
     monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "0")
-    with vnni_tiles.prompt_pass():
-        assert not vnni_tiles.active() and torch.equal(matmul(x), plain)
+    with prompt_pass.prompt_pass():
+        assert not prompt_tiles[1].active() and torch.equal(matmul(x), plain)
     monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "1")
-    with vnni_tiles.prompt_pass():
-        assert vnni_tiles.active() and not torch.equal(matmul(x), plain)
-    assert not vnni_tiles.active()  # the pass ends with its block
+    with prompt_pass.prompt_pass():
+        assert prompt_tiles[1].active() and not torch.equal(matmul(x), plain)
+    assert not prompt_tiles[1].active()  # the pass ends with its block
 
 
 def cache_keys(lm: CausalLM) -> torch.Tensor:
@@ -90,7 +108,6 @@ def cache_keys(lm: CausalLM) -> torch.Tensor:
 def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
     """`prefill` fills the cache on int8 activations (close to, not equal to, the 16-bit kernels'); a pass
     over the cache is the same function as before."""
-    monkeypatch.setattr(tiles, "tile_kernel", lambda: avx512_tiles)  # the prompt kernels' tiles (on AMX too)
     lm = CausalLM(int4_model())
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     keys, logits = {}, {}
@@ -111,12 +128,12 @@ def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
     """Plain and speculative decoding of a packed model prefill alike, so greedy outputs match exactly;
     the target's prefill and a draft model's first read of the prompt run as prompt passes, nothing else."""
     opened = []
-    real = vnni_tiles.prompt_pass
+    real = prompt_pass.prompt_pass
     def recorded(starts_sequence=False):
         opened.append(starts_sequence)
         return real(starts_sequence)
 
-    monkeypatch.setattr(vnni_tiles, "prompt_pass", recorded)
+    monkeypatch.setattr(prompt_pass, "prompt_pass", recorded)
     target = int4_model(seed=2)
     for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 60))):
         expected = SpeculativeDecoder(CausalLM(target)).generate(prompt, max_new_tokens=30)
@@ -127,3 +144,4 @@ def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
         assert got.token_ids == expected.token_ids and got.stats.drafted > 0
         assert opened == ([True] if drafter == "ngram" else [True, True])
         opened.clear()
+

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from specdraft.kernels import gguf_matmul, vnni_tiles
+from specdraft.kernels import avx2_prompt, gguf_matmul, prompt_pass, vnni_tiles
 from specdraft.models import registry
 from specdraft.models.gguf_blocks import dequantize, q4k_affine
 from specdraft.models.gguf_native import _TensorFile, build_native_model, tensor_index
@@ -84,8 +84,8 @@ def test_packed_model_matches_a_float32_reference(target_file):
         model = build_native_model(path, config, dtype, pack=pack, cache=cache)
         with torch.inference_mode():
             logits[name] = [model(tokenizer(p, return_tensors="pt").input_ids).logits[0].float() for p in PROMPTS]
-            if pack and vnni_tiles.enabled():
-                with vnni_tiles.prompt_pass(starts_sequence=True):
+            if pack and prompt_pass.enabled() and (vnni_tiles.available() or avx2_prompt.available()):
+                with prompt_pass.prompt_pass(starts_sequence=True):
                     logits["int8"] = [model(tokenizer(p, return_tensors="pt").input_ids).logits[0].float()
                                       for p in PROMPTS]
         del model

@@ -109,18 +109,23 @@ static inline __attribute__((always_inline)) void code_pair_rows8(const __m256i 
     rows[3] = _mm256_unpackhi_epi8(pairs[1], zero);
 }
 
-/* The 6-bit code pairs of chunk `chunk` (pairs 4·chunk .. 4·chunk + 3) of a Q6_K tile, rows of `half`: the nibbles
- * with their two high bits ORed in at bits 4-5 (AVX-512 shifts the high-bit bytes by 4/0 for rows 0-7 and 2/2 for
- * rows 8-15; see `tile_unpack.h`). */
-static inline __attribute__((always_inline)) void q6_unpack_rows8(const uint8_t *tile, int chunk, int half, __m256i rows[4]) {
+/* The 6-bit code pairs of chunk `chunk` (pairs 4·chunk .. 4·chunk + 3) of a Q6_K tile, rows of `half`, as bytes laid
+ * out as `nibble_pairs8` lays them: the nibbles with their two high bits ORed in at bits 4-5 (AVX-512 shifts the
+ * high-bit bytes by 4/0 for rows 0-7 and 2/2 for rows 8-15; see `tile_unpack.h`). */
+static inline __attribute__((always_inline)) void q6_pairs8(const uint8_t *tile, int chunk, int half, __m256i pairs[2]) {
     const __m256i top = _mm256_set1_epi8(0x30);
-    __m256i pairs[2];
     nibble_pairs8(tile + chunk * 64 + half * 32, pairs);
     const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32));
     const __m256i first = half ? _mm256_slli_epi16(high, 2) : _mm256_slli_epi16(high, 4);
     const __m256i second = half ? _mm256_srli_epi16(high, 2) : high;
     pairs[0] = _mm256_or_si256(pairs[0], _mm256_and_si256(first, top));
     pairs[1] = _mm256_or_si256(pairs[1], _mm256_and_si256(second, top));
+}
+
+/* Four vectors of int16 code pairs of chunk `chunk` of a Q6_K tile, rows of `half`. */
+static inline __attribute__((always_inline)) void q6_unpack_rows8(const uint8_t *tile, int chunk, int half, __m256i rows[4]) {
+    __m256i pairs[2];
+    q6_pairs8(tile, chunk, half, pairs);
     code_pair_rows8(pairs, rows);
 }
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import isa
+from specdraft.kernels import avx2_prompt, isa
 from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
 
@@ -48,14 +48,18 @@ def _loaded() -> ctypes.CDLL:
 
 
 def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
-    """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
-    return run_tile_kernel(_loaded().int4_avx2_matmul, packed, x)
+    """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`; in a prompt pass,
+    x quantized to int8 per group of 32 (`avx2_prompt`)."""
+    kernel = avx2_prompt.kernel("int4_avx2_q8_matmul") if avx2_prompt.active() else _loaded().int4_avx2_matmul
+    return run_tile_kernel(kernel, packed, x)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
+    """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`;
+    in a prompt pass, x quantized to int8 per group of 32 (`avx2_prompt`)."""
+    kernel = avx2_prompt.kernel("q6k_avx2_q8_matmul") if avx2_prompt.active() else _loaded().q6k_avx2_matmul
     x = x.to(torch.bfloat16).contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-    _loaded().q6k_avx2_matmul(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1],
+    kernel(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1],
                               x.shape[0])
     return out

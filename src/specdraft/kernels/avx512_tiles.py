@@ -71,14 +71,14 @@ def _loaded() -> ctypes.CDLL:
 
 def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`; in a
-    `vnni_tiles.prompt_pass()`, x quantized to int8 per group of 32."""
+    `prompt_pass.prompt_pass()`, x quantized to int8 per group of 32."""
     kernel = vnni_tiles.kernel("int4_q8_matmul") if vnni_tiles.active() else _loaded().int4_avx512_matmul
     return run_tile_kernel(kernel, packed, x)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`;
-    in a `vnni_tiles.prompt_pass()`, x quantized to int8 per group of 32."""
+    in a `prompt_pass.prompt_pass()`, x quantized to int8 per group of 32."""
     kernel = vnni_tiles.kernel("q6k_q8_matmul") if vnni_tiles.active() else _loaded().q6k_matmul
     x = x.to(torch.bfloat16).contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=torch.float32)

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import vnni_tiles
+from specdraft.kernels import prompt_pass
 from specdraft.models.attention import FEW_QUERIES, use_grouped_sdpa
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.kv_cache import growing_cache
@@ -168,11 +168,12 @@ class CausalLM:
         share positions by depth and see only their ancestors among the last S keys.
 
         `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
-        AVX-512 VNNI (`kernels/vnni_tiles`: 1.4x faster kernels, a slightly different function). For
+        AVX-512 VNNI or AVX2 (`kernels/vnni_tiles`, `kernels/avx2_prompt`: faster kernels, a slightly different
+        function). For
         the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft.
         """
         if prompt:
-            with vnni_tiles.prompt_pass(starts_sequence=self.cache_len == 0):
+            with prompt_pass.prompt_pass(starts_sequence=self.cache_len == 0):
                 return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")

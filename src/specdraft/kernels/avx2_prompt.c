@@ -1,0 +1,186 @@
+/* Prompt passes on int8 activations for CPUs with AVX2 and no AVX-512: the function of `vnni_tiles.c` (the same
+ * bits), on `vpmaddubsw` in place of `vpdpbusd`.
+ *
+ * Numerics (as `vnni_tiles.c`): each token's activations quantized per group of 32 inputs, â = round(x · 127 /
+ * max|x|), a = max|x| / 127; the integer sums Σ q·â exact, then scaled in float32 in the same order:
+ *   4-bit (w = s·(q − 8) + z):  y += (s·a) ⊙ Σ q·â − (8s − z) ⊙ a·Σâ
+ *   Q6_K  (w = d·sc·(q − 32)):  y += (s·a) ⊙ Σ q·â − 32 s ⊙ a·Σâ  per sub-block of 16, s = d·sc
+ * Only prompt passes use it (`prompt_pass.py`); every pass that scores a draft stays on the int16 kernels.
+ *
+ * `vpmaddubsw` multiplies a code byte (unsigned) by an activation byte (signed) and adds neighbouring products
+ * into int16 without saturating here: a 4-bit word is at most 2·15·127 = 3810, so the 8 words of a group sum
+ * below 2^15; a Q6_K word at most 2·63·127 = 16002, so two are summed before `vpmaddwd` widens them. A vector holds
+ * 8 rows (a tile's half), each dword lane the codes of 4 consecutive inputs of one row: 32 multiply-adds an
+ * instruction, against 16 for the int16 kernels' `vpmaddwd`.
+ */
+#include "avx2_tiles.c"
+
+#define Q8_TOKENS 8
+
+#define WITH_CONSTANT_TOKENS_8(tokens, call)                                                  \
+    switch (tokens) {                                                                         \
+        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break;               \
+        case 4: call(4); break; case 5: call(5); break; case 6: call(6); break;               \
+        case 7: call(7); break; default: call(8); break;                                      \
+    }
+
+/* x [K] bf16 of one token -> â [K] int8, a [K/32], and a·Σâ per 16 inputs [K/16]. */
+static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale, float *sums16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const uint16_t *xg = x + g * GROUP;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = bf16x8_to_ps(xg + 8 * i);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        const float amax = hmax8(m);
+        const float a = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));  /* nearest, ties even */
+        /* int32 -> int8 (|â| <= 127): packs interleave 64-bit lanes, the permute restores order */
+        const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
+        const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8));
+        scale[g] = a;
+        sums16[2 * g] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[0], qi[1]));
+        sums16[2 * g + 1] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
+    }
+}
+
+/* 32 bytes of a 4-bit tile (pairs 4·chunk .. 4·chunk + 3, rows of one half) -> two `vpmaddubsw` operands: lane c of
+ * quads[h] holds the codes of inputs 8·chunk + 4h .. 8·chunk + 4h + 3 of row c. */
+static inline __attribute__((always_inline)) void int4_quads8(const uint8_t *bytes, __m256i quads[2]) {
+    /* in each 16-byte lane, byte 4·(r % 4) + c % 4 holds pair r of row c: bring pairs r, r + 1 of a row together */
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)bytes), order);
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    quads[0] = _mm256_unpacklo_epi8(lo, hi);
+    quads[1] = _mm256_unpackhi_epi8(lo, hi);
+}
+
+/* Code pairs as `nibble_pairs8` lays them out -> the two operands of `int4_quads8`. */
+static inline __attribute__((always_inline)) void pairs_to_quads8(const __m256i pairs[2], __m256i quads[2]) {
+    quads[0] = _mm256_unpacklo_epi16(pairs[0], _mm256_bsrli_epi128(pairs[0], 8));
+    quads[1] = _mm256_unpacklo_epi16(pairs[1], _mm256_bsrli_epi128(pairs[1], 8));
+}
+
+/* int16 sums of q·â over the quads against one token's activation dwords -> int32 per row. */
+static inline __m256i widen16(__m256i words) { return _mm256_madd_epi16(words, _mm256_set1_epi16(1)); }
+#define BYTE_DOT(quad, xq, j) _mm256_maddubs_epi16((quad), _mm256_set1_epi32(((const int32_t *)(xq))[j]))
+
+/* Half `half` of a block of 16 rows of a 4-bit matrix against `tokens` tokens (a constant after inlining). */
+static inline __attribute__((always_inline)) void int4_half_q8(const uint8_t *codes, const uint16_t *block_scale,
+                                                              const uint16_t *block_zero, const int8_t *xq,
+                                                              const float *act_scale, const float *sums16, int64_t K,
+                                                              int64_t groups, int tokens, int half, float *y, int64_t ldy) {
+    __m256 acc[Q8_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
+        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line + half * 32), _MM_HINT_T0);
+        __m256i quads[8];
+        for (int chunk = 0; chunk < 4; chunk++) int4_quads8(group_codes + chunk * 64 + half * 32, quads + 2 * chunk);
+        const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
+        const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
+        for (int t = 0; t < tokens; t++) {
+            const int8_t *xg = xq + t * K + g * GROUP;
+            __m256i words = BYTE_DOT(quads[0], xg, 0);
+            for (int j = 1; j < 8; j++) words = _mm256_add_epi16(words, BYTE_DOT(quads[j], xg, j));
+            const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g] + sums16[t * 2 * groups + 2 * g + 1];
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(widen16(words)), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+}
+
+/* Half `half` of a block of 16 rows of a Q6_K matrix against `tokens` tokens. */
+static inline __attribute__((always_inline)) void q6_half_q8(const uint8_t *tiles, const float *d, const int8_t *xq,
+                                                            const float *act_scale, const float *sums16, int64_t K,
+                                                            int64_t groups, int tokens, int half, float *y, int64_t ldy) {
+    __m256 acc[Q8_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
+        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
+            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + half * 8);
+        for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
+            __m256i quads[4], pairs[2];
+            q6_pairs8(tile, 2 * sub, half, pairs);
+            pairs_to_quads8(pairs, quads);
+            q6_pairs8(tile, 2 * sub + 1, half, pairs);
+            pairs_to_quads8(pairs, quads + 2);
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + sub * 16 + half * 8))));
+            const __m256 s = _mm256_mul_ps(sc, dg), offset = _mm256_mul_ps(s, _mm256_set1_ps(32.0f));
+            for (int t = 0; t < tokens; t++) {
+                const int8_t *xs = xq + t * K + g * GROUP + sub * SUB;
+                const __m256i first = _mm256_add_epi16(BYTE_DOT(quads[0], xs, 0), BYTE_DOT(quads[1], xs, 1));
+                const __m256i second = _mm256_add_epi16(BYTE_DOT(quads[2], xs, 2), BYTE_DOT(quads[3], xs, 3));
+                const __m256i dot = _mm256_add_epi32(widen16(first), widen16(second));
+                const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g + sub];
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(dot), acc[t]);
+                acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+}
+
+/* y [tokens, N] float32 for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K tiles (`zero`
+ * NULL, `scale` its d), passes of up to Q8_TOKENS tokens. */
+static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                      int64_t N, int64_t K, int64_t first, int64_t tokens) {
+    const int64_t groups = K / GROUP, items = 2 * (N / 16);
+    int8_t *q = malloc((size_t)(tokens * K));
+    float *a = malloc(sizeof(float) * (size_t)(tokens * groups)), *sums = malloc(sizeof(float) * (size_t)(tokens * 2 * groups));
+#pragma omp parallel for schedule(static)
+    for (int64_t t = first; t < tokens; t++) quantize_token(x + t * K, K, q + t * K, a + t * groups, sums + t * 2 * groups);
+    for (int64_t t0 = first; t0 < tokens; t0 += Q8_TOKENS) {
+        const int chunk = (int)(tokens - t0 < Q8_TOKENS ? tokens - t0 : Q8_TOKENS);
+        const int8_t *xq = q + t0 * K;
+        const float *at = a + t0 * groups, *st = sums + t0 * 2 * groups;
+#pragma omp parallel for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t nb = item / 2;
+            const int half = (int)(item % 2);
+            float *out = y + t0 * N + nb * 16;
+            if (zero != NULL) {
+                const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
+                const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+#define INT4_Q8_HALF(T) int4_half_q8(codes, bs, bz, xq, at, st, K, groups, T, half, out, N)
+                WITH_CONSTANT_TOKENS_8(chunk, INT4_Q8_HALF)
+#undef INT4_Q8_HALF
+            } else {
+                const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
+                const float *bd = (const float *)scale + nb * (K / 256) * 16;
+#define Q6_Q8_HALF(T) q6_half_q8(block, bd, xq, at, st, K, groups, T, half, out, N)
+                WITH_CONSTANT_TOKENS_8(chunk, Q6_Q8_HALF)
+#undef Q6_Q8_HALF
+            }
+        }
+    }
+    free(q);
+    free(a);
+    free(sums);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 4-bit tiles; the first `precise_tokens` tokens on the int16
+ * kernel (a sequence's first token: see `prompt_pass.py`). */
+void int4_avx2_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                         int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
+    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
+    int4_avx2_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
+    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; the first `precise_tokens` on the int16 kernel. */
+void q6k_avx2_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+                        int64_t tokens, int64_t precise_tokens) {
+    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
+    q6k_avx2_matmul(tiles, d, x, y, N, K, precise_tokens);
+    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens);
+}
