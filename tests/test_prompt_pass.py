@@ -6,10 +6,11 @@ each build this CPU runs (AVX2 forced by `SPECDRAFT_ISA` where the CPU has more)
 import pytest
 import torch
 
-from specdraft import ModelDrafter, SpeculativeDecoder
+from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.kernels import (avx2_prompt, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, prompt_pass, tiles,
                                vnni_tiles)
+from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import dequantize
 from test_fast_layers import int4_model, random_q6k_raw
@@ -31,6 +32,7 @@ def prompt_tiles(request, monkeypatch):
         monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
         kernels = (avx512_tiles, vnni_tiles)
     monkeypatch.setattr(tiles, "tile_kernel", lambda: kernels[0])  # the prompt kernels' tiles (on AMX too)
+    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")  # prompt passes only (`every` has its own tests below)
     return kernels
 
 
@@ -92,10 +94,10 @@ def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case):
 def test_prompt_pass_can_be_switched_off(monkeypatch, prompt_tiles):
     matmul, x, _ = int4_case(4)
     plain = matmul(x)
-    monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "0")
+    monkeypatch.setenv(prompt_pass.VARIABLE, "none")
     with prompt_pass.prompt_pass():
         assert not prompt_tiles[1].active() and torch.equal(matmul(x), plain)
-    monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", "1")
+    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")
     with prompt_pass.prompt_pass():
         assert prompt_tiles[1].active() and not torch.equal(matmul(x), plain)
     assert not prompt_tiles[1].active()  # the pass ends with its block
@@ -111,16 +113,16 @@ def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
     lm = CausalLM(int4_model())
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     keys, logits = {}, {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("SPECDRAFT_PROMPT_INT8", mode)
+    for mode in ("none", "prompt"):
+        monkeypatch.setenv(prompt_pass.VARIABLE, mode)
         lm.reset()
         lm.prefill(prompt[:, :-1])
         keys[mode] = cache_keys(lm)
         logits[mode] = lm.forward(prompt[:, -1:]).logits
-    assert not torch.equal(keys["0"], keys["1"]) and relative_error(keys["1"], keys["0"]) < 5e-2
+    assert not torch.equal(keys["none"], keys["prompt"]) and relative_error(keys["prompt"], keys["none"]) < 5e-2
     lm.reset()
     lm.forward(prompt[:, :-1])  # a plain forward of the same tokens: the 16-bit kernels
-    assert torch.equal(cache_keys(lm), keys["0"])
+    assert torch.equal(cache_keys(lm), keys["none"])
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
@@ -145,3 +147,63 @@ def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
         assert opened == ([True] if drafter == "ngram" else [True, True])
         opened.clear()
 
+
+
+# ----- every pass on int8 activations (the default on the AVX2 kernels) ----------------------------------------
+def test_the_modes_and_their_defaults(monkeypatch, prompt_tiles):
+    """Unset: every pass where the AVX2 tiles run, prompt passes elsewhere; `every` off AVX2 and a wrong name are
+    clear errors."""
+    monkeypatch.delenv(prompt_pass.VARIABLE)
+    assert tiles.int8_every_pass() == (prompt_tiles[0] is avx2_tiles)
+    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+    if prompt_tiles[0] is avx2_tiles:
+        assert tiles.int8_every_pass()
+    else:
+        with pytest.raises(SpecdraftError, match="every runs on the AVX2 kernels only"):
+            tiles.int8_every_pass()
+    monkeypatch.setenv(prompt_pass.VARIABLE, "sometimes")
+    with pytest.raises(SpecdraftError, match="SPECDRAFT_INT8_ACTIVATIONS must be one of every, prompt, none"):
+        prompt_pass.configured()
+
+
+def every_pass_tiles(prompt_tiles, monkeypatch):
+    if prompt_tiles[0] is not avx2_tiles:
+        pytest.skip("every pass on int8 activations runs on the AVX2 kernels")
+    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+
+
+def test_every_pass_runs_int8_but_a_sequences_first_token(monkeypatch, prompt_tiles):
+    """Each forward opens a pass context: position 0 on the 16-bit kernels, every other pass on int8 (a decoding
+    step's logits differ from the 16-bit ones), fused or not the same bits."""
+    every_pass_tiles(prompt_tiles, monkeypatch)
+    model = int4_model()
+    prompt = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for mode in ("every", "none"):
+        monkeypatch.setenv(prompt_pass.VARIABLE, mode)
+        lm = CausalLM(model)
+        first = lm.forward(prompt[:, :1]).logits
+        rest = lm.forward(prompt[:, 1:]).logits
+        steps = [lm.forward(torch.tensor([[t]])).logits for t in (3, 9, 27)]
+        runs[mode] = (first, rest, steps)
+    assert torch.equal(runs["every"][0], runs["none"][0])  # the attention sink's token: 16-bit both ways
+    assert not torch.equal(runs["every"][2][-1], runs["none"][2][-1])
+    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
+    lm = CausalLM(model)
+    lm.forward(prompt[:, :1])
+    lm.forward(prompt[:, 1:])
+    unfused = [lm.forward(torch.tensor([[t]])).logits for t in (3, 9, 27)]
+    assert all(torch.equal(a, b) for a, b in zip(unfused, runs["every"][2]))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_greedy_spec_equals_ar_with_every_pass_on_int8(monkeypatch, prompt_tiles, drafter):
+    """Verify passes and decoding steps compute one function on int8 activations: greedy speculation equals plain."""
+    every_pass_tiles(prompt_tiles, monkeypatch)
+    target = int4_model(seed=2)
+    for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], list(range(10, 60))):
+        expected = SpeculativeDecoder(CausalLM(target)).generate(prompt, max_new_tokens=30)
+        draft = NgramDrafter() if drafter == "ngram" else ModelDrafter(CausalLM(int4_model(seed=5)), min_confidence=0.0)
+        got = SpeculativeDecoder(CausalLM(target), draft, k=3).generate(prompt, max_new_tokens=30)
+        assert got.token_ids == expected.token_ids and got.stats.drafted > 0

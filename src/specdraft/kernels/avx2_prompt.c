@@ -5,7 +5,8 @@
  * max|x|), a = max|x| / 127; the integer sums Σ q·â exact, then scaled in float32 in the same order:
  *   4-bit (w = s·(q − 8) + z):  y += (s·a) ⊙ Σ q·â − (8s − z) ⊙ a·Σâ
  *   Q6_K  (w = d·sc·(q − 32)):  y += (s·a) ⊙ Σ q·â − 32 s ⊙ a·Σâ  per sub-block of 16, s = d·sc
- * Only prompt passes use it (`prompt_pass.py`); every pass that scores a draft stays on the int16 kernels.
+ * Prompt passes use it (`prompt_pass.py`), and on AVX2 every pass by default (one function for decoding and
+ * verifying, so speculation stays exact; `SPECDRAFT_INT8_ACTIVATIONS` chooses).
  *
  * `vpmaddubsw` multiplies a code byte (unsigned) by an activation byte (signed) and adds neighbouring products
  * into int16 without saturating here: a 4-bit word is at most 2·15·127 = 3810, so the 8 words of a group sum
@@ -130,10 +131,10 @@ static inline __attribute__((always_inline)) void q6_half_q8(const uint8_t *tile
     for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
 }
 
-/* y [tokens, N] float32 for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K tiles (`zero`
- * NULL, `scale` its d), passes of up to Q8_TOKENS tokens. */
+/* y [tokens, N] float32 (rows `ldy` apart) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K
+ * tiles (`zero` NULL, `scale` its d), passes of up to Q8_TOKENS tokens. */
 static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                      int64_t N, int64_t K, int64_t first, int64_t tokens) {
+                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * groups)), *sums = malloc(sizeof(float) * (size_t)(tokens * 2 * groups));
@@ -147,17 +148,17 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
         for (int64_t item = 0; item < items; item++) {
             const int64_t nb = item / 2;
             const int half = (int)(item % 2);
-            float *out = y + t0 * N + nb * 16;
+            float *out = y + t0 * ldy + nb * 16;
             if (zero != NULL) {
                 const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                 const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_HALF(T) int4_half_q8(codes, bs, bz, xq, at, st, K, groups, T, half, out, N)
+#define INT4_Q8_HALF(T) int4_half_q8(codes, bs, bz, xq, at, st, K, groups, T, half, out, ldy)
                 WITH_CONSTANT_TOKENS_8(chunk, INT4_Q8_HALF)
 #undef INT4_Q8_HALF
             } else {
                 const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
                 const float *bd = (const float *)scale + nb * (K / 256) * 16;
-#define Q6_Q8_HALF(T) q6_half_q8(block, bd, xq, at, st, K, groups, T, half, out, N)
+#define Q6_Q8_HALF(T) q6_half_q8(block, bd, xq, at, st, K, groups, T, half, out, ldy)
                 WITH_CONSTANT_TOKENS_8(chunk, Q6_Q8_HALF)
 #undef Q6_Q8_HALF
             }
@@ -174,7 +175,7 @@ void int4_avx2_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint
                          int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
     int4_avx2_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
-    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens);
+    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; the first `precise_tokens` on the int16 kernel. */
@@ -182,5 +183,5 @@ void q6k_avx2_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x,
                         int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
     q6k_avx2_matmul(tiles, d, x, y, N, K, precise_tokens);
-    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens);
+    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
 }

@@ -1,7 +1,8 @@
 /* The stack of Qwen2-style decoder layers of `decoder_avx512.c` for CPUs with AVX2 and no AVX-512: the same
  * layer (`decoder_layers.h`) on the AVX2 kernels (`avx2_tiles.c`, `layer_ops_avx2.c`, `attention_avx2.c`),
  * with the roundings of the PyTorch path on the same kernels, so a pass gives that path's bits:
- *   - projections in float32, plus the bias in float32, rounded to bf16 (nearest even);
+ *   - projections in float32 (on int16 activations, or int8 ones after `use_int8_activations(1)`), plus the
+ *     bias in float32, rounded to bf16 (nearest even);
  *   - residual sums of two bf16 values in float32, rounded to bf16;
  *   - SiLU as PyTorch computes it for bf16, x / (1 + exp(−x)) in float32 with PyTorch's own 8-lane exp
  *     (`use_exp`), rounded; times up, rounded.
@@ -12,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "avx2_tiles.c"
+#include "avx2_prompt.c"  /* the int16 tiles (`avx2_tiles.c`) and the int8 ones */
 #include "layer_ops_avx2.c"
 #include "attention_avx2.c"
 
@@ -59,3 +60,18 @@ static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
 }
 
 #include "decoder_layers.h"
+
+/* Projections on int8 activations (`avx2_prompt.c`) while set: every pass of a model whose matmuls run so
+ * (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path computes. */
+static int int8_activations = 0;
+
+void use_int8_activations(int64_t on) { int8_activations = (int)on; }
+
+static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
+    if (!int8_activations) return 0;
+    if (run->kind == 0)
+        q8_passes(run->tiles, run->scale, run->zero, x, y, run->rows, in, 0, tokens, ldy);
+    else
+        q8_passes(run->tiles, run->scale, NULL, x, y, run->rows, in, 0, tokens, ldy);
+    return 1;
+}

@@ -74,3 +74,9 @@ static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
 }
 
 #include "decoder_layers.h"
+
+/* Every run goes through the tile kernels of the header's loop. */
+static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
+    (void)run; (void)x; (void)y; (void)tokens; (void)in; (void)ldy;
+    return 0;
+}

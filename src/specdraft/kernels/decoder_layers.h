@@ -3,8 +3,9 @@
  * stacked gate|up -> SiLU·up -> down -> residual (see `decoder_avx512.c` for why and what each rounds).
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
- * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_one`, `silu_mul_bf16`, and
- * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))).
+ * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_one`, `silu_mul_bf16`,
+ * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))),
+ * and `project_run` (1 where it computed a run's rows itself, e.g. on int8 activations; else 0).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
@@ -37,12 +38,19 @@ typedef struct {
     int64_t capacity;                         /* tokens the cache buffers hold room for */
 } Layer;
 
+/* Provided by the including file, after this header: 1 where it computed the run's rows y [tokens][ldy] itself. */
+static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy);
+
 /* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns, in passes of
  * as many tokens as its kernel takes. */
 static void project(const Projection *p, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t out) {
     int64_t column = 0;
     for (int64_t i = 0; i < p->runs; i++) {
         const Run *run = &p->run[i];
+        if (project_run(run, x, y + column, tokens, in, out)) {  /* the includer ran the whole run its own way */
+            column += run->rows;
+            continue;
+        }
 #ifdef WITH_AMX
         const int64_t width = run->kind >= 2 ? AMX_TOKENS : MAX_TOKENS;
 #else

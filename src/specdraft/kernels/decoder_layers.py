@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, isa, tiles
+from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, isa, prompt_pass, tiles
 from specdraft.kernels.build import compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 
@@ -88,6 +88,8 @@ def _built(chosen: str, flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # 
     library.silu_mul_bf16.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
     library.silu_mul_bf16.restype = None
     library.use_exp.argtypes, library.use_exp.restype = [_POINTER], None
+    if chosen == "avx2":
+        library.use_int8_activations.argtypes, library.use_int8_activations.restype = [_SIZE], None
     torch_exp = _torch_exp(chosen)
     if torch_exp is not None:
         library.use_exp(torch_exp)
@@ -141,6 +143,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def int8_projections() -> bool:
+    """Whether this pass's projections run on int8 activations: inside a pass context (`prompt_pass`) with no
+    precise leading row, where the loaded build has them (AVX2), as the tile kernels of the PyTorch path would."""
+    return prompt_pass.precise_rows() == 0 and level() == "avx2"
+
+
 def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int, int, int, int], eps: float,
                scaling: float, cache_len: int, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor | None) -> None:
@@ -148,8 +156,11 @@ def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int
 
     sizes: (hidden, heads, kv_heads, head_dim, intermediate); cos/sin `[T, head_dim]` bf16; mask `[T, cache_len + T]`
     float32 additive, or None for a causal pass. Each layer's caches (`keys`, `values`, `capacity` in its entry) must
-    have room for cache_len + T tokens.
+    have room for cache_len + T tokens. Inside a pass context, projections run as `int8_projections()` says.
     """
-    _library().decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
-                                      *sizes, eps, scaling, cache_len, cos.data_ptr(), sin.data_ptr(),
-                                      0 if mask is None else mask.data_ptr())
+    library = _library()
+    if level() == "avx2":
+        library.use_int8_activations(int8_projections())
+    library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
+                                   *sizes, eps, scaling, cache_len, cos.data_ptr(), sin.data_ptr(),
+                                   0 if mask is None else mask.data_ptr())

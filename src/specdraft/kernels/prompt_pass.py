@@ -1,11 +1,18 @@
-"""Prompt passes: the context in which tile matmuls may run on int8 activations (`vnni_tiles` on AVX-512,
-`avx2_prompt` on AVX2).
+"""Passes on int8 activations: the context in which tile matmuls run on them (`vnni_tiles` on AVX-512,
+`avx2_prompt` on AVX2), and which passes open it.
 
-A prompt pass is compute-bound, and int8 dot products do twice the multiply-adds an instruction of the 16-bit
-ones. They compute a slightly different function (activations keep about 8 bits), so they run only inside
-`prompt_pass()`, which `CausalLM.prefill` opens: plain and speculative decoding prefill a prompt alike, and
-every pass that scores a draft keeps the 16-bit kernels. Set `SPECDRAFT_PROMPT_INT8=0` to keep prompt passes on
-them too.
+int8 dot products do twice the multiply-adds an instruction of the 16-bit ones. They compute a slightly
+different function (activations keep about 8 bits per group of 32, as llama.cpp's Q8 activations), so a model
+must run every pass that decodes or scores a draft on the same one, or speculation would part from plain
+decoding. `SPECDRAFT_INT8_ACTIVATIONS` chooses:
+- `prompt`: only prompt passes (`CausalLM.prefill`, a draft's first read): plain and speculative decoding prefill
+  alike, and every pass that scores a draft keeps the 16-bit kernels. The default where AVX-512 runs, whose
+  16-bit kernels are fast enough for passes of a few tokens.
+- `every`: every pass of a model whose matmuls run on the AVX2 kernels (`CausalLM.forward` opens the context
+  for each). The default there: each token beyond the first of a verify pass costs about half as much as on
+  the 16-bit kernels (8960x1536 4-bit, 2 cores, Zen 3: 3 tokens 0.62 against 1.04 ms).
+- `none`: every pass on the 16-bit kernels.
+The first token of a sequence (position 0) always stays on the 16-bit kernels (`prompt_pass`).
 """
 
 from __future__ import annotations
@@ -14,14 +21,31 @@ import contextlib
 import contextvars
 import os
 
-VARIABLE = "SPECDRAFT_PROMPT_INT8"
+from specdraft.errors import SpecdraftError
+
+VARIABLE = "SPECDRAFT_INT8_ACTIVATIONS"
+MODES = ("every", "prompt", "none")
 # None outside a prompt pass; inside, how many leading rows of each matmul stay on the 16-bit kernels
 _PRECISE_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdraft_prompt_pass", default=None)
 
 
+def configured() -> str | None:
+    """`$SPECDRAFT_INT8_ACTIVATIONS` (every, prompt or none), or None where unset (each machine's default)."""
+    chosen = os.environ.get(VARIABLE, "").strip().lower()
+    if chosen and chosen not in MODES:
+        raise SpecdraftError(f"{VARIABLE} must be one of {', '.join(MODES)} (or unset for this machine's default), "
+                             f"got {chosen!r}.")
+    return chosen or None
+
+
 def enabled() -> bool:
-    """Whether prompt passes may use int8 activations (not turned off by `SPECDRAFT_PROMPT_INT8=0`)."""
-    return os.environ.get(VARIABLE, "1") != "0"
+    """Whether passes in the context may use int8 activations (not turned off by `SPECDRAFT_INT8_ACTIVATIONS=none`)."""
+    return configured() != "none"
+
+
+def inside() -> bool:
+    """Whether a pass context is open (in this thread or task)."""
+    return _PRECISE_ROWS.get() is not None
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles
+from specdraft.errors import SpecdraftError
+from specdraft.kernels import amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, isa, prompt_pass
 
 KERNELS = (amx_tiles, avx512_tiles, avx2_tiles)  # fastest first; each has matmul (4-bit) and q6k_matmul
 
@@ -18,3 +19,14 @@ def tile_kernel() -> ModuleType | None:
 def kernel_name(kernel: ModuleType | None) -> str:
     """A kernel module's short name (`amx`, `avx512`, `avx2`), `torch` for None."""
     return "torch" if kernel is None else kernel.__name__.rsplit(".", 1)[-1].removesuffix("_tiles")
+
+
+def int8_every_pass() -> bool:
+    """Whether every pass runs on int8 activations (`prompt_pass`'s `every`): the default where the AVX2 tile kernels
+    run, or as `SPECDRAFT_INT8_ACTIVATIONS` says (`every` elsewhere is an error: only the AVX2 decoder fuses it)."""
+    chosen = prompt_pass.configured()
+    on_avx2 = tile_kernel() is avx2_tiles and avx2_prompt.available()
+    if chosen == "every" and not on_avx2:
+        raise SpecdraftError(f"{prompt_pass.VARIABLE}=every runs on the AVX2 kernels only (this machine runs "
+                             f"{kernel_name(tile_kernel())}): use prompt or none, or force {isa.VARIABLE}=avx2.")
+    return on_avx2 if chosen is None else chosen == "every"

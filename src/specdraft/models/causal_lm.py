@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import prompt_pass
+from specdraft.kernels import prompt_pass, tiles
 from specdraft.models.attention import FEW_QUERIES, use_grouped_sdpa
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.kv_cache import growing_cache
@@ -169,10 +169,10 @@ class CausalLM:
 
         `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
         AVX-512 VNNI or AVX2 (`kernels/vnni_tiles`, `kernels/avx2_prompt`: faster kernels, a slightly different
-        function). For
-        the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft.
+        function). For the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft, unless
+        every pass runs so (`kernels/prompt_pass`: the default on the AVX2 kernels).
         """
-        if prompt:
+        if (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
             with prompt_pass.prompt_pass(starts_sequence=self.cache_len == 0):
                 return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
         if tokens.dim() != 2 or tokens.shape[0] != 1:
