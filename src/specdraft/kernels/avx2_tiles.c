@@ -31,7 +31,9 @@
 #define MAX_TOKENS 4
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead */
+#endif
 
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
