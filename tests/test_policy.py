@@ -161,6 +161,21 @@ def test_unmeasured_widths_get_an_optimistic_prior():
     assert policy.verify_estimate(7) == pytest.approx(scale * (1 + PRIOR_SLOPE * 6))
 
 
+def test_unmeasured_widths_follow_the_slope_the_measured_ones_show():
+    """Where each extra token of a pass costs much (an AVX2 CPU: 52 ms for one token, 70 for three), a width not
+    tried yet is priced on that slope, not the flat prior; a flat machine keeps the prior."""
+    from specdraft.policy import PRIOR_SLOPE
+
+    steep = calibrated([52, None, 70, None, None, None, None], draft_ms=20, alpha=0.8)
+    slope = (70 / 52 - 1) / 2  # (1 + 2s) / 1 = 70 / 52
+    assert steep.verify_estimate(7) == pytest.approx(0.052 * (1 + slope * 6))
+    assert steep.verify_estimate(7) > 0.052 * (1 + PRIOR_SLOPE * 6)
+    flat = calibrated([100, None, 110, None, None, None, None], draft_ms=20, alpha=0.8)  # slope 0.05 < the prior
+    assert flat.verify_estimate(7) == pytest.approx(0.110 / (1 + 2 * PRIOR_SLOPE) * (1 + PRIOR_SLOPE * 6))
+    wider_cheaper = calibrated([100, None, 95, None, None, None, None], draft_ms=20, alpha=0.8)
+    assert wider_cheaper.verify_estimate(5) == pytest.approx(0.095 / (1 + 2 * PRIOR_SLOPE) * (1 + 4 * PRIOR_SLOPE))
+
+
 def test_draft_cost_ignores_the_catch_up_after_plain_steps():
     policy = calibrated([100] * 7, 10, alpha=0.9)
     policy.last_source = DEFAULT_SOURCE

@@ -4,8 +4,9 @@
 
     rate(k) = E[tokens | k] / (c_draft · k + V(k + 1)),   E[tokens | k] = 1 + Σ_{i≤k} Π_{j≤i} α_j
 
-where V(t) is the target's measured time for a pass over t tokens (an optimistic prior
-for widths not tried yet, then smoothed measurements: nothing is timed up front),
+where V(t) is the target's measured time for a pass over t tokens (for widths not tried yet, a
+line through the measured ones, no steeper than they show and no flatter than an optimistic prior;
+smoothed measurements once tried: nothing is timed up front),
 c_draft the measured draft time per token, and α_j the online estimate that draft
 position j is accepted given the ones before it were (decayed counts, shrunk toward the
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
@@ -257,18 +258,32 @@ class AutoK:
         return self.expected_token_curve(k, source)[k]
 
     def verify_estimate(self, width: int) -> float | None:
-        """Seconds of a target pass over `width` tokens: measured, or else the optimistic prior
-        V(1) · (1 + PRIOR_SLOPE · (width − 1)) scaled from the measured widths (None before any);
-        never more than a measured wider pass (a slow first pass of a rarely used width would
-        otherwise keep that width unused, its estimate never corrected)."""
+        """Seconds of a target pass over `width` tokens: measured, or else V(1) · (1 + s · (width − 1)) scaled
+        from the measured widths (None before any), with s the slope the narrowest and widest measured passes
+        show, at least the optimistic PRIOR_SLOPE (on a CPU where each token of a pass costs a third of a
+        one-token pass, the flat prior priced a 9-token pass at half its time); never more than a measured
+        wider pass (a slow first pass of a rarely used width would otherwise keep that width unused, its
+        estimate never corrected)."""
         measured = [(w, v) for w, v in enumerate(self.verify_seconds) if v is not None]
         if not measured:
             return None
         if self.verify_seconds[width] is not None:
             estimate = self.verify_seconds[width]
         else:
-            estimate = min(v / (1 + PRIOR_SLOPE * (w - 1)) for w, v in measured) * (1 + PRIOR_SLOPE * (width - 1))
+            slope = self.measured_slope(measured)
+            estimate = min(v / (1 + slope * (w - 1)) for w, v in measured) * (1 + slope * (width - 1))
         return min([estimate] + [v for w, v in measured if w > width])
+
+    @staticmethod
+    def measured_slope(measured: list[tuple[int, float]]) -> float:
+        """s with V(b) / V(a) = (1 + s(b − 1)) / (1 + s(a − 1)) for the narrowest and widest measured widths
+        a < b, at least PRIOR_SLOPE (which it is with fewer than two widths, or a wider pass measured cheaper)."""
+        (a, v_a), (b, v_b) = measured[0], measured[-1]
+        ratio = v_b / v_a if v_a > 0 else 1.0
+        denominator = (b - 1) - ratio * (a - 1)
+        if b <= a or ratio <= 1.0 or denominator <= 0:
+            return PRIOR_SLOPE
+        return max(PRIOR_SLOPE, (ratio - 1.0) / denominator)
 
     def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
         """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is measured)."""
