@@ -80,8 +80,7 @@ static inline __attribute__((always_inline)) void int4_half_q8(const uint8_t *co
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line + half * 32), _MM_HINT_T0);
+        prefetch_tile(group_codes, INT4_TILE_BYTES, half * 32);
         __m256i quads[8];
         for (int chunk = 0; chunk < 4; chunk++) int4_quads8(group_codes + chunk * 64 + half * 32, quads + 2 * chunk);
         const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
@@ -106,8 +105,7 @@ static inline __attribute__((always_inline)) void q6_half_q8(const uint8_t *tile
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
-        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_tile(tile, Q6_TILE_BYTES, 0);
         const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + half * 8);
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             __m256i quads[4], pairs[2];

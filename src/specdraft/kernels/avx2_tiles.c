@@ -35,20 +35,6 @@
 #define PREFETCH_BYTES 4096  /* codes are fetched this far ahead */
 #endif
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-static inline int32_t hsum8_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* Token activations as int16 with a power of two per 16 inputs: x [tokens, K] bf16 -> x̂ [tokens, K],
  * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. */
 typedef struct {
@@ -131,6 +117,11 @@ static inline __attribute__((always_inline)) void q6_unpack_rows8(const uint8_t 
     code_pair_rows8(pairs, rows);
 }
 
+/* Fetch the lines at `offset` of each 64 bytes of a tile of `bytes`, PREFETCH_BYTES ahead of `tile`. */
+static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *tile, int bytes, int offset) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line + offset), _MM_HINT_T0);
+}
+
 /* sum + Σ of the two int16 products of each dword lane. */
 #define DOT(sum, rows, pair) _mm256_add_epi32((sum), _mm256_madd_epi16((rows), (pair)))
 
@@ -146,8 +137,7 @@ static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        for (int line = 0; line < INT4_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(group_codes + PREFETCH_BYTES + line + half * 32), _MM_HINT_T0);
+        prefetch_tile(group_codes, INT4_TILE_BYTES, half * 32);
         const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
         const int16_t *xg = act->x + g * GROUP;
         for (int part = 0; part < 2; part++) {  /* inputs 16·part .. 16·part + 15: chunks 2·part, 2·part + 1 */
@@ -184,8 +174,7 @@ static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, 
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
-        for (int line = 0; line < Q6_TILE_BYTES; line += 64)
-            _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        prefetch_tile(tile, Q6_TILE_BYTES, 0);
         const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + half * 8);
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             __m256i sum[MAX_TOKENS];

@@ -1,5 +1,5 @@
 /* Vector helpers shared by the AVX2 kernels (the counterpart of `bf16_vectors.h`): bf16 <-> float32 for 8 lanes,
- * exp. Rounding to bf16 is PyTorch's (nearest, ties to even; NaN stays NaN). */
+ * horizontal max and sums, exp. Rounding to bf16 is PyTorch's (nearest, ties to even; NaN stays NaN). */
 #ifndef SPECDRAFT_AVX2_VECTORS_H
 #define SPECDRAFT_AVX2_VECTORS_H
 #include <immintrin.h>
@@ -27,6 +27,20 @@ static inline void store_bf16x8(uint16_t *p, __m256 v) {
     const __m256i bits = bf16_bits8(v);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);  /* lanes 0-3, 4-7 */
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
 static inline float reduce_add8(__m256 v) {

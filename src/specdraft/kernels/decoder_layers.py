@@ -54,20 +54,19 @@ class Layer(ctypes.Structure):
                 ("capacity", _SIZE)]
 
 
+def _for_level(chosen: str) -> ctypes.CDLL | None:
+    """The build of level `chosen` for this machine: AVX-512 with its dot flavour (and AMX where granted)."""
+    return _built(chosen, dots(), amx_tiles.available()) if chosen == "avx512" else _built(chosen, "int16", False)
+
+
 def level() -> str | None:
     """The instruction set of the build that runs here (`avx512` or `avx2`), or None."""
-    if isa.allows("avx512") and _built("avx512", dots(), amx_tiles.available()) is not None:
-        return "avx512"
-    if isa.allows("avx2") and _built("avx2", "int16", False) is not None:
-        return "avx2"
-    return None
+    return next((chosen for chosen in _BUILDS if isa.allows(chosen) and _for_level(chosen) is not None), None)
 
 
 def _library() -> ctypes.CDLL | None:
     chosen = level()
-    if chosen == "avx512":
-        return _built("avx512", dots(), amx_tiles.available())
-    return _built("avx2", "int16", False) if chosen == "avx2" else None
+    return None if chosen is None else _for_level(chosen)
 
 
 @lru_cache(maxsize=None)
@@ -143,10 +142,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def int8_projections() -> bool:
+def int8_projections(chosen: str | None = None) -> bool:
     """Whether this pass's projections run on int8 activations: inside a pass context (`prompt_pass`) with no
-    precise leading row, where the loaded build has them (AVX2), as the tile kernels of the PyTorch path would."""
-    return prompt_pass.precise_rows() == 0 and level() == "avx2"
+    precise leading row, where the loaded build (`chosen`, default `level()`) has them (AVX2), as the tile kernels
+    of the PyTorch path would."""
+    return prompt_pass.precise_rows() == 0 and (chosen or level()) == "avx2"
 
 
 def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int, int, int, int], eps: float,
@@ -158,9 +158,10 @@ def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int
     float32 additive, or None for a causal pass. Each layer's caches (`keys`, `values`, `capacity` in its entry) must
     have room for cache_len + T tokens. Inside a pass context, projections run as `int8_projections()` says.
     """
-    library = _library()
-    if level() == "avx2":
-        library.use_int8_activations(int8_projections())
+    chosen = level()
+    library = _for_level(chosen)
+    if chosen == "avx2":
+        library.use_int8_activations(int8_projections(chosen))
     library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
                                    *sizes, eps, scaling, cache_len, cos.data_ptr(), sin.data_ptr(),
                                    0 if mask is None else mask.data_ptr())
