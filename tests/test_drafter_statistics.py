@@ -19,7 +19,7 @@ from transformers import Qwen2ForCausalLM
 
 import specdraft.verify as verify_module
 from conftest import perturbed, tiny_config
-from goodness_of_fit import chi_square_pvalue
+from specdraft.exactness import chi_square_pvalue
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters import EagleDrafter, MedusaDrafter, make_drafter
 from specdraft.models.causal_lm import CausalLM

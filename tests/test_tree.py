@@ -32,7 +32,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import tiny_config, tiny_model
-from goodness_of_fit import chi_square_pvalue
+from specdraft.exactness import chi_square_pvalue
 from specdraft.drafters.base import Draft
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM

@@ -15,6 +15,12 @@ see exactly the same input.
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
 | `llama-cpp`        | llama.cpp (llama-cpp-python) plain decoding of the target's GGUF    |
 
+`spec:drafter=oracle;oracle-alpha=A` (greedy only) is a synthetic-acceptance measurement, not a
+drafter: before each timed run an untimed `ar` run of the same prompt and budget is recorded,
+and the `oracle` drafter proposes those very tokens, each wrong with probability 1 − A
+(`drafters.oracle`). Its speedup is what the machinery makes of per-token acceptance A on these
+weights. The method string must give `oracle-alpha`, so the label says what was simulated.
+
 For the transformers methods `k` means `num_assistant_tokens` (with a constant schedule and
 no confidence cut-off; unset, transformers' own defaults apply) or `prompt_lookup_num_tokens`
 (default 10); their steps, drafted and accepted counts, draft and verify times and k are not
@@ -34,8 +40,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, make_drafter, needs_draft_model
+from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, drafter_parts, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.oracle import OracleDrafter
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options, sync_device
 from specdraft.policy import AUTO, AutoK, make_policy
 from specdraft.errors import SpecdraftError
@@ -44,6 +51,7 @@ from specdraft.models.loading import DRAFT_QUANTS, prepare_draft
 from specdraft.sampling import SamplingParams
 
 PROMPT_LOOKUP_K = 10  # transformers' usual prompt_lookup_num_tokens
+ORACLE = OracleDrafter.name  # the bench-only drafter of synthetic acceptance (recorded before each run)
 
 # Option keys (generate's option names without dashes) and how their values are read.
 def k_value(text: str) -> int | str:
@@ -193,6 +201,8 @@ class MethodSpec:
             check_drafter(drafter, given)
         except SpecdraftError as error:
             raise SpecdraftError(f"{error} (in method {self.label!r})") from None
+        if self.name == "spec" and ORACLE in drafter_parts(drafter):
+            self._check_oracle(drafter, temperature)
         budget, branch = int(self.options.get("tree-budget", 0)), int(self.options.get("tree-branch", DEFAULT_TREE_BRANCH))
         try:
             check_tree_options(budget, branch)
@@ -200,6 +210,22 @@ class MethodSpec:
             raise SpecdraftError(f"{error} (in method {self.label!r})") from None
         return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, vocab, drafter,
                          tuple(sorted(given.items())), budget, branch, self.other_draft)
+
+    def _check_oracle(self, drafter: str, temperature: float) -> None:
+        """The oracle measures alone, greedy, and its label names the α it simulates (module doc)."""
+        if drafter != ORACLE:
+            raise SpecdraftError(f"The oracle drafter measures alone; give drafter=oracle, not {drafter!r} "
+                                 f"(in method {self.label!r}).")
+        if not self.sampling(temperature).greedy:
+            raise SpecdraftError(f"The oracle drafter measures greedy runs only; drop temperature (or set it to 0) "
+                                 f"in method {self.label!r} and for the run.")
+        if "oracle-alpha" not in self.options:
+            raise SpecdraftError(f"Give the oracle's acceptance in the method, e.g. "
+                                 f"{self.label.rstrip(';')};oracle-alpha=0.8, so its label says what it simulates.")
+        try:  # its values, before anything loads
+            OracleDrafter(self.options["oracle-alpha"], self.options.get("oracle-seed", 0))
+        except SpecdraftError as error:
+            raise SpecdraftError(f"{error} (in method {self.label!r})") from None
 
 
 # ----- running one generation ---------------------------------------------------------------------
@@ -246,7 +272,12 @@ def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutpu
 
 
 def run_spec(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
-    """Speculative decoding: the method's drafter proposes up to `k` tokens a step."""
+    """Speculative decoding: the method's drafter proposes up to `k` tokens a step. The `oracle` drafter first
+    gets an untimed `ar` run of the prompt under the same settings to read its tokens from."""
+    drafter = _drafter(models, params)
+    if isinstance(drafter, OracleDrafter):
+        recorded = _run_ours(models, prompt_ids, params, drafter=False)
+        drafter.record(prompt_ids + recorded.token_ids)
     return _run_ours(models, prompt_ids, params, drafter=True)
 
 

@@ -40,6 +40,7 @@ from specdraft.analysis.costs import drift_text, rates_text
 from specdraft.errors import SpecdraftError
 
 Key = tuple[Hashable, str]  # (question_id, method label)
+SYNTHETIC_SOURCE = "oracle"  # the draft source of synthetic acceptance (`drafters.oracle`): the report says so
 FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
           "agreement", "cost_ratio", "k", "mean_k", "prefill_share", "decode_speedup_vs_ar")
 
@@ -395,6 +396,13 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
                   "part from `ar` wherever the top two logits are close; that is not an exactness failure, and "
                   "greedy exact is n/a. agreement: tokens before the first difference from `ar` / tokens of the "
                   "longer output, over the greedy prompts (no near-tie allowance).", ""]
+    synthetic = [m for m, figures in methods.items() if SYNTHETIC_SOURCE in (figures.get("by_source") or {})]
+    if synthetic:
+        listed = ", ".join(f"`{m}`" for m in synthetic)
+        lines += [f"{listed}: synthetic acceptance, a measurement of the machinery, not a drafter (bench only): the "
+                  "`oracle` drafter proposes the target's own greedy tokens, recorded by an untimed `ar` run of each "
+                  "prompt, each wrong with probability 1 − oracle-alpha, so a draft token is accepted with "
+                  "probability oracle-alpha given the ones before it were.", ""]
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{Path(name).stem.replace('_', ' ')}]({name})" for name in plots]

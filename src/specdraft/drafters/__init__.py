@@ -18,6 +18,7 @@ from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
+from specdraft.drafters.oracle import DEFAULT_ALPHA as ORACLE_ALPHA, DEFAULT_SEED as ORACLE_SEED, OracleDrafter
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
 from specdraft.errors import SpecdraftError
 
@@ -33,12 +34,14 @@ class DrafterInfo:
     """A registered drafter: a one-line description, its options (with defaults) and how to build it.
 
     `build(options, draft_model=..., target_model=...)` gets every option of `options` filled in.
+    `bench_only`: a measuring tool `specdraft bench` alone can feed (`generate` and `serve` refuse it).
     """
 
     description: str
     build: Callable[..., Drafter]
     needs_draft_model: bool
     options: dict[str, Any]
+    bench_only: bool = False
 
 
 def _build_model(options: dict, draft_model=None, **_resources) -> Drafter:
@@ -54,6 +57,10 @@ def _build_ngram(options: dict, **_resources) -> Drafter:
 def _build_suffix(options: dict, **_resources) -> Drafter:
     return SuffixDrafter(min_match=options["suffix-min-match"], min_score=options["suffix-min-score"],
                          max_spec_factor=options["suffix-factor"])
+
+
+def _build_oracle(options: dict, **_resources) -> Drafter:
+    return OracleDrafter(alpha=options["oracle-alpha"], seed=options["oracle-seed"])
 
 
 def _build_early_exit(options: dict, target_model=None, **_resources) -> Drafter:
@@ -103,6 +110,10 @@ DRAFTERS: dict[str, DrafterInfo] = {
     "eagle": DrafterInfo("EAGLE feature drafter: one trained decoder layer extrapolates the target's hidden states, "
                          "reading them from its verification passes (--trained FILE, default the shipped one)",
                          _build_eagle, False, {"trained": "", "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+    "oracle": DrafterInfo("bench only: synthetic acceptance; proposes the target's own tokens from a recorded ar run "
+                          "of the prompt, each wrong with probability 1 - oracle-alpha (`specdraft bench` records "
+                          "them: spec:drafter=oracle;oracle-alpha=0.8)", _build_oracle, False,
+                          {"oracle-alpha": ORACLE_ALPHA, "oracle-seed": ORACLE_SEED}, bench_only=True),
 }
 
 
@@ -116,6 +127,16 @@ def drafter_parts(name: str) -> list[str]:
     if len(set(parts)) != len(parts):
         raise SpecdraftError(f"Drafter {name!r} names a part twice.")
     return parts
+
+
+def check_not_bench_only(name: str) -> None:
+    """Raise SpecdraftError when a part of drafter `name` is a bench-only measuring tool (for `generate`, `serve`)."""
+    tools = [part for part in drafter_parts(name) if DRAFTERS[part].bench_only]
+    if tools:
+        usable = ", ".join(sorted(part for part, info in DRAFTERS.items() if not info.bench_only))
+        raise SpecdraftError(f"The {tools[0]!r} drafter is for benchmarks only: it needs a recorded ar run of each "
+                             f"prompt, which `specdraft bench` makes (see `specdraft drafters`). Choose another "
+                             f"drafter: {usable}.")
 
 
 def needs_draft_model(name: str) -> bool:
@@ -156,4 +177,5 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
 
 __all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EagleDrafter",
            "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "SuffixDrafter", "check_drafter", "drafter_options", "make_drafter", "needs_draft_model"]
+           "NgramDrafter", "OracleDrafter", "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options",
+           "make_drafter", "needs_draft_model"]

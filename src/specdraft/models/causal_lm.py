@@ -8,6 +8,7 @@ length (rollback after a rejected draft) or to an accepted tree path. No model-n
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.kernels import prompt_pass, tiles
 from specdraft.models.attention import FEW_QUERIES, use_grouped_sdpa
 from specdraft.models.fused_decoder import fused_decoder
+from specdraft.models.graph_decoder import StaticDecoder, static_obstacle
 from specdraft.models.kv_cache import growing_cache
 
 
@@ -28,16 +30,38 @@ class ForwardOutput:
     hidden_states: torch.Tensor | None = None  # [1, T'', hidden] (after the final norm)
 
 
+def wants_static_cache(model: PreTrainedModel, static_cache: bool | None) -> bool:
+    """Whether `model` runs on a `StaticDecoder`: `static_cache` if given, else `SPECDRAFT_STATIC_CACHE`
+    (`1` where the model qualifies, on any device; `0` never), else on CUDA where the model qualifies."""
+    setting = os.environ.get("SPECDRAFT_STATIC_CACHE", "auto") if static_cache is None else static_cache
+    if setting in (False, "0"):
+        return False
+    if setting not in (True, "1", "auto"):
+        raise SpecdraftError(f"SPECDRAFT_STATIC_CACHE must be 0, 1 or auto, got {setting!r}.")
+    qualifies = static_obstacle(model) is None
+    if setting is True and not qualifies:
+        raise SpecdraftError(f"This model cannot run on a static cache: {static_obstacle(model)}.")
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return qualifies and (on_gpu or setting in (True, "1"))
+
+
 class CausalLM:
     """A Hugging Face causal LM, its tokenizer, and a KV cache that can be cut back.
 
     `cache_len` is how many tokens of the sequence the cache holds; `forward` appends the
     new tokens at positions `cache_len ..`, `truncate(n)` forgets everything past `n`.
+
+    On CUDA (or with `static_cache=True`) a qualifying model runs on a `graph_decoder.StaticDecoder`: a
+    preallocated cache and one captured CUDA graph per pass width, captured here, at load.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model") -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model",
+                 static_cache: bool | None = None) -> None:
         self.model = model.eval()
         use_grouped_sdpa(model)
+        self._static = StaticDecoder(model) if wants_static_cache(model, static_cache) else None
+        if self._static is not None:
+            self._static.warm_up()
         # transformers >= 5.24 takes the cache as `cache` (`past_key_values` is deprecated there)
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
@@ -91,6 +115,9 @@ class CausalLM:
     # ----- the cache ---------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the whole sequence."""
+        self.cache_len = 0
+        if self._static is not None:
+            return
         self._cache = growing_cache(self.config)
         # Sliding-window layers otherwise drop states past their window, and could not be cut back.
         self._cache.activate_past_recording()
@@ -102,7 +129,8 @@ class CausalLM:
             raise ValueError(f"cannot truncate to a negative length {length}")
         excess = self.cache_len - length
         if excess > 0:
-            self._cache.crop(-excess)
+            if self._static is None:
+                self._cache.crop(-excess)
             self.cache_len = length
 
     # ----- running it ----------------------------------------------------------------------
@@ -114,7 +142,9 @@ class CausalLM:
         Example: start 10, rows [0, 2] after a pass that fed positions 10..13 -> the cache holds
         0..9, then what was fed at 10 and 12; cache_len 12.
         """
-        if rows != list(range(len(rows))):
+        if self._static is not None:
+            self._static.cache.keep(start, rows)
+        elif rows != list(range(len(rows))):
             span = self.cache_len - start  # tokens after `start`, the last `span` of every layer's states
             for layer in self._cache.layers:
                 if layer.keys is None or layer.keys.numel() == 0:
@@ -185,6 +215,8 @@ class CausalLM:
             )
         if offsets is None:
             offsets = torch.arange(length, device=tokens.device)
+        if self._static is not None:
+            return self._static_forward(tokens[0], offsets + self.cache_len, visible, logits_to_keep, hidden_to_keep)
         mask = None if visible is None else self._attention_mask(length, visible)
         # Passes over a cache (and single tokens) may run fused: the same function, the layers in one C
         # call; prefills keep PyTorch's batched attention, as `attention.grouped_sdpa_forward` does.
@@ -208,6 +240,13 @@ class CausalLM:
         self.cache_len += length
         hidden = out.hidden_states[-1][:, -hidden_to_keep:] if hidden_to_keep > 0 else None
         return ForwardOutput(logits=out.logits.float(), hidden_states=hidden)
+
+    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
+                        logits_to_keep: int, hidden_to_keep: int) -> ForwardOutput:  # tokens, positions: [T]
+        hidden, logits = self._static.run(tokens, positions, self.cache_len, visible, logits_to_keep)
+        self.cache_len += tokens.shape[0]
+        return ForwardOutput(logits=logits.to(torch.float32, copy=True).unsqueeze(0),  # [1, T', V]: the buffers are reused
+                             hidden_states=hidden[-hidden_to_keep:].clone().unsqueeze(0) if hidden_to_keep > 0 else None)
 
     def prefill(self, tokens: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:  # tokens: [1, T]
         """Run `tokens` into the cache; no logits are needed (the engine scores the last token itself).

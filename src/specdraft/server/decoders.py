@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, drafter_options, drafter_parts, make_drafter, needs_draft_model
+from specdraft.drafters import (DEFAULT_DRAFTER, DRAFTERS, check_not_bench_only, drafter_options, make_drafter,
+                                needs_draft_model)
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -41,18 +42,20 @@ class DecoderPool:
         self._decoders: dict[DecoderKey, SpeculativeDecoder] = {}
 
     def drafters(self) -> list[str]:
-        """The drafter names this server can build (`none` included); trained ones still need their files."""
-        usable = [name for name in DRAFTERS if self.draft is not None or not DRAFTERS[name].needs_draft_model]
+        """The drafter names this server can build (`none` included; bench-only tools never); trained ones still
+        need their files."""
+        usable = [name for name, info in DRAFTERS.items()
+                  if not info.bench_only and (self.draft is not None or not info.needs_draft_model)]
         return [PLAIN, *usable]
 
     def resolve(self, drafter: str | None = None, k: int | str | None = None) -> DecoderKey:
         """The decoder key for a request's `drafter` and `k` (None = the server's default); SpecdraftError
-        when the name is unknown, needs a draft model this server has not loaded, or k is out of range."""
+        when the name is unknown or bench-only, needs a draft model this server has not loaded, or k is out of range."""
         drafter = (drafter or "").strip() or self.default.drafter
         k = self.default.k if k is None else k
         if drafter == PLAIN:
             return DecoderKey(PLAIN, 0)
-        drafter_parts(drafter)
+        check_not_bench_only(drafter)
         if needs_draft_model(drafter) and self.draft is None:
             raise SpecdraftError(f"Drafter {drafter!r} needs a draft model and this server has none loaded; ask for "
                                  f"one of {', '.join(self.drafters())}, or start the server with a drafter that "

@@ -237,9 +237,15 @@ def drafters() -> None:
 
     out = Console(highlight=False)
     for name, info in DRAFTERS.items():
+        if info.bench_only:
+            continue
         options = ", ".join(f"--{key} ({value})" for key, value in info.options.items())
         out.print(f"[bold]{name}[/]  {info.description}" + (f"  [dim]options: {options}[/]" if options else ""))
     out.print("Compose with +: [bold]ngram+model[/] drafts by lookup where the text repeats, with the model elsewhere.")
+    for name, info in DRAFTERS.items():  # measuring tools: `specdraft bench` methods only, never generate or serve
+        if info.bench_only:
+            options = ", ".join(f"{key}={value}" for key, value in info.options.items())
+            out.print(f"[dim][bold]{name}[/bold]  {info.description}  method keys: {options}[/]")
 
 
 @app.command()

@@ -21,12 +21,13 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
     not yet cached: no compile inside the first generation), and the draft loads first, so its unpacking
     peak passes before the target is in memory.
     """
-    from specdraft.drafters import check_drafter, needs_draft_model
+    from specdraft.drafters import check_drafter, check_not_bench_only, needs_draft_model
     from specdraft.kernels.prebuild import build_all
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
 
     if drafter is not None:
         check_drafter(drafter, options)
+        check_not_bench_only(drafter)
     build_all()
     draft_lm = None
     if drafter is not None and needs_draft_model(drafter):

@@ -1,0 +1,355 @@
+"""The GPU check: the CUDA path measured on random weights at the bundled pair's shapes, in one short run.
+
+    PYTHONPATH=src python -m specdraft.bench.device_check --out device_check.json           # on a GPU machine
+    python -m specdraft.bench.device_check --dry-run --out /tmp/device_check.json           # tiny shapes, CPU
+
+A GPU machine here has torch and transformers and nothing else of ours (no registry, no bundled weights), so
+this needs only those two (and scipy for the chi-square test, skipped without it). It writes one JSON file and
+prints a table:
+
+1. the target's pass cost by width (1 .. 64 tokens) over a 512-token cache, on the static cache with CUDA
+   graphs, and one eager (transformers' forward, growing cache) one-token pass beside it;
+2. the draft model's one-token step and c, its cost against the target's;
+3. our `ar` next to transformers' `generate` (eager, and with `cache_implementation="static"`, which compiles
+   the forward) on the same model, in the same process;
+4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
+   probability 1 - α) at α = 0.6 / 0.8 / 0.95, k auto: speedup over our `ar`, measured α and τ;
+5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees), and the
+   chi-square test of the first two sampled tokens against the target's exact distribution.
+
+`--dry-run` runs every part at tiny shapes with few tokens (on the CPU unless --device says otherwise), so
+the script is tested in the quick test set and cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specdraft.drafters import ModelDrafter, make_drafter
+from specdraft.drafters.oracle import OracleDrafter
+from specdraft.engine import SpeculativeDecoder, sync_device
+from specdraft.exactness import chi_square_pvalue
+from specdraft.models.causal_lm import CausalLM
+from specdraft.sampling import SamplingParams
+
+ALPHAS = (0.6, 0.8, 0.95)
+PASS_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Model shapes and run sizes of one check."""
+
+    target: dict  # Qwen2Config fields
+    draft: dict
+    cache_tokens: int  # cache length under the timed passes
+    prompt_tokens: int
+    new_tokens: int
+    repeats: int  # timed repeats per pass width
+    samples: int  # seeds of the chi-square test
+    compiled_generate: bool
+
+
+def qwen2(layers: int, hidden: int, intermediate: int, heads: int, vocab: int) -> dict:
+    return dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                num_attention_heads=heads, num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
+                max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+# The bundled pair: Qwen2.5-Coder 1.5B (target) and 0.5B (draft) shapes.
+FULL = Shapes(target=qwen2(28, 1536, 8960, 12, 151936), draft=qwen2(24, 896, 4864, 14, 151936),
+              cache_tokens=512, prompt_tokens=128, new_tokens=256, repeats=20, samples=2000, compiled_generate=True)
+DRY = Shapes(target=qwen2(2, 64, 128, 4, 512), draft=qwen2(1, 32, 64, 4, 512),
+             cache_tokens=40, prompt_tokens=16, new_tokens=24, repeats=2, samples=300, compiled_generate=False)
+
+
+def random_model(fields: dict, dtype: torch.dtype, device: torch.device, seed: int) -> Qwen2ForCausalLM:
+    """A Qwen2 of the given shape with transformers' own random initialisation, on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**fields)).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def timed(device: torch.device, run, repeats: int) -> float:
+    """Median seconds of `run()` over `repeats` calls after one warm call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        sync_device(device)
+        started = time.perf_counter()
+        run()
+        sync_device(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def pass_costs(lm: CausalLM, cache_tokens: int, widths: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """Milliseconds of a pass of each width over a cache of `cache_tokens` (cut back after each)."""
+    generator = torch.Generator().manual_seed(0)
+    lm.reset()
+    lm.prefill(torch.randint(0, lm.vocab_size, (1, cache_tokens), generator=generator).to(lm.device))
+    costs = {}
+    for width in widths:
+        tokens = torch.randint(0, lm.vocab_size, (1, width), generator=generator).to(lm.device)
+
+        def one_pass():
+            lm.forward(tokens, logits_to_keep=width)
+            lm.truncate(cache_tokens)
+
+        costs[width] = 1000 * timed(lm.device, one_pass, repeats)
+    return costs
+
+
+def generate_timed(decoder: SpeculativeDecoder, prompt: list[int], new_tokens: int) -> tuple[list[int], dict]:
+    """The tokens and speed of a greedy generation (after one untimed warm-up run)."""
+    decoder.generate(prompt, max_new_tokens=min(new_tokens, 16))
+    sync_device(decoder.target.device)
+    started = time.perf_counter()
+    out = decoder.generate(prompt, max_new_tokens=new_tokens)
+    sync_device(decoder.target.device)
+    seconds = time.perf_counter() - started
+    stats = out.stats
+    return out.token_ids, {"tokens": len(out.token_ids), "seconds": seconds, "tok_s": len(out.token_ids) / seconds,
+                           "alpha": stats.acceptance_rate, "tau": stats.mean_committed_per_step,
+                           "steps": stats.steps, "mean_k": stats.mean_k, "prefill_seconds": stats.prefill_seconds,
+                           "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds}
+
+
+def hf_generate(model, prompt: list[int], new_tokens: int, **kwargs) -> tuple[list[int], dict]:
+    """transformers' own greedy `generate` (second call timed: a compiling one compiles in the first)."""
+    ids = torch.tensor([prompt], device=model.device)
+    args = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, **args)
+    sync_device(model.device)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, **args)
+    sync_device(model.device)
+    seconds = time.perf_counter() - started
+    tokens = out[0, len(prompt):].tolist()
+    return tokens, {"tokens": len(tokens), "seconds": seconds, "tok_s": len(tokens) / seconds,
+                    "first_call_seconds": first}
+
+
+def guarded(results: dict, key: str, run) -> None:
+    """Record `run()`'s result under `key`, or the error it raised (one failed part does not end the check)."""
+    started = time.perf_counter()
+    try:
+        results[key] = run()
+    except Exception as error:  # noqa: BLE001 - a report, not a program: every part is tried
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        results[key] = {"error": f"{type(error).__name__}: {error} ({Path(where.filename).name}:{where.lineno})"}
+    print(f"  {key}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results: dict) -> None:
+    target_model = random_model(shapes.target, dtype, device, seed=0)
+    draft_model = random_model(shapes.draft, dtype, device, seed=1)
+    started = time.perf_counter()
+    target = CausalLM(target_model, name="target", static_cache=True)
+    draft = CausalLM(draft_model, name="draft", static_cache=True)
+    results["load_and_capture_seconds"] = time.perf_counter() - started
+    widths = tuple(w for w in PASS_WIDTHS if w <= 64)
+    guarded(results, "target_pass_ms", lambda: pass_costs(target, shapes.cache_tokens, widths, shapes.repeats))
+    guarded(results, "draft_pass_ms", lambda: pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats))
+    guarded(results, "target_eager_pass_ms", lambda: pass_costs(
+        CausalLM(target_model, name="eager", static_cache=False), shapes.cache_tokens, (1,), shapes.repeats))
+    if "error" not in results["target_pass_ms"] and "error" not in results["draft_pass_ms"]:
+        results["c"] = results["draft_pass_ms"][1] / results["target_pass_ms"][1]
+
+    if device.type == "cuda" and shapes.compiled_generate:
+        def compiled_passes():
+            from specdraft.models.graph_decoder import StaticDecoder
+
+            started = time.perf_counter()
+            decoder = StaticDecoder(target_model, compiled=True)
+            decoder.warm_up((1, 16), quiet=True)
+            lm = CausalLM(target_model, name="compiled", static_cache=False)
+            lm._static = decoder  # the same CausalLM, its passes on the compiled decoder
+            row = {"compile_and_capture_seconds": time.perf_counter() - started}
+            return row | pass_costs(lm, shapes.cache_tokens, (1, 16), shapes.repeats)
+        guarded(results, "target_compiled_pass_ms", compiled_passes)
+
+    prompt = torch.randint(0, shapes.target["vocab_size"], (shapes.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    ar_tokens, results["ar"] = generate_timed(SpeculativeDecoder(target), prompt, shapes.new_tokens)
+    guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
+    if shapes.compiled_generate:
+        guarded(results, "hf_generate_static_compiled", lambda: hf_generate(
+            target_model, prompt, shapes.new_tokens, cache_implementation="static")[1])
+    for alpha in ALPHAS:
+        def oracle_run(alpha=alpha):
+            drafter = OracleDrafter(alpha=alpha, seed=0)
+            drafter.record(prompt + ar_tokens)
+            tokens, row = generate_timed(SpeculativeDecoder(target, drafter, k="auto"), prompt, shapes.new_tokens)
+            row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
+            row["same_tokens_as_ar"] = tokens == ar_tokens
+            row["first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b), None)
+            return row
+        guarded(results, f"oracle_{alpha}", oracle_run)
+    def model_spec():
+        tokens, row = generate_timed(SpeculativeDecoder(target, ModelDrafter(draft), k="auto"), prompt,
+                                     shapes.new_tokens)
+        row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
+        return row
+    guarded(results, "spec_model_drafter_random_weights", model_spec)
+
+
+def perturbed(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
+    copy = Qwen2ForCausalLM(model.config).to(device=model.device, dtype=model.dtype).eval()
+    copy.load_state_dict(model.state_dict())
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=generator, device=model.device,
+                                                        dtype=p.dtype))
+    copy.generation_config.eos_token_id = None
+    return copy
+
+
+def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
+    """spec == ar on tiny models through the device's path: chains (k 1, 3, auto) and trees (budget 8)."""
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target_model = tiny_sharp(device, dtype)
+        draft_model = perturbed(target_model, noise=0.3, seed=1)
+        target, draft = CausalLM(target_model, static_cache=True), CausalLM(draft_model, static_cache=True)
+        same = total = 0
+        for index in range(prompts):
+            prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(index)).tolist()
+            expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids
+            for k, tree in ((1, 0), (3, 0), ("auto", 0), (3, 8)):
+                got = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=k,
+                                         tree_budget=tree).generate(prompt, max_new_tokens=40).token_ids
+                same += got == expected
+                total += 1
+        rows[str(dtype).removeprefix("torch.")] = {"identical": same, "runs": total}
+    results["greedy_spec_equals_ar"] = rows
+
+
+def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed: int = 5) -> Qwen2ForCausalLM:
+    """A tiny random target with sharp logits (its argmaxes are not near-ties)."""
+    fields = qwen2(2, 32, 64, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
+    model = random_model(fields, torch.float32, device, seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.to(dtype)
+
+
+def exact_two_tokens(model: Qwen2ForCausalLM, prompt: list[int], vocab: int) -> np.ndarray:
+    """`[V, V]` probability that `model` generates (a, b) after `prompt`."""
+    with torch.inference_mode():
+        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1].double().softmax(-1)  # [V]
+        rows = torch.tensor([prompt + [a] for a in range(vocab)], device=model.device)  # [V, L + 1]
+        second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
+    return (first[:, None] * second).cpu().numpy()
+
+
+def sampled_part(device: torch.device, results: dict, samples: int) -> None:
+    """Chi-square of the first two sampled tokens (temperature 1) against the target's exact distribution."""
+    vocab, prompt = 8, [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]
+    fields = qwen2(2, 32, 64, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
+    target_model = random_model(fields, torch.float32, device, seed=7)
+    with torch.no_grad():
+        target_model.lm_head.weight.mul_(4.0)
+    draft_model = perturbed(target_model, noise=0.5, seed=3)
+    expected = exact_two_tokens(target_model, prompt, vocab).ravel() * samples
+    target, draft = CausalLM(target_model, static_cache=True), CausalLM(draft_model, static_cache=True)
+    cases = {"chain k=3": (ModelDrafter(draft, min_confidence=0.0), 0),
+             "tree budget 6": (ModelDrafter(draft, min_confidence=0.05), 6),
+             "ngram": (make_drafter("ngram"), 0)}
+    rows = {}
+    for name, (drafter, budget) in cases.items():
+        decoder = SpeculativeDecoder(target, drafter, k=3, tree_budget=budget, tree_branch=3 if budget else 4)
+        counts = np.zeros(vocab * vocab)
+        for seed in range(samples):
+            a, b = decoder.generate(prompt, SamplingParams(temperature=1.0, seed=seed), 4).token_ids[:2]
+            counts[a * vocab + b] += 1
+        rows[name] = {"p_value": chi_square_pvalue(counts, expected), "samples": samples}
+    results["chi_square"] = rows
+
+
+def table(results: dict) -> str:
+    """The check's numbers as a few plain-text lines."""
+    lines = [f"device: {results['device']}  torch {results['torch']}  transformers {results['transformers']}"]
+    passes = results.get("target_pass_ms", {})
+    if "error" not in passes:
+        one = passes.get(1)
+        lines.append("target pass ms by width: " + ", ".join(f"{w}: {ms:.2f}" for w, ms in passes.items())
+                     + (f"  (16 tokens = {passes[16] / one:.2f}x one)" if one and 16 in passes else ""))
+    for key in ("target_eager_pass_ms", "target_compiled_pass_ms", "draft_pass_ms", "c", "load_and_capture_seconds"):
+        if key in results:
+            lines.append(f"{key}: {results[key]}")
+    for key in ("ar", "hf_generate_eager", "hf_generate_static_compiled", "spec_model_drafter_random_weights",
+                *(f"oracle_{a}" for a in ALPHAS)):
+        row = results.get(key)
+        if row is None:
+            continue
+        if "error" in row:
+            lines.append(f"{key}: {row['error']}")
+            continue
+        extra = "".join(f"  {name} {row[name]:.2f}" for name in ("speedup", "alpha", "tau", "mean_k")
+                        if isinstance(row.get(name), float))
+        lines.append(f"{key}: {row['tok_s']:.1f} tok/s ({row['tokens']} tokens){extra}"
+                     + (f"  same as ar: {row['same_tokens_as_ar']}" if "same_tokens_as_ar" in row else ""))
+    for key in ("speed_part", "greedy_part", "sampled_part"):
+        if key in results:
+            lines.append(f"{key}: {results[key]}")
+    for key in ("greedy_spec_equals_ar", "chi_square"):
+        if key in results:
+            lines.append(f"{key}: {json.dumps(results[key])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes and few tokens (CPU unless --device)")
+    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
+    shapes = DRY if args.dry_run else FULL
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    skip = {part for part in args.skip.split(",") if part}
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
+               "dry_run": args.dry_run, "shapes": {"target": shapes.target, "draft": shapes.draft}}
+    started = time.perf_counter()
+    parts = {"speed": lambda: speed_part(shapes, device, dtype, results),
+             "greedy": lambda: greedy_part(device, results, prompts=1 if args.dry_run else 5),
+             "sampled": lambda: sampled_part(device, results, shapes.samples)}
+    for name, part in parts.items():
+        if name not in skip:
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            guarded(results, f"{name}_part", part)
+            if results[f"{name}_part"] is None:
+                del results[f"{name}_part"]
+    results["seconds"] = time.perf_counter() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

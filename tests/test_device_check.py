@@ -1,0 +1,23 @@
+"""The GPU check's dry run: every part at tiny shapes on the CPU, so the script a GPU machine runs cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+from specdraft.bench import device_check
+
+
+def test_dry_run_measures_every_part_and_finds_the_cuda_path_exact(tmp_path):
+    out = tmp_path / "check.json"
+    results = device_check.main(["--dry-run", "--out", str(out)])
+    assert json.loads(out.read_text())["dry_run"] is True
+    errors = {key: row["error"] for key, row in results.items() if isinstance(row, dict) and "error" in row}
+    assert not errors, errors
+    assert set(results["target_pass_ms"]) == set(device_check.PASS_WIDTHS)
+    assert results["c"] > 0 and results["ar"]["tok_s"] > 0 and results["hf_generate_eager"]["tok_s"] > 0
+    for alpha in device_check.ALPHAS:
+        row = results[f"oracle_{alpha}"]
+        assert row["same_tokens_as_ar"] and row["speedup"] > 0 and row["alpha"] is not None
+    for row in results["greedy_spec_equals_ar"].values():
+        assert row["identical"] == row["runs"] > 0
+    assert all(row["p_value"] > 1e-3 for row in results["chi_square"].values())

@@ -1,0 +1,138 @@
+"""The static cache and the bucketed passes of `graph_decoder.StaticDecoder`, run eagerly on the CPU.
+
+The CUDA graphs themselves need a GPU (`scripts/device_check.py`); everything around them (slots, padding rows,
+masks, rollback, tree paths, growth) is the same code here, padding included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from conftest import tiny_config, tiny_model
+from specdraft.drafters import ModelDrafter
+from specdraft.engine import SpeculativeDecoder
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM, wants_static_cache
+from specdraft.models.graph_decoder import WIDTHS, StaticDecoder, static_obstacle
+from specdraft.models.quantize import Int4Linear
+from specdraft.models.static_cache import SCRATCH_SLOTS
+from specdraft.tree import TreeLayout
+
+ATOL = 2e-5
+
+
+@pytest.fixture()
+def model():
+    return tiny_model(tiny_config(max_positions=1024), seed=3)
+
+
+def pair(model) -> tuple[CausalLM, CausalLM]:
+    return CausalLM(model, static_cache=False), CausalLM(model, static_cache=True)
+
+
+def both(lms, *args, **kwargs):
+    outs = [lm.forward(*args, **kwargs) for lm in lms]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=ATOL, rtol=0)
+    if outs[0].hidden_states is not None:
+        torch.testing.assert_close(outs[1].hidden_states, outs[0].hidden_states, atol=ATOL, rtol=0)
+    assert lms[0].cache_len == lms[1].cache_len
+    return outs
+
+
+def test_static_passes_match_the_dynamic_cache(model):
+    """A prompt, chain passes of every bucketed width and odd widths between, a rollback, a tree pass and its
+    kept path: the same logits and hidden states as transformers' own forward on a growing cache."""
+    dynamic, static = lms = pair(model)
+    assert static._static is not None and dynamic._static is None
+    generator = torch.Generator().manual_seed(0)
+    both(lms, torch.randint(0, 64, (1, 90), generator=generator), logits_to_keep=90, hidden_to_keep=5)
+    for width in (1, 2, 3, 4, 7, 8, 13, 16, 31, 33, 64):
+        both(lms, torch.randint(0, 64, (1, width), generator=generator), logits_to_keep=width, hidden_to_keep=width)
+        for lm in lms:
+            lm.truncate(lm.cache_len - width // 2)  # a rejected tail
+    both(lms, torch.randint(0, 64, (1, 1), generator=generator), logits_to_keep=0)
+
+    layout = TreeLayout.from_parents([-1, -1, 0, 0, 1, 2])
+    offsets, visible = layout.block_attention(1)
+    start = static.cache_len
+    tokens = torch.randint(0, 64, (1, 7), generator=generator)
+    both(lms, tokens, 7, offsets=offsets, visible=visible)
+    for lm in lms:
+        lm.keep(start, [0, 1, 3, 6])  # the last token, then nodes 0, 2, 5: one root-to-leaf path
+    both(lms, torch.randint(0, 64, (1, 2), generator=generator), logits_to_keep=2)
+
+
+def test_padding_rows_write_only_scratch_slots(model):
+    """A 3-token pass runs at width 4: slots past the pass stay as they were, the cache stays finite."""
+    static = CausalLM(model, static_cache=True)
+    static.forward(torch.tensor([[1, 2, 3, 4, 5]]))
+    cache = static._static.cache
+    before = cache.keys.clone()
+    static.forward(torch.tensor([[6, 7, 8]]), logits_to_keep=3)
+    changed = (cache.keys != before).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
+    assert 3 not in WIDTHS and 4 in WIDTHS
+    assert set(changed) <= {5, 6, 7} | set(range(cache.scratch, cache.scratch + SCRATCH_SLOTS))
+    assert {5, 6, 7} <= set(changed) and torch.isfinite(cache.keys).all() and torch.isfinite(cache.values).all()
+
+
+def test_the_cache_grows_past_its_capacity():
+    dynamic, static = lms = pair(tiny_model(tiny_config(max_positions=4096), seed=3))
+    capacity = static._static.cache.capacity
+    assert capacity < 4096
+    generator = torch.Generator().manual_seed(1)
+    both(lms, torch.randint(0, 64, (1, capacity - 2), generator=generator))
+    both(lms, torch.randint(0, 64, (1, 5), generator=generator), logits_to_keep=5)  # crosses the capacity
+    assert static._static.cache.capacity >= 2 * capacity
+    both(lms, torch.randint(0, 64, (1, 1), generator=generator))
+
+
+def test_capacity_is_at_most_the_context(model):
+    assert CausalLM(model, static_cache=True)._static.cache.capacity == 1024
+
+
+def test_module_weights_become_views_of_the_joined_matrices(model):
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        before = model(input_ids=tokens).logits
+        decoder = StaticDecoder(model)
+        after = model(input_ids=tokens).logits
+    attention = model.model.layers[0].self_attn
+    layer = decoder.layers[0]
+    assert attention.q_proj.weight.data_ptr() == layer.qkv.data_ptr()
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == layer.qkv.untyped_storage().data_ptr()
+    assert model.model.layers[0].mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up.untyped_storage().data_ptr()
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    again = StaticDecoder(model)  # a second decoder (an early-exit view, say) views the same memory
+    assert again.layers[0].qkv.data_ptr() == layer.qkv.data_ptr()
+
+
+@pytest.mark.parametrize("k,tree", [(3, 0), ("auto", 0), (4, 6)])
+def test_greedy_speculation_on_static_caches_equals_plain_decoding(k, tree, tiny_target, drafts):
+    """Target and draft both on static caches: spec == ar token for token, chains and trees."""
+    expected = SpeculativeDecoder(CausalLM(tiny_target, static_cache=False)).generate([5, 9, 2, 7], max_new_tokens=40)
+    target = CausalLM(tiny_target, static_cache=True)
+    drafter = ModelDrafter(CausalLM(drafts["close"], static_cache=True), min_confidence=0.0)
+    got = SpeculativeDecoder(target, drafter, k=k, tree_budget=tree).generate([5, 9, 2, 7], max_new_tokens=40)
+    assert got.token_ids == expected.token_ids
+    assert got.stats.accepted > 0 and got.stats.accepted < got.stats.drafted
+
+
+def test_what_cannot_run_on_a_static_cache_is_named(model, monkeypatch):
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    assert static_obstacle(model) is None
+    assert static_obstacle(LlamaForCausalLM(LlamaConfig(**sizes))) is None
+    assert "sliding" in static_obstacle(MistralForCausalLM(MistralConfig(sliding_window=8, **sizes)))
+    packed = tiny_model(tiny_config(), seed=4)
+    packed.model.layers[1].mlp.down_proj = Int4Linear.quantize(packed.model.layers[1].mlp.down_proj)
+    assert "nn.Linear" in static_obstacle(packed)
+    assert not wants_static_cache(model, None)  # on the CPU, unasked: the dynamic cache
+    monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "1")
+    assert wants_static_cache(model, None) and not wants_static_cache(packed, None)
+    with pytest.raises(SpecdraftError, match="static cache"):
+        CausalLM(packed, static_cache=True)
+    monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "yes")
+    with pytest.raises(SpecdraftError, match="0, 1 or auto"):
+        wants_static_cache(model, None)
