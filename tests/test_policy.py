@@ -4,7 +4,7 @@ import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
-from specdraft.policy import ANSWER_FLOOR, DEFAULT_SOURCE, AutoK, FixedK, make_policy
+from specdraft.policy import ANSWER_FLOOR, AutoK, DEFAULT_SOURCE, FixedK, GPU_MAX_AUTO_K, MAX_AUTO_K, make_policy
 
 PROMPT = [5, 17, 42, 8, 59, 3]
 
@@ -332,3 +332,17 @@ def test_the_engine_trims_trees_but_never_a_drawn_token(tiny_target, drafts, mak
         assert (keep == draft.drawn == draft.layout.height) if draft.layout else (keep == draft.k)
         one_hot = (draft.q_draft == 1.0).sum(-1) == 1  # [n]: point-mass rows
         assert not one_hot[:keep].all() and one_hot[keep:].all() and k == keep
+
+
+def test_widened_auto_k_drafts_past_the_cpu_cap_when_wide_passes_are_cheap():
+    """On a GPU (`widen`, as the engine does there) a sure drafter with flat pass costs drafts well past 8."""
+    policy = AutoK()
+    policy.widen(GPU_MAX_AUTO_K)
+    assert policy.max_k == policy.max_depth == GPU_MAX_AUTO_K and len(policy.verify_seconds) == GPU_MAX_AUTO_K + 2
+    for _ in range(40):
+        k = policy.choose(40)
+        policy.observe(k, k, 0.0001 * k, 0.004 * (1 + 0.005 * k))
+    assert policy.choose(40) > MAX_AUTO_K
+    narrow = AutoK(max_k=4, tree=True)
+    narrow.widen(GPU_MAX_AUTO_K)  # a tree keeps its node budget
+    assert narrow.max_k == 4

@@ -25,7 +25,7 @@ import torch
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
-from specdraft.policy import AUTO, AutoK, FixedK, make_policy
+from specdraft.policy import AUTO, GPU_MAX_AUTO_K, AutoK, FixedK, make_policy
 from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
@@ -114,6 +114,8 @@ class SpeculativeDecoder:
         self.tree_budget, self.tree_branch = tree_budget, tree_branch
         self.policy = (k if isinstance(k, (FixedK, AutoK)) else make_policy(k, tree_budget)
                        if drafter is not None else None)
+        if isinstance(self.policy, AutoK) and target.device.type == "cuda":
+            self.policy.widen(GPU_MAX_AUTO_K)
 
     @property
     def method(self) -> str:

@@ -51,6 +51,7 @@ from specdraft.errors import SpecdraftError
 AUTO = "auto"
 READ_GUESS = 24  # before it is timed, reading a token is guessed at this fraction of a plain target step
 MAX_AUTO_K = 8
+GPU_MAX_AUTO_K = 32  # on a GPU a pass of 33 tokens costs about what one does (measured: docs/gpu.md)
 FIRST_K = 3  # the first step's k, before anything is measured
 PROBE_K = 2  # the k of a probe during plain decoding
 ANSWER_FLOOR = 16  # tokens an answer is expected to run on at least, however short it is so far
@@ -133,6 +134,19 @@ class AutoK:
         self.verify_seconds: list[float | None] = [None] * (max_k + 2)  # [t]: a target pass over t tokens
         self.sources: dict[str, SourceEstimates] = {}
         self.last_source: str | None = None  # who drafted the previous step (None: a plain step)
+
+    def widen(self, max_k: int) -> None:
+        """Let chains run up to `max_k` draft tokens (a GPU, where a wide pass costs little more than one token);
+        whatever was learnt is kept. Trees keep their node budget."""
+        if self.tree or max_k <= self.max_k:
+            return
+        extra = max_k - self.max_k
+        self.verify_seconds += [None] * extra
+        for est in self.sources.values():
+            est.hits += [0.0] * extra
+            est.tries += [0.0] * extra
+            est.max_k = max_k
+        self.max_k = self.max_depth = max_k
 
     def estimates(self, source: str = DEFAULT_SOURCE) -> SourceEstimates:
         """The estimates of `source` (created on first use)."""

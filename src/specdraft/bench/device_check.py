@@ -9,7 +9,8 @@ prints a table:
 
 1. the target's pass cost by width (1 .. 64 tokens) over a 512-token cache, on the static cache with CUDA
    graphs, and one eager (transformers' forward, growing cache) one-token pass beside it;
-2. the draft model's one-token step and c, its cost against the target's;
+2. the draft model's one-token step and c, its cost against the target's, and the kernels of both models'
+   one-token passes (torch.profiler: device time and count per kernel);
 3. our `ar` next to transformers' `generate` (eager, and with `cache_implementation="static"`, which compiles
    the forward) on the same model, in the same process;
 4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
@@ -161,7 +162,7 @@ def guarded(results: dict, key: str, run) -> None:
     print(f"  {key}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
-def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results: dict) -> None:
+def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results: dict, skip: set[str]) -> None:
     target_model = random_model(shapes.target, dtype, device, seed=0)
     draft_model = random_model(shapes.draft, dtype, device, seed=1)
     started = time.perf_counter()
@@ -171,29 +172,21 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
     widths = tuple(w for w in PASS_WIDTHS if w <= 64)
     guarded(results, "target_pass_ms", lambda: pass_costs(target, shapes.cache_tokens, widths, shapes.repeats))
     guarded(results, "draft_pass_ms", lambda: pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats))
-    guarded(results, "target_eager_pass_ms", lambda: pass_costs(
-        CausalLM(target_model, name="eager", static_cache=False), shapes.cache_tokens, (1,), shapes.repeats))
+    if "eager" not in skip:
+        guarded(results, "target_eager_pass_ms", lambda: pass_costs(
+            CausalLM(target_model, name="eager", static_cache=False), shapes.cache_tokens, (1,), shapes.repeats))
     if "error" not in results["target_pass_ms"] and "error" not in results["draft_pass_ms"]:
         results["c"] = results["draft_pass_ms"][1] / results["target_pass_ms"][1]
-
-    if device.type == "cuda" and shapes.compiled_generate:
-        def compiled_passes():
-            from specdraft.models.graph_decoder import StaticDecoder
-
-            started = time.perf_counter()
-            decoder = StaticDecoder(target_model, compiled=True)
-            decoder.warm_up((1, 16), quiet=True)
-            lm = CausalLM(target_model, name="compiled", static_cache=False)
-            lm._static = decoder  # the same CausalLM, its passes on the compiled decoder
-            row = {"compile_and_capture_seconds": time.perf_counter() - started}
-            return row | pass_costs(lm, shapes.cache_tokens, (1, 16), shapes.repeats)
-        guarded(results, "target_compiled_pass_ms", compiled_passes)
+    if device.type == "cuda" and "profile" not in skip:
+        guarded(results, "target_profile", lambda: kernel_profile(target, shapes.cache_tokens))
+        guarded(results, "draft_profile", lambda: kernel_profile(draft, shapes.cache_tokens))
 
     prompt = torch.randint(0, shapes.target["vocab_size"], (shapes.prompt_tokens,),
                            generator=torch.Generator().manual_seed(2)).tolist()
     ar_tokens, results["ar"] = generate_timed(SpeculativeDecoder(target), prompt, shapes.new_tokens)
-    guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
-    if shapes.compiled_generate:
+    if "eager" not in skip:
+        guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
+    if shapes.compiled_generate and "hf" not in skip:
         guarded(results, "hf_generate_static_compiled", lambda: hf_generate(
             target_model, prompt, shapes.new_tokens, cache_implementation="static")[1])
     for alpha in ALPHAS:
@@ -246,6 +239,29 @@ def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
     results["greedy_spec_equals_ar"] = rows
 
 
+def kernel_profile(lm: CausalLM, cache_tokens: int, passes: int = 5, top: int = 15) -> dict:
+    """The device kernels of `passes` one-token passes (CUDA graph replays included): the costliest by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lm.reset()
+    lm.prefill(torch.zeros((1, cache_tokens), dtype=torch.long, device=lm.device))
+    token = torch.zeros((1, 1), dtype=torch.long, device=lm.device)
+    sync_device(lm.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            lm.forward(token)
+            lm.truncate(cache_tokens)
+        sync_device(lm.device)
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us > 0:
+            rows.append((device_us / passes, event.count // passes, event.key[:90]))
+    rows.sort(reverse=True)
+    return {"device_us_per_pass": sum(r[0] for r in rows), "kernels_per_pass": sum(r[1] for r in rows),
+            "top": [{"us": round(us, 1), "count": count, "name": name} for us, count, name in rows[:top]]}
+
+
 def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed: int = 5) -> Qwen2ForCausalLM:
     """A tiny random target with sharp logits (its argmaxes are not near-ties)."""
     fields = qwen2(2, 32, 64, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
@@ -296,7 +312,10 @@ def table(results: dict) -> str:
         one = passes.get(1)
         lines.append("target pass ms by width: " + ", ".join(f"{w}: {ms:.2f}" for w, ms in passes.items())
                      + (f"  (16 tokens = {passes[16] / one:.2f}x one)" if one and 16 in passes else ""))
-    for key in ("target_eager_pass_ms", "target_compiled_pass_ms", "draft_pass_ms", "c", "load_and_capture_seconds"):
+    for key in ("target_profile", "draft_profile"):
+        if key in results:
+            lines.append(f"{key}: {json.dumps(results[key])}")
+    for key in ("target_eager_pass_ms", "draft_pass_ms", "c", "load_and_capture_seconds"):
         if key in results:
             lines.append(f"{key}: {results[key]}")
     for key in ("ar", "hf_generate_eager", "hf_generate_static_compiled", "spec_model_drafter_random_weights",
@@ -325,7 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and few tokens (CPU unless --device)")
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled, and "
+                        "within speed: eager (transformers' eager pass and generate), hf (transformers' "
+                        "static-cache compiled generate), profile (the kernel profiles)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
     shapes = DRY if args.dry_run else FULL
@@ -335,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
                "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
                "dry_run": args.dry_run, "shapes": {"target": shapes.target, "draft": shapes.draft}}
     started = time.perf_counter()
-    parts = {"speed": lambda: speed_part(shapes, device, dtype, results),
+    parts = {             "speed": lambda: speed_part(shapes, device, dtype, results, skip),
              "greedy": lambda: greedy_part(device, results, prompts=1 if args.dry_run else 5),
              "sampled": lambda: sampled_part(device, results, shapes.samples)}
     for name, part in parts.items():

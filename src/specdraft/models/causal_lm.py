@@ -213,10 +213,11 @@ class CausalLM:
                 f"The sequence would reach {self.cache_len + length} tokens, past {self.name}'s context of "
                 f"{self.max_context}. Shorten the prompt or lower --max-new-tokens."
             )
+        if self._static is not None:
+            positions = None if offsets is None else offsets + self.cache_len  # None: consecutive
+            return self._static_forward(tokens[0], positions, visible, logits_to_keep, hidden_to_keep)
         if offsets is None:
             offsets = torch.arange(length, device=tokens.device)
-        if self._static is not None:
-            return self._static_forward(tokens[0], offsets + self.cache_len, visible, logits_to_keep, hidden_to_keep)
         mask = None if visible is None else self._attention_mask(length, visible)
         # Passes over a cache (and single tokens) may run fused: the same function, the layers in one C
         # call; prefills keep PyTorch's batched attention, as `attention.grouped_sdpa_forward` does.
@@ -241,7 +242,7 @@ class CausalLM:
         hidden = out.hidden_states[-1][:, -hidden_to_keep:] if hidden_to_keep > 0 else None
         return ForwardOutput(logits=out.logits.float(), hidden_states=hidden)
 
-    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
+    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, visible: torch.Tensor | None,
                         logits_to_keep: int, hidden_to_keep: int) -> ForwardOutput:  # tokens, positions: [T]
         hidden, logits = self._static.run(tokens, positions, self.cache_len, visible, logits_to_keep)
         self.cache_len += tokens.shape[0]

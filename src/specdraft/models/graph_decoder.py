@@ -1,21 +1,23 @@
-"""The GPU path of a decoder-only LM: a static KV cache, lean layers, and one captured CUDA graph per pass width.
+"""The GPU path of a decoder-only LM: a static KV cache, lean layers, and captured CUDA graphs per pass shape.
 
 On a GPU a small model's pass is bound by launching kernels, not by reading weights: a 1.5B model's weights
-take under a millisecond to read on an H100, while transformers' eager forward (a growing cache, masks built
-in Python, about 40 kernels a layer) spends 15-20 ms a pass in Python and launches. `StaticDecoder` runs the
-same function on a `StaticCache`:
+take about a millisecond to read on an H100, while transformers' eager forward (a growing cache, masks built in
+Python, about 40 kernels a layer) spent 17 ms a pass there. `StaticDecoder` runs the same function on a
+`StaticCache`:
 
 - the layers are written out over the model's own weights: q, k and v as one matrix (and gate and up as one),
-  the module weights turned into views of the joined ones, so nothing is held twice; the residual add rides
-  in the output projections' matrix products (`addmm`); attention is SDPA over every slot of the cache with
-  an additive mask, grouped query heads folded into the query rows;
-- a pass of T tokens runs at the smallest bucketed width W >= T (`WIDTHS`): padding rows read token 0 and
-  write their keys and values into the cache's scratch slots, and every real row is computed as it would be
-  alone (rows never mix in matrix products, masks or norms);
-- on CUDA each width is captured once as a graph (`torch.cuda.CUDAGraph`), with the tokens, positions, slots
-  and mask as its input buffers; a pass copies its inputs in and replays. Wider passes (prompts) run the same
-  function eagerly, unpadded. Elsewhere (the CPU, tests) every pass runs eagerly, padding included, so the
-  bucketing logic is exercised everywhere.
+  the module weights turned into views of the joined ones, so nothing is held twice; q and k are rotated in
+  place and the keys and values go to the cache in one copy; the residual add rides in the output projections'
+  matrix products (`addmm`); attention is transformers' eager formula over the cache's first slots, grouped
+  query heads folded into the query rows (`_attend`);
+- a pass of T tokens runs at the smallest bucketed width W >= T (`WIDTHS`) over the smallest bucketed key
+  length that holds its slots (`key_buckets`: 256, 512, .. doubling): padding rows read token 0 and write
+  their keys and values into the cache's scratch slots, and every real row is computed as it would be alone
+  (rows never mix in matrix products, masks or norms);
+- on CUDA each (width, key length) is captured once as a graph (`torch.cuda.CUDAGraph`), at load, with the
+  tokens, positions, slots and mask as its input buffers; a pass copies its inputs in and replays. Wider
+  passes (prompts) run the same function eagerly, unpadded. Elsewhere (the CPU, tests) every pass runs
+  eagerly, padding included, so the bucketing logic is exercised everywhere.
 
 A model qualifies when `static_obstacle(model)` is None: Llama-style layers (RMSNorm, rotary, grouped-query
 attention, gated MLP) built from plain `nn.Linear` projections, full attention in every layer.
@@ -34,6 +36,7 @@ from torch import nn
 from specdraft.models.static_cache import SCRATCH_SLOTS, StaticCache
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # pass widths captured as graphs; wider passes run eagerly
+KEY_BUCKET = 256  # the shortest key length a pass attends over; captured lengths double from here
 DEFAULT_CAPACITY = 2048  # positions a cache holds at first (it grows, and graphs are recaptured, when needed)
 LLAMA_STYLE = ("llama", "qwen2", "qwen3", "mistral")  # model types whose layers `StaticDecoder` writes out
 assert WIDTHS[-1] <= SCRATCH_SLOTS
@@ -109,14 +112,21 @@ class _Layer:
 
 
 @dataclass
-class _Graph:
-    """A captured pass of one width: its input buffers and output tensors."""
+class _Inputs:
+    """What a pass reads besides the weights and the cache."""
 
-    graph: object  # torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [W] int64
     positions: torch.Tensor  # [W] int64
-    slots: torch.Tensor  # [W] int64
-    mask: torch.Tensor  # [W, S] additive, the model's dtype
+    slots: torch.Tensor  # [W] int64: where each row's keys and values go
+    mask: torch.Tensor  # [W, keys] additive, the model's dtype
+
+
+@dataclass
+class _Graph:
+    """A captured pass of one width over one key length: its input buffers and output tensors."""
+
+    graph: object  # torch.cuda.CUDAGraph
+    inputs: _Inputs
     hidden: torch.Tensor  # [W, H] after the final norm
     logits: torch.Tensor  # [W, V]
 
@@ -128,8 +138,7 @@ class StaticDecoder:
     hidden states and logits of its rows; the owner keeps `length` (the valid slots) and cuts it back itself.
     """
 
-    def __init__(self, model: nn.Module, capacity: int = DEFAULT_CAPACITY, graphs: bool | None = None,
-                 compiled: bool = False) -> None:
+    def __init__(self, model: nn.Module, capacity: int = DEFAULT_CAPACITY, graphs: bool | None = None) -> None:
         obstacle = static_obstacle(model)
         if obstacle is not None:
             raise ValueError(f"{type(model).__name__} cannot run on a static cache: {obstacle}")
@@ -153,9 +162,7 @@ class StaticDecoder:
         capacity = min(capacity, getattr(config, "max_position_embeddings", None) or capacity)
         self.cache = StaticCache(len(self.layers), self.kv_heads, self.head_dim, capacity, dtype, device)
         self.use_graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
-        self._graphs: dict[int, _Graph] = {}
-        # `compiled`: the captured passes run torch.compile's fused kernels (one compile per width)
-        self._graphed_pass = torch.compile(self._pass, dynamic=False) if compiled else self._pass
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # by (width, keys)
         self._pool = None
         self._index_for(self.cache.slots)
 
@@ -172,43 +179,59 @@ class StaticDecoder:
     def _index_for(self, slots: int) -> None:
         self._key_index = torch.arange(slots, device=self.device)  # [S]
         self._row_index = torch.arange(WIDTHS[-1], device=self.device)  # [W_max]
+        self._key_minus_row = self._key_index.unsqueeze(0) - self._row_index.unsqueeze(1)  # [W_max, S]
+        self._open = torch.zeros((), dtype=self.dtype, device=self.device)  # a visible key's mask value
+        self._closed = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+
+    def key_buckets(self) -> list[int]:
+        """The key lengths passes are captured for: 256, 512, .. below the capacity, then every slot."""
+        buckets, keys = [], KEY_BUCKET
+        while keys < self.cache.capacity:
+            buckets.append(keys)
+            keys *= 2
+        return buckets + [self.cache.slots]
 
     # ----- the pass ------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [W, heads, d]
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _attend(self, q: torch.Tensor, index: int, keys: int, mask: torch.Tensor) -> torch.Tensor:
+        """q [kv_heads, groups·W, d] over the first `keys` slots of layer `index`, under `mask` [groups·W, keys]:
+        transformers' eager attention (scores in the model's dtype, softmax accumulated in float32), as matrix
+        products over the cache's strided views. PyTorch's SDPA measured slower here, and its cuDNN backend
+        failed replaying captured passes (docs/gpu.md)."""
+        k, v = self.cache.keys(index, keys), self.cache.values(index, keys)  # [kv_heads, keys, d]
+        scores = torch.baddbmm(mask.unsqueeze(0), q, k.transpose(1, 2), alpha=self.scaling)  # [kv_heads, gW, keys]
+        return torch.bmm(scores.softmax(-1), v)  # [kv_heads, groups·W, d]
 
     def _pass(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
               head_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over `tokens` [W] at `positions` [W], writing their states to `slots` [W], each row seeing the
-        keys `mask` [W, S] leaves at 0; returns the final hidden states [W, H] and the logits [head_rows, V] of the
-        last rows."""
-        width, d, kv_heads, groups = tokens.shape[0], self.head_dim, self.kv_heads, self.groups
+        first keys where `mask` [W, keys] is 0; returns the final hidden states [W, H] and the logits
+        [head_rows, V] of the last rows."""
+        width, d, kv_heads, groups, keys = tokens.shape[0], self.head_dim, self.kv_heads, self.groups, mask.shape[1]
         x = F.embedding(tokens, self.embedding)  # [W, H]
         cos, sin = self.rotary(x.unsqueeze(0), positions.unsqueeze(0))  # [1, W, d]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [W, 1, d]
+        half = d // 2
+        cos = cos[0].unsqueeze(1)  # [W, 1, d]
+        # rotate_half(x) · sin = roll(x, half) · (-sin | sin): one roll and one addcmul a layer for q and k together
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).unsqueeze(1)  # [W, 1, d]
         # query rows grouped by key/value head: row g·W + t is token t of query head (kv head, g)
-        grouped_mask = mask.repeat(groups, 1).unsqueeze(0).unsqueeze(0)  # [1, 1, groups·W, S]
-        q_width, kv_width = self.heads * d, kv_heads * d
+        grouped_mask = mask.repeat(groups, 1)  # [groups·W, keys]
+        q_heads, qk_heads = self.heads, self.heads + kv_heads
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [W, (heads + 2 kv_heads) d]
-            q = qkv[:, :q_width].view(width, self.heads, d)
-            k = qkv[:, q_width : q_width + kv_width].view(width, kv_heads, d)
-            v = qkv[:, q_width + kv_width :].view(width, kv_heads, d)
-            if layer.q_norm is not None:
-                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            self.cache.write(index, slots, k, v)
-            q = q.view(width, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * width, d)
-            attended = F.scaled_dot_product_attention(
-                q, self.cache.keys[index].unsqueeze(0), self.cache.values[index].unsqueeze(0),
-                attn_mask=grouped_mask, scale=self.scaling)  # [1, kv_heads, groups·W, d]
-            attended = attended.view(kv_heads, groups, width, d).permute(2, 0, 1, 3).reshape(width, q_width)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(width, qk_heads + kv_heads, d)  # [W, heads + 2 kv, d]
+            qk = qkv[:, :qk_heads]
+            if layer.q_norm is not None:  # Qwen3: each head normed before its rotation
+                normed = self._norm(qk[:, :q_heads], layer.q_norm), self._norm(qk[:, q_heads:], layer.k_norm)
+                qk.copy_(torch.cat(normed, dim=1))
+            torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin, out=qk)  # rotated in place
+            self.cache.write(index, slots, qkv[:, q_heads:].view(width, 2, kv_heads, d))
+            q = qkv[:, :q_heads].reshape(width, kv_heads, groups, d).permute(1, 2, 0, 3)  # [kv_heads, groups, W, d]
+            q = q.reshape(kv_heads, groups * width, d)
+            attended = self._attend(q, index, keys, grouped_mask)  # [kv_heads, groups·W, d]
+            attended = attended.view(kv_heads, groups, width, d).permute(2, 0, 1, 3).reshape(width, q_heads * d)
             x = torch.addmm(x, attended, layer.out.t())  # [W, H]: residual + o_proj
             if layer.out_bias is not None:
                 x = x + layer.out_bias
@@ -221,25 +244,42 @@ class StaticDecoder:
         return hidden, F.linear(hidden[width - head_rows :], self.head, self.head_bias)  # [head_rows, V]
 
     # ----- inputs of a pass ------------------------------------------------------------------
-    def _mask(self, width: int, length: int, count: int, visible: torch.Tensor | None) -> torch.Tensor:
-        """Additive mask [width, S] for `count` real rows written at `length ..`: the valid prefix, then causal
-        (or `visible` [count, n] over the last n keys); padding rows see the keys up to their own row."""
-        rows = (self._row_index[:width] if width <= WIDTHS[-1] else torch.arange(width, device=self.device)).unsqueeze(1)
-        allowed = self._key_index.unsqueeze(0) <= rows + length  # [W, S] causal, padding rows included
+    def _inputs(self, width: int, keys: int) -> _Inputs:
+        """Fresh input buffers of a pass of `width` rows over `keys` slots."""
+        zeros = torch.zeros(3, width, dtype=torch.long, device=self.device)
+        return _Inputs(zeros[0], zeros[1], zeros[2], torch.zeros(width, keys, dtype=self.dtype, device=self.device))
+
+    def _fill(self, inputs: _Inputs, tokens: torch.Tensor, positions: torch.Tensor | None, length: int,
+              visible: torch.Tensor | None) -> None:
+        """Write a pass of `tokens` [T] at `positions` [T] (None: `length ..`) into `inputs` (width W >= T):
+        slots `length ..` for the real rows, scratch slots and token 0 for the padding rows; the mask lets each
+        row see the valid prefix, then the block causally (or as `visible` [T, n] says over the last n keys), and
+        a padding row the keys up to its own row."""
+        count, (width, keys) = tokens.shape[0], inputs.mask.shape
+        inputs.tokens[:count] = tokens
+        rows = self._row_index[:width] if width <= WIDTHS[-1] else torch.arange(width, device=self.device)
+        torch.add(rows, length, out=inputs.slots)
+        if positions is None:
+            inputs.positions.copy_(inputs.slots)
+        else:
+            inputs.positions[:count] = positions
+        if count < width:
+            inputs.tokens[count:] = 0
+            inputs.positions[count:] = 0
+            inputs.slots[count:] += self.cache.scratch - length
+        if width <= WIDTHS[-1]:  # key - row, precomputed
+            allowed = self._key_minus_row[:width, :keys] <= length  # [W, keys]
+        else:
+            allowed = self._key_index[:keys].unsqueeze(0) - rows.unsqueeze(1) <= length
         if visible is not None:
-            allowed[:count] = self._key_index.unsqueeze(0) < length + count - visible.shape[1]
-            allowed[:count, length + count - visible.shape[1] : length + count] = visible
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            first = length + count - visible.shape[1]  # the first key `visible` covers
+            allowed[:count] = self._key_index[:keys] < first
+            allowed[:count, first : length + count] = visible
+        torch.where(allowed, self._open, self._closed, out=inputs.mask)
 
-    def _slots(self, width: int, length: int, count: int) -> torch.Tensor:
-        """Slots `length ..` for the real rows, scratch slots for the padding rows. # [W]"""
-        rows = self._row_index[:width]
-        return torch.where(rows < count, rows + length, rows + self.cache.scratch)
-
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, length: int, visible: torch.Tensor | None = None,
-            logits_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `tokens` [T] at `positions` [T], writing slots `length .. length + T - 1`; returns the final hidden
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor | None, length: int,
+            visible: torch.Tensor | None = None, logits_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `tokens` [T] at `positions` [T] (None: `length ..`), writing slots `length .. length + T - 1`; returns the final hidden
         states [T, H] and the logits [logits_rows, V] of the last rows. Both may be buffers the next pass
         overwrites: copy what must outlive it."""
         count = tokens.shape[0]
@@ -249,64 +289,56 @@ class StaticDecoder:
             self._index_for(self.cache.slots)
             self._graphs.clear()
         width = next((w for w in WIDTHS if w >= count), None)
-        if width is None:  # a prompt: eagerly, unpadded
-            slots = torch.arange(length, length + count, device=self.device)
-            hidden, logits = self._pass(tokens, positions, slots, self._mask(count, length, count, visible), logits_rows)
-            return hidden, logits
-        mask = self._mask(width, length, count, visible)
-        slots = self._slots(width, length, count)
+        if width is None:  # a prompt: eagerly, unpadded, over the keys it reaches
+            inputs = self._inputs(count, length + count)
+            self._fill(inputs, tokens, positions, length, visible)
+            return self._pass(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, logits_rows)
+        keys = next(k for k in self.key_buckets() if k >= length + count)
         if not self.use_graphs:
-            padded = torch.zeros(width, dtype=torch.long, device=self.device)
-            padded_tokens, padded_positions = padded.clone(), padded
-            padded_tokens[:count], padded_positions[:count] = tokens, positions
-            hidden, logits = self._pass(padded_tokens, padded_positions, slots, mask, width)
+            inputs = self._inputs(width, keys)
+            self._fill(inputs, tokens, positions, length, visible)
+            hidden, logits = self._pass(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, width)
         else:
-            graph = self._graphs.get(width) or self._capture(width)
-            graph.tokens.zero_()
-            graph.positions.zero_()
-            graph.tokens[:count].copy_(tokens)
-            graph.positions[:count].copy_(positions)
-            graph.slots.copy_(slots)
-            graph.mask.copy_(mask)
+            graph = self._graphs.get((width, keys)) or self._capture(width, keys)
+            self._fill(graph.inputs, tokens, positions, length, visible)
             graph.graph.replay()
             hidden, logits = graph.hidden, graph.logits
         return hidden[:count], logits[count - logits_rows : count]
 
     # ----- graphs -------------------------------------------------------------------------------
-    def _capture(self, width: int) -> _Graph:
-        """Capture the pass of `width` tokens; warm-up runs write only scratch slots."""
-        tokens = torch.zeros(width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(width, dtype=torch.long, device=self.device)
-        slots = self._row_index[:width] + self.cache.scratch
-        mask = torch.zeros(width, self.cache.slots, dtype=self.dtype, device=self.device)
+    def _capture(self, width: int, keys: int) -> _Graph:
+        """Capture the pass of `width` tokens over `keys` slots; warm-up runs write only scratch slots."""
+        inputs = self._inputs(width, keys)
+        inputs.slots.copy_(self._row_index[:width] + self.cache.scratch)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._graphed_pass(tokens, positions, slots, mask, width)
+                self._pass(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden, logits = self._graphed_pass(tokens, positions, slots, mask, width)
-        captured = _Graph(graph, tokens, positions, slots, mask, hidden, logits)
-        self._graphs[width] = captured
+            hidden, logits = self._pass(inputs.tokens, inputs.positions, inputs.slots, inputs.mask, width)
+        captured = _Graph(graph, inputs, hidden, logits)
+        self._graphs[(width, keys)] = captured
         return captured
 
     def warm_up(self, widths: tuple[int, ...] = WIDTHS, quiet: bool = False) -> float:
-        """Capture the graphs of `widths` now (widest first, so narrower ones reuse its memory); seconds taken.
-        Does nothing off CUDA."""
+        """Capture the graphs of `widths` over every key bucket now (widest first, so narrower ones reuse its
+        memory); seconds taken. Does nothing off CUDA."""
         if not self.use_graphs:
             return 0.0
         started = time.perf_counter()
         with torch.inference_mode():
-            for width in sorted(widths, reverse=True):
-                if width not in self._graphs:
-                    self._capture(width)
+            for keys in sorted(self.key_buckets(), reverse=True):
+                for width in sorted(widths, reverse=True):
+                    if (width, keys) not in self._graphs:
+                        self._capture(width, keys)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         if not quiet:
-            print(f"captured CUDA graphs for passes of {', '.join(map(str, sorted(widths)))} tokens "
-                  f"in {seconds:.1f} s", file=sys.stderr)
+            print(f"captured CUDA graphs for passes of {', '.join(map(str, sorted(widths)))} tokens over "
+                  f"{', '.join(map(str, self.key_buckets()))} cached keys in {seconds:.1f} s", file=sys.stderr)
         return seconds
