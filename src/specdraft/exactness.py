@@ -38,11 +38,12 @@ class GreedyComparison:
 
 
 def first_divergence(reference: list[int], candidate: list[int]) -> int | None:
-    """Index of the first differing token; a strict prefix of the other (shorter run) counts as equal."""
+    """Index of the first differing token, or, when one run is a strict prefix of the other, the length of the
+    shorter (an output cut short is a mismatch); None when they are equal."""
     for i, (a, b) in enumerate(zip(reference, candidate)):
         if a != b:
             return i
-    return None
+    return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
 
 
 @torch.inference_mode()
@@ -66,6 +67,8 @@ def compare_greedy(
     at = first_divergence(reference, candidate)
     if at is None:
         return GreedyComparison(equal=True)
+    if at == min(len(reference), len(candidate)):  # one run ended where the other went on: no near-tie explains it
+        return GreedyComparison(equal=False, diverged_at=at)
     margin = NEAR_TIE_MARGIN.get(target.dtype, 1e-3) if margin is None else margin
     gap = top2_gap(target, prompt_ids + reference[:at])
     return GreedyComparison(equal=False, diverged_at=at, top2_gap=gap, near_tie=gap <= margin)
