@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from specdraft.bench import (METHODS, BenchConfig, ExactnessError, check_exactness, find_mismatches, load_prompts,
                              parse_method, parse_methods, render_report, run_bench, select_prompts, summarize)
-from specdraft.bench.methods import Models
+from specdraft.bench.runs import Models
 from specdraft.bench.runner import append_record, read_records
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import load_model
@@ -524,7 +524,7 @@ def test_mean_k_and_the_k_histogram_come_from_the_steps():
 
 
 def test_several_prompt_files_join_with_their_names(tmp_path):
-    from specdraft.bench.prompts import load_prompt_files
+    from specdraft.prompts import load_prompt_files
 
     a, b = tmp_path / "spec.jsonl", tmp_path / "mine.jsonl"
     a.write_text('{"question_id": 1, "category": "qa", "turns": ["x"]}\n')

@@ -15,7 +15,7 @@ from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
-from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES
+from specdraft.gguf_layout import Q6K_BLOCK_BYTES
 from specdraft.models.quantize import Int4Linear, quantize_int4
 from specdraft.models import fast_layers
 from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers

@@ -17,8 +17,8 @@ from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
 from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, isa, tiles
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.gguf_blocks import (Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K, dequantize, q4k_affine,
-                                          q6k_unpack, unpack_rows)
+from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
+from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack, unpack_rows
 from specdraft.models.gguf_native import (FlatLinear, PackedEmbedding, build_native_model, module_path,
                                           tensor_index)
 from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available, quantize_int4

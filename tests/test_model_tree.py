@@ -8,7 +8,6 @@ tree's whole top line (a corrupted draft cache would mispredict and break that).
 """
 
 import pytest
-import torch
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError

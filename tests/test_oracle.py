@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.analysis.theory import token_acceptance
 from specdraft.bench import parse_method, render_report, run_bench, summarize
-from specdraft.bench.methods import METHODS, Models
+from specdraft.bench.methods import METHODS
+from specdraft.bench.runs import Models
 from specdraft.bench.runner import BenchConfig
 from specdraft.drafters import DRAFTERS, DraftContext, OracleDrafter, check_not_bench_only, make_drafter
 from specdraft.errors import SpecdraftError

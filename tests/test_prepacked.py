@@ -15,7 +15,7 @@ from specdraft.models.loading import load_model, prepare_draft
 from specdraft.models.prepacked import PrepackedLinear, prepack_linears, unpack_linears
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
 
-from conftest import perturbed, tiny_config, tiny_model
+from conftest import tiny_config, tiny_model
 
 pytestmark = pytest.mark.skipif(not prepacked.available(), reason="no oneDNN bf16 linear on this CPU")
 

@@ -6,6 +6,7 @@ import pytest
 
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
+from specdraft.paths import cache_dir
 
 
 @pytest.fixture()
@@ -54,9 +55,9 @@ def test_a_changed_file_is_no_longer_trusted(fake_parts):
 def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECDRAFT_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert registry.cache_dir() == tmp_path / "xdg" / "specdraft"
+    assert cache_dir() == tmp_path / "xdg" / "specdraft"
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "mine"))
-    assert registry.cache_dir() == tmp_path / "mine"
+    assert cache_dir() == tmp_path / "mine"
 
 
 def test_bundled_pins_match_the_issue():

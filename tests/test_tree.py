@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM

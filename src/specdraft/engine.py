@@ -167,7 +167,6 @@ class SpeculativeDecoder:
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt_ids)
         target, drafter, device = self.target, self.drafter, self.target.device
-        eos_ids = target.eos_token_ids
         generator = params.make_generator(device)
         text = IncrementalText(target.tokenizer, stops)
 

@@ -326,7 +326,7 @@ def _check(config: DiagnoseConfig) -> None:
 def run_diagnose(config: DiagnoseConfig,
                  on_prompt: Callable[[PromptDiagnosis], None] | None = None) -> DiagnoseResult:
     """Load the pair, diagnose every selected prompt (calling `on_prompt` after each) and pool the figures."""
-    from specdraft.bench.prompts import default_prompts_path, load_prompts, select_prompts
+    from specdraft.prompts import default_prompts_path, load_prompts, select_prompts
     from specdraft.models.early_exit import early_exit_layer, early_exit_view
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
     from specdraft.text import encode_prompt

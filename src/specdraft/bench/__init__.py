@@ -9,7 +9,7 @@ plots    the PNG plots beside summary.json
 """
 
 from specdraft.bench.methods import METHODS, MethodSpec, parse_method, parse_methods
-from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
+from specdraft.prompts import Prompt, default_prompts_path, load_prompts, select_prompts
 from specdraft.bench.runner import BenchConfig, BenchResult, run_bench
 from specdraft.bench.summary import ExactnessError, check_exactness, find_mismatches, render_report, summarize
 

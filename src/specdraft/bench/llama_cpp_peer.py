@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.bench.methods import Models, RunOutput, RunParams
+from specdraft.bench.runs import Models, RunOutput, RunParams
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import resolve_model_path
 from specdraft.sampling import SamplingParams

@@ -35,9 +35,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from specdraft.analysis.costs import DEFAULT_CONTEXT, DEFAULT_WIDTHS, measure_costs
-from specdraft.bench.methods import MethodSpec, Models, RunOutput, parse_methods
+from specdraft.bench.methods import MethodSpec, parse_methods
+from specdraft.bench.runs import Models, RunOutput
 from specdraft.bench.plots import write_plots
-from specdraft.bench.prompts import Prompt, default_prompts_path, load_prompt_files, select_prompts
+from specdraft.prompts import Prompt, default_prompts_path, load_prompt_files, select_prompts
 from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
 from specdraft.errors import SpecdraftError
 from specdraft.exactness import compare_greedy

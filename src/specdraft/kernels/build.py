@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specdraft.paths import cache_dir
+
 
 def _cpuinfo_field(name: str) -> str:
     """The value of the first `name` line of /proc/cpuinfo ('' where it cannot be read)."""
@@ -50,7 +52,6 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    from specdraft.models.registry import cache_dir
 
     key = hashlib.sha256(source_text(source) + " ".join(flags).encode()).hexdigest()[:16]
     built = cache_dir() / "kernels" / f"{source.stem}-{key}.so"

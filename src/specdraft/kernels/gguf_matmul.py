@@ -19,7 +19,7 @@ from torch import nn
 
 from specdraft.kernels import tiles
 from specdraft.kernels.int4_layout import nibble_tiles
-from specdraft.models.gguf_blocks import Q6K_BLOCK_BYTES, QK_K
+from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
 BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
 _TILE_ROWS, _TILE_INPUTS = 16, 32

@@ -16,9 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-QK_K = 256  # weights per K-quant super-block
-Q4K_BLOCK_BYTES = 144
-Q4K_GROUP = 32  # weights per Q4_K sub-block (one scale and one min)
+from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q4K_GROUP, Q6K_BLOCK_BYTES, QK_K
 
 
 def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,7 +47,6 @@ def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes.reshape(rows, nb * QK_K), scale, minimum
 
 
-Q6K_BLOCK_BYTES = 210
 
 
 def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from specdraft.models.causal_lm import CausalLM
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
 from specdraft.models.prepacked import prepack_linears, unpack_linears
+from specdraft.paths import cache_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -72,7 +73,7 @@ def _converted_dir(gguf_path: Path, kind: str) -> Path:
     """Where something made once from a GGUF file is kept, keyed by the file's identity and `kind`."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return registry.cache_dir() / "converted" / f"{gguf_path.stem}-{key}-{kind}"
+    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}-{kind}"
 
 
 def _keep(folder: Path, *savables) -> None:

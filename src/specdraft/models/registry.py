@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.paths import cache_dir
 
 _CHUNK_BYTES = 8 << 20
 
@@ -70,15 +71,6 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_dir() -> Path:
-    """The folder assembled model files are kept in."""
-    if os.environ.get("SPECDRAFT_CACHE"):
-        return Path(os.environ["SPECDRAFT_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "specdraft"
 
 
 def get_bundled(name: str) -> BundledModel:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.paths import cache_dir
 
 SHIPPED = Path(__file__).parent / "vocab"
 SUFFIX = ".token_counts.safetensors"
@@ -58,7 +59,6 @@ def load_token_counts(path: Path, tokenizer=None) -> torch.Tensor:
 
 
 def _made_path(fingerprint: str) -> Path:
-    from specdraft.models.registry import cache_dir
 
     return cache_dir() / "vocab" / f"{fingerprint}{SUFFIX}"
 

@@ -24,6 +24,7 @@ from specdraft.analysis.diagnose import DIAGNOSE_K
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
+from specdraft.paths import cache_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Lossless speculative decoding: same output as the target model, sooner.")
@@ -207,7 +208,7 @@ def models() -> None:
         table.add_row(model.name, model.role, "installed" if installed else "missing",
                       "yes" if assembled else "no", size)
     Console().print(table)
-    err.print(f"cache folder: {registry.cache_dir()} (set SPECDRAFT_CACHE to move it)")
+    err.print(f"cache folder: {cache_dir()} (set SPECDRAFT_CACHE to move it)")
 
 
 @app.command()
@@ -227,7 +228,7 @@ def kernels() -> None:
     for name, runs in ready.items():
         out.print(f"{name:<{width}}  " + ("[green]ready[/]" if runs else "[dim]does not run here[/]"))
     out.print(f"{line}; this CPU runs up to {detected}")
-    err.print(f"built kernels are cached in {registry.cache_dir() / 'kernels'}", highlight=False)
+    err.print(f"built kernels are cached in {cache_dir() / 'kernels'}", highlight=False)
 
 
 @app.command()

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.bench.prompts import Prompt, load_prompt_files
+from specdraft.prompts import Prompt, load_prompt_files
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.text import encode_prompt

@@ -1,6 +1,7 @@
-"""Benchmark prompts in Spec-Bench's JSONL format: one `{"question_id", "category", "turns"}` per line.
+"""Prompt sets in Spec-Bench's JSONL format: one `{"question_id", "category", "turns"}` per line, read by the bench,
+`diagnose` and the drafter training data alike.
 
-The package ships a small set of its own (`data/prompts.jsonl`, 6 "code" and 6 "prose"
+The package ships a small set of its own (`bench/data/prompts.jsonl`, 6 "code" and 6 "prose"
 prompts); any Spec-Bench `question.jsonl` works the same way.
 """
 

@@ -1,0 +1,74 @@
+"""What a bench run holds and passes around: the loaded models, one generation's parameters and its output.
+
+Below `methods` (our loop and transformers') and `llama_cpp_peer`, which both run generations with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdraft.drafters import DEFAULT_DRAFTER
+from specdraft.drafters.base import Drafter
+from specdraft.engine import DEFAULT_TREE_BRANCH
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.loading import prepare_draft
+from specdraft.policy import AutoK
+from specdraft.sampling import SamplingParams
+
+
+@dataclass
+class Models:
+    """The loaded weights every method shares; quantized drafts are made once, on first use."""
+
+    target: CausalLM
+    draft: CausalLM | None = None  # the run's --draft
+    other_drafts: dict[str, CausalLM] = field(default_factory=dict)  # drafts methods name with draft=PATH
+    prepared: dict[str, CausalLM] = field(default_factory=dict)
+    policies: dict[tuple, AutoK] = field(default_factory=dict)  # `k=auto` policies, kept across prompts
+    drafters: dict["RunParams", Drafter] = field(default_factory=dict)  # one per method: suffix memory spans prompts
+    target_spec: str | None = None  # what the user named as the target (for peers that load its file)
+    peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
+
+    def draft_as(self, quant: str, vocab: int = 0, name: str = "") -> CausalLM:
+        """The draft (the run's, or the one a method named `name`) with `quant` and `vocab` applied (a copy:
+        other methods keep the loaded weights)."""
+        key = f"{name}/{quant}/{vocab}"
+        if key not in self.prepared:
+            self.prepared[key] = prepare_draft(self.other_drafts[name] if name else self.draft, quant, copy=True,
+                                               vocab=vocab)
+        return self.prepared[key]
+
+
+@dataclass(frozen=True)
+class RunParams:
+    """What one generation of a method needs besides the prompt."""
+
+    sampling: SamplingParams
+    max_new_tokens: int
+    k: int | str | None = None  # draft tokens per step (or "auto"); None: the method's default
+    draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
+    draft_vocab: int = 0  # tokens the draft's head scores (0 = all; see models.draft_head)
+    drafter: str = DEFAULT_DRAFTER  # spec only: the registered drafter (parts joined by +)
+    drafter_options: tuple[tuple[str, object], ...] = ()  # spec only: the drafter's options given
+    tree_budget: int = 0  # spec only: draft nodes per step (0 = chains)
+    tree_branch: int = DEFAULT_TREE_BRANCH  # spec only: children per tree node
+    draft: str = ""  # another draft model than the run's (a path or bundled name; "" = the run's)
+
+
+@dataclass
+class RunOutput:
+    """One generation: the new tokens (cut after the first EOS), its time and, for our loop, its counts."""
+
+    token_ids: list[int]
+    wall_seconds: float
+    steps: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    accepted_at: list[int] | None = None  # accepted_at[i]: drafts accepted at position i
+    drafted_at: list[int] | None = None  # drafted_at[i]: drafts that reached position i
+    draft_seconds: float | None = None  # time spent proposing (our loop only)
+    verify_seconds: float | None = None  # time spent in the target's verification passes (our loop only)
+    k: int | None = None  # the most draft tokens of any step (None when nothing was drafted)
+    k_per_step: list[int] | None = None  # draft tokens of each step (our loop only)
+    by_source: dict[str, dict[str, int]] | None = None  # steps, drafted, accepted per draft source (our loop only)
+    prefill_seconds: float | None = None  # time spent in the target's prompt pass (our loop only)

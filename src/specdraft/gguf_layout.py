@@ -1,0 +1,7 @@
+"""Sizes of GGUF's K-quant blocks: facts of the file format, shared by the loaders (`models/gguf_blocks`) and the
+kernels (`kernels/gguf_matmul`)."""
+
+QK_K = 256  # weights per K-quant super-block
+Q4K_BLOCK_BYTES = 144  # one Q4_K super-block: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
+Q4K_GROUP = 32  # weights per Q4_K sub-block (one scale and one min)
+Q6K_BLOCK_BYTES = 210  # one Q6_K super-block: 128 + 64 bytes of codes, 16 scales, d

@@ -1,0 +1,89 @@
+"""Imports only go down: the package's layers (DESIGN.md) in order, and no import cycle between its modules.
+
+Read from the source with `ast`, imports inside functions included (an import deferred to the call is still a
+dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import specdraft
+
+ROOT = Path(specdraft.__file__).parent
+# Lowest first. A module may import from its own layer and the ones below, never from above.
+LAYERS = [
+    {"errors", "paths", "gguf_layout"},
+    {"sampling", "tree", "text", "stats", "policy", "prompts"},
+    {"kernels"},
+    {"models"},
+    {"exactness", "verify", "drafters"},
+    {"engine"},
+    {"analysis"},
+    {"bench", "training"},
+    {"server"},
+    {"surfaces"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = ["specdraft", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports."""
+    modules = {module_name(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("specdraft"):
+                for alias in node.names:  # `from specdraft.bench import llama_cpp_peer` names a module
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name.startswith("specdraft."))
+    return graph
+
+
+def layer(module: str) -> int | None:
+    """The layer of a module below the package's root (None for the root itself, which re-exports the API)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def test_every_module_has_a_layer():
+    missing = {module.split(".")[1] for module in import_graph() if "." in module} - set().union(*LAYERS)
+    assert not missing, f"add {sorted(missing)} to LAYERS"
+
+
+def test_imports_only_go_down():
+    upward = [(module, target) for module, targets in import_graph().items() for target in targets
+              if layer(module) is not None and layer(target) is not None and layer(target) > layer(module)]
+    assert not upward, upward
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if target == "specdraft" or target == module:
+                continue
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target] if target in path else [module, target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
