@@ -128,6 +128,12 @@ def test_theory_plot_places_the_measured_point_at_alpha_per_token(tmp_path, monk
     assert point_x == [pytest.approx(28 / 36)] and point_y == [pytest.approx((42 / 2.5) / 6.0)]
     assert "measured" in label
 
+    drawn.clear()  # with this machine's pass costs, a 5-token pass priced at 1.8 one-token passes
+    costs = {"pass_seconds": {"1": 0.05, "2": 0.06, "4": 0.08, "8": 0.12}}
+    plot_speedup_vs_theory(summarize(RECORDS, "ar"), RECORDS, tmp_path / "t.png", costs)
+    (_, curve_y), label = drawn[0]
+    assert curve_y[-1] == pytest.approx((4 + 1) / (0.09 / 0.05 + 4 * 0.4)) and "V(k+1)/V(1) = 1.80" in label
+
 
 def test_the_runner_writes_plots_and_timing_fields(tiny_model_dirs, tmp_path):
     prompts = tmp_path / "p.jsonl"

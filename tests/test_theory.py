@@ -5,8 +5,8 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from specdraft.analysis.theory import (best_k, expected_speedup, expected_tau, parse_list, theory_grid,
-                                       token_acceptance, validate)
+from specdraft.analysis.theory import (best_k, expected_speedup, expected_tau, parse_list, pass_ratio_at,
+                                       theory_grid, token_acceptance, validate)
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.cli import app
 
@@ -96,6 +96,32 @@ def test_theory_cli_prints_tables_and_writes_the_chart(tmp_path):
     assert "3.36" in result.stdout  # τ(0.8, 4) in the first table
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {out}" in result.stderr
+
+
+def test_pass_ratio_from_measured_widths_interpolates_and_extrapolates():
+    measured = {"1": 0.050, "2": 0.065, "4": 0.080, "8": 0.160}  # as summary.json stores them
+    assert pass_ratio_at(measured, 1) == 1.0 and pass_ratio_at(measured, 4) == pytest.approx(1.6)
+    assert pass_ratio_at(measured, 3) == pytest.approx(1.45)  # between 2 and 4
+    assert pass_ratio_at(measured, 10) == pytest.approx((0.160 + 2 * 0.020) / 0.050)  # the slope of 4 -> 8
+    assert pass_ratio_at({}, 5) == 1.0 and pass_ratio_at({1: 0.05}, 5) == 1.0
+
+
+def test_a_pass_slope_prices_wide_steps():
+    """Each extra verified token at a third of a one-token pass (an AVX2 CPU): long drafts stop paying."""
+    flat, = theory_grid([0.8], [1, 2, 4, 8], 0.3)
+    sloped, = theory_grid([0.8], [1, 2, 4, 8], 0.3, slope=1 / 3)
+    assert sloped[2].speedup == pytest.approx(expected_tau(0.8, 4) / (1 + 4 / 3 + 4 * 0.3))
+    assert all(s.speedup < f.speedup for s, f in zip(sloped, flat))
+    assert next(c.k for c in sloped if c.best) < next(c.k for c in flat if c.best)
+    with pytest.raises(SpecdraftError, match="slope"):
+        theory_grid([0.8], [1], 0.1, slope=-1)
+
+
+def test_theory_cli_takes_the_measured_slope():
+    result = CliRunner().invoke(app, ["theory", "--alpha", "0.8", "--k", "1,4", "--c", "0.3", "--slope", "0.3333"],
+                                env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "s = 0.3333" in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [

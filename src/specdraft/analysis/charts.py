@@ -37,24 +37,27 @@ def note(axes, text: str) -> None:
     axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes, color="grey")
 
 
-def theory_curve(k: int, c: float, points: int = CURVE_POINTS) -> tuple[list[float], list[float]]:
-    """α in [0, 1] and the expected speedup τ(α, k) / (1 + k·c) at each."""
+def theory_curve(k: int, c: float, verify_ratio: float = 1.0, points: int = CURVE_POINTS
+                 ) -> tuple[list[float], list[float]]:
+    """α in [0, 1] and the expected speedup τ(α, k) / (verify_ratio + k·c) at each, `verify_ratio` being a pass
+    over k + 1 tokens' time over a one-token pass's."""
     alphas = [i / (points - 1) for i in range(points)]
-    return alphas, [expected_speedup(a, k, c) for a in alphas]
+    return alphas, [expected_speedup(a, k, c, verify_ratio) for a in alphas]
 
 
-def speedup_chart(ks: Sequence[int], c: float, path: str | Path, alphas: Sequence[float] = ()) -> Path:
+def speedup_chart(ks: Sequence[int], c: float, path: str | Path, alphas: Sequence[float] = (),
+                  slope: float = 0.0) -> Path:
     """`specdraft theory --out`: expected speedup over α, one curve per k, the given α's marked."""
     figure = new_figure()
     axes = figure.add_subplot()
     for k in ks:
-        xs, ys = theory_curve(k, c)
+        xs, ys = theory_curve(k, c, 1 + slope * k)
         axes.plot(xs, ys, label=f"k = {k}")
     for alpha in alphas:
         axes.axvline(alpha, color="grey", linestyle=":", linewidth=1)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set(xlim=(0, 1), xlabel="α (per-token acceptance)", ylabel="expected speedup over plain decoding",
-             title=f"Expected speedup τ / (1 + k·c), c = {c:g}")
+             title=f"Expected speedup τ / (1 + k·s + k·c), c = {c:g}, s = {slope:g}")
     axes.legend(ncols=2, fontsize="small")
     axes.grid(alpha=0.3)
     return save(figure, path)

@@ -193,6 +193,9 @@ def rates_text(costs: Mapping) -> str:
     text = (f"memory streams {costs['stream_gb_per_s']:.1f} GB/s; a one-token pass reads "
             f"{costs['target_bytes'] / 1e9:.2f} GB of weights at {costs['weights_gb_per_s']:.1f} GB/s; each further "
             f"token adds {'-' if slope is None else f'{slope * 1e3:.1f}'} ms")
+    one = costs["pass_seconds"].get(1) or costs["pass_seconds"].get("1")
+    if slope is not None and one:
+        text += f" ({slope / one:.2f} of a one-token pass: `specdraft theory --slope`)"
     if gmacs is not None:
         text += f": {gmacs:.0f} G multiply-adds/s"
     if costs.get("draft_gb_per_s") is not None:

@@ -30,9 +30,10 @@ def tau_table(grid: Sequence[Sequence[TheoryCell]]) -> Table:
     return table
 
 
-def speedup_table(grid: Sequence[Sequence[TheoryCell]], c: float) -> Table:
+def speedup_table(grid: Sequence[Sequence[TheoryCell]], c: float, slope: float = 0.0) -> Table:
     """Expected speedup: one row per α, one column per k, the best k of each row marked `*` and its own column."""
-    table = Table(title=f"expected speedup τ / (1 + k·c), c = {c:g}; * best k")
+    formula = f"τ / (1 + k·s + k·c), c = {c:g}, s = {slope:g}" if slope else f"τ / (1 + k·c), c = {c:g}"
+    table = Table(title=f"expected speedup {formula}; * best k")
     table.add_column("α", justify="right")
     for cell in grid[0]:
         table.add_column(f"k={cell.k}", justify="right", no_wrap=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from specdraft.errors import SpecdraftError
 
@@ -37,9 +37,32 @@ def expected_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) 
     return expected_tau(alpha, k) / (k * c + verify_ratio)
 
 
-def best_k(alpha: float, ks: Sequence[int], c: float) -> int:
-    """The k of `ks` with the highest expected speedup at `alpha` and `c` (the smallest such k on a tie)."""
-    return max(sorted(ks), key=lambda k: (round(expected_speedup(alpha, k, c), 12), -k))
+def pass_ratio_at(pass_seconds: Mapping, width: int) -> float:
+    """V(width) / V(1) from measured pass times (`costs`: width -> seconds, widths as ints or strings), linear
+    past the widest measured (the slope of its last two widths); 1 when nothing but one token was measured."""
+    seconds = {int(w): float(s) for w, s in pass_seconds.items()}
+    one = seconds.get(1)
+    if not one:
+        return 1.0
+    if width in seconds:
+        return seconds[width] / one
+    widths = sorted(seconds)
+    below = [w for w in widths if w < width]
+    above = [w for w in widths if w > width]
+    if below and above:  # between two measured widths: on the line through them
+        low, high = below[-1], above[0]
+    elif len(widths) >= 2:  # past the widest (or below the narrowest): on the line through the nearest two
+        low, high = (widths[-2], widths[-1]) if not above else (widths[0], widths[1])
+    else:
+        return 1.0
+    slope = (seconds[high] - seconds[low]) / (high - low)
+    return (seconds[low] + slope * (width - low)) / one
+
+
+def best_k(alpha: float, ks: Sequence[int], c: float, slope: float = 0.0) -> int:
+    """The k of `ks` with the highest expected speedup at `alpha` and `c` (the smallest such k on a tie), each
+    extra token of a pass costing `slope` one-token passes."""
+    return max(sorted(ks), key=lambda k: (round(expected_speedup(alpha, k, c, 1 + slope * k), 12), -k))
 
 
 def token_acceptance(accepted_at: Sequence[int], drafted_at: Sequence[int]) -> float | None:
@@ -71,14 +94,17 @@ class TheoryCell:
     best: bool
 
 
-def theory_grid(alphas: Sequence[float], ks: Sequence[int], c: float) -> list[list[TheoryCell]]:
-    """One row per α (in the order given), one cell per k; validated first."""
+def theory_grid(alphas: Sequence[float], ks: Sequence[int], c: float, slope: float = 0.0) -> list[list[TheoryCell]]:
+    """One row per α (in the order given), one cell per k, each extra token of a pass costing `slope` one-token
+    passes (0: the classic formula); validated first."""
     validate(alphas, ks, c)
+    if not (math.isfinite(slope) and slope >= 0.0):
+        raise SpecdraftError(f"The pass slope must be >= 0, got {slope}.")
     rows = []
     for alpha in alphas:
-        best = best_k(alpha, ks, c)
-        rows.append([TheoryCell(alpha, k, expected_tau(alpha, k), expected_speedup(alpha, k, c), k == best)
-                     for k in ks])
+        best = best_k(alpha, ks, c, slope)
+        rows.append([TheoryCell(alpha, k, expected_tau(alpha, k), expected_speedup(alpha, k, c, 1 + slope * k),
+                                k == best) for k in ks])
     return rows
 
 

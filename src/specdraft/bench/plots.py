@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from matplotlib.ticker import MaxNLocator
 
 from specdraft.analysis.charts import new_figure, note, save, theory_curve
-from specdraft.analysis.theory import token_acceptance
+from specdraft.analysis.theory import pass_ratio_at, token_acceptance
 from specdraft.bench.summary import position_counts
 
 SPEEDUP_BY_CATEGORY = "speedup_by_category.png"
@@ -74,8 +74,12 @@ def plot_acceptance_by_position(records: Sequence[Mapping], path: str | Path) ->
     return save(figure, path)
 
 
-def plot_speedup_vs_theory(methods: Mapping[str, Mapping], records: Sequence[Mapping], path: str | Path) -> Path:
-    """Per drafting method with k and c: the theoretical curve and the measured (α per token, speedup) point."""
+def plot_speedup_vs_theory(methods: Mapping[str, Mapping], records: Sequence[Mapping], path: str | Path,
+                           costs: Mapping | None = None) -> Path:
+    """Per drafting method with k and c: the theoretical curve and the measured (α per token, speedup) point. With
+    this machine's measured pass costs (`costs`), a step is priced as it costs here: a pass over k + 1 tokens at
+    its measured ratio to a one-token pass, not at one."""
+    pass_seconds = (costs or {}).get("pass_seconds") or {}
     figure = new_figure()
     axes = figure.add_subplot()
     counts = position_counts(records)
@@ -84,8 +88,9 @@ def plot_speedup_vs_theory(methods: Mapping[str, Mapping], records: Sequence[Map
         k, c, speedup = figures.get("k"), figures.get("cost_ratio"), figures.get("speedup_vs_ar")
         if k is None or c is None or method not in counts:
             continue
-        xs, ys = theory_curve(k, c)
-        (line,) = axes.plot(xs, ys, label=f"{method}: theory, k = {k}, c = {c:.3f}")
+        verify_ratio = pass_ratio_at(pass_seconds, k + 1)
+        xs, ys = theory_curve(k, c, verify_ratio)
+        (line,) = axes.plot(xs, ys, label=f"{method}: theory, k = {k}, c = {c:.3f}, V(k+1)/V(1) = {verify_ratio:.2f}")
         alpha = token_acceptance(*counts[method])
         if alpha is not None and speedup is not None:
             axes.plot([alpha], [speedup], marker="o", markersize=8, color=line.get_color(), linestyle="none",
@@ -97,7 +102,7 @@ def plot_speedup_vs_theory(methods: Mapping[str, Mapping], records: Sequence[Map
         axes.legend(fontsize="small")
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set(xlim=(0, 1), xlabel="α per token (accepted / tested draft tokens)", ylabel="speedup over ar",
-             title="Measured speedup against τ(α, k) / (1 + k·c)")
+             title="Measured speedup against τ(α, k) / (V(k+1)/V(1) + k·c)")
     axes.grid(alpha=0.3)
     return save(figure, path)
 
@@ -129,6 +134,6 @@ def write_plots(summary: Mapping, records: Sequence[Mapping], out: str | Path) -
     methods = summary.get("methods", {})
     plot_speedup_by_category(methods, out / SPEEDUP_BY_CATEGORY)
     plot_acceptance_by_position(records, out / ACCEPTANCE_BY_POSITION)
-    plot_speedup_vs_theory(methods, records, out / SPEEDUP_VS_THEORY)
+    plot_speedup_vs_theory(methods, records, out / SPEEDUP_VS_THEORY, summary.get("costs"))
     plot_tokens_per_second(records, out / TOKENS_PER_SECOND)
     return list(PLOTS)

@@ -326,6 +326,8 @@ def theory(
                               help="Per-token acceptance α: one value or a comma list, each in [0, 1]."),
     k: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Draft tokens per step: a comma list, each >= 1."),
     c: float = typer.Option(0.1, "--c", help="Cost ratio: one drafted token's time / one target step's time (>= 0)."),
+    slope: float = typer.Option(0.0, "--slope", help="What each extra token of a target pass costs, as a share of "
+                                "a one-token pass (`specdraft costs` measures it; 0: extra tokens are free)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the speedup-versus-acceptance chart to this PNG."),
 ) -> None:
     """Expected τ and speedup for α, k and c (Leviathan et al.), the best k per α; the chart with --out."""
@@ -334,17 +336,17 @@ def theory(
 
     try:
         alphas, ks = parse_list(alpha, float, "--alpha"), parse_list(k, int, "--k")
-        grid = theory_grid(alphas, ks, c)
+        grid = theory_grid(alphas, ks, c, slope)
     except SpecdraftError as error:
         _fail(str(error))
     console = Console()
     console.print(tau_table(grid))
-    console.print(speedup_table(grid, c))
+    console.print(speedup_table(grid, c, slope))
     if out is not None:
         from specdraft.analysis.charts import speedup_chart
 
         try:
-            speedup_chart(ks, c, out, alphas)
+            speedup_chart(ks, c, out, alphas, slope)
         except OSError as error:
             _fail(f"Cannot write {out}: {error.strerror or error}.")
         err.print(f"wrote {out}", highlight=False)
