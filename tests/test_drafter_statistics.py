@@ -19,12 +19,11 @@ from transformers import Qwen2ForCausalLM
 
 import specdraft.verify as verify_module
 from conftest import perturbed, tiny_config
+from registered_drafters import build, random_eagle, random_medusa, registered
 from specdraft.exactness import chi_square_pvalue
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.drafters import EagleDrafter, MedusaDrafter, make_drafter
+from specdraft.drafters import make_drafter
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.eagle import EagleConfig, EagleDrafterModel
-from specdraft.models.medusa import MedusaConfig, MedusaHeads
 from specdraft.policy import DEFAULT_SOURCE, FixedK
 
 V = 8
@@ -67,37 +66,11 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tu
     return counts, drafted
 
 
-def random_medusa(target: CausalLM) -> MedusaDrafter:
-    """Medusa heads with random (not zero) blocks: proposals that differ from the target's guesses."""
-    torch.manual_seed(11)
-    heads = MedusaHeads(MedusaConfig(target.config.hidden_size, num_heads=3, rank=8))
-    with torch.no_grad():
-        heads.up.normal_(0.0, 3.0)
-    return MedusaDrafter(target, heads, torch.arange(V))
-
-
-def random_eagle(target: CausalLM) -> EagleDrafter:
-    torch.manual_seed(12)
-    model = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=128, num_heads=1, num_kv_heads=1,
-                                          intermediate_size=64)).eval()
-    return EagleDrafter(target, model, torch.arange(V))
-
-
-DRAFTERS = {
-    "medusa": lambda target, draft: random_medusa(target),
-    "eagle": lambda target, draft: random_eagle(target),
-    "ngram": lambda target, draft: make_drafter("ngram"),
-    "suffix": lambda target, draft: make_drafter("suffix"),
-    "early-exit": lambda target, draft: make_drafter("early-exit", {"exit-layer": 1}, target_model=target),
-    "ngram+model": lambda target, draft: make_drafter("ngram+model", {"ngram-min": 3}, draft_model=draft),
-}
-
-
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("name", registered())
 def test_sampled_output_follows_the_target(target_model, name):
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
     target = CausalLM(target_model)
-    decoder = SpeculativeDecoder(target, DRAFTERS[name](target, draft), k=3)
+    decoder = SpeculativeDecoder(target, build(name, target, draft), k=3)
     counts, drafted = sampled_pairs(decoder)
     assert all(drafted.get(source, 0) > SAMPLES // 10 for source in name.split("+")), drafted
     pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)

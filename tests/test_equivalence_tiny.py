@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from registered_drafters import build, registered
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
@@ -24,6 +25,19 @@ def test_greedy_spec_equals_ar(tiny_target, drafts, make_lm, k, draft_name, conf
         assert got.token_ids == expected.token_ids
         assert got.stats.new_tokens == 40 and got.finish_reason == "length"
         assert got.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", registered())
+def test_every_registered_drafter_is_exact_greedy(tiny_target, drafts, make_lm, name):
+    """Every drafter of the registry (a new one included, with no edit here), fixed k and auto."""
+    expected = [SpeculativeDecoder(make_lm(tiny_target)).generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
+    target = make_lm(tiny_target)
+    drafter = build(name, target, make_lm(drafts["close"]))
+    for k in (3, "auto"):
+        spec = SpeculativeDecoder(target, drafter, k=k)
+        outs = [spec.generate(prompt, max_new_tokens=30) for prompt in PROMPTS]
+        assert [out.token_ids for out in outs] == expected, (name, k)
+        assert k == "auto" or sum(out.stats.drafted for out in outs) > 0, name
 
 
 def test_acceptance_tracks_draft_quality(tiny_target, drafts, make_lm):

@@ -1,0 +1,46 @@
+"""Every registered drafter, built for the tiny test models, so the statistical (tier 2) and equivalence (tier 3)
+tests run over the registry: a new drafter is covered without editing them. Only a drafter that needs more than
+`make_drafter` gives (trained weights) has a builder here: random heads of the tiny target's width."""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters import DRAFTERS, Drafter, EagleDrafter, MedusaDrafter, make_drafter
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+from specdraft.models.medusa import MedusaConfig, MedusaHeads
+
+OPTIONS = {"early-exit": {"exit-layer": 1}, "ngram+model": {"ngram-min": 3}}  # options that suit the tiny models
+COMPOSED = ["ngram+model"]  # compositions tested beside the registered drafters
+
+
+def random_medusa(target: CausalLM) -> MedusaDrafter:
+    """Medusa heads with random (not zero) blocks: proposals that differ from the target's guesses."""
+    torch.manual_seed(11)
+    heads = MedusaHeads(MedusaConfig(target.config.hidden_size, num_heads=3, rank=8))
+    with torch.no_grad():
+        heads.up.normal_(0.0, 3.0)
+    return MedusaDrafter(target, heads, torch.arange(target.vocab_size))
+
+
+def random_eagle(target: CausalLM) -> EagleDrafter:
+    torch.manual_seed(12)
+    model = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=128, num_heads=1, num_kv_heads=1,
+                                          intermediate_size=64)).eval()
+    return EagleDrafter(target, model, torch.arange(target.vocab_size))
+
+
+TRAINED = {"medusa": random_medusa, "eagle": random_eagle}
+
+
+def registered() -> list[str]:
+    """Every drafter a user can pick (bench-only tools left out), and the compositions tested."""
+    return sorted(name for name, info in DRAFTERS.items() if not info.bench_only) + COMPOSED
+
+
+def build(name: str, target: CausalLM, draft: CausalLM) -> Drafter:
+    """Drafter `name` for `target`, drafting with `draft` where it takes a draft model."""
+    if name in TRAINED:
+        return TRAINED[name](target)
+    return make_drafter(name, OPTIONS.get(name), draft_model=draft, target_model=target)
