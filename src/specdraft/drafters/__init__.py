@@ -24,8 +24,8 @@ from specdraft.errors import SpecdraftError
 
 
 # Prompt lookup where it finds a match and the cost model finds it worth a draft, else the draft model.
-# Measured (docs/benchmarks/issue4d, 28 prompts): 1.25x ar overall against 1.17x for `model` alone, no
-# category below 1.01x (`model`: summarization 0.94x).
+# Measured (docs/benchmarks/2026-11-fused-decoder-all-drafters, 28 prompts): 1.25x ar overall against 1.17x
+# for `model` alone, no category below 1.01x (`model`: summarization 0.94x).
 DEFAULT_DRAFTER = "ngram+model"
 
 

@@ -8,7 +8,7 @@ function: its output equals `F.linear`'s bit for bit, and each row is the same w
 rows in the pass, so a verify pass scores a token exactly as a one-token pass does (tests check both).
 
 Measured (`specdraft costs --gguf-weights unpacked`, AMD EPYC Zen 4, 2 threads, the bundled 1.5B target
-in bf16, 300 cached tokens, each way twice, alternated; docs/benchmarks/session20-prepacked): a pass over
+in bf16, 300 cached tokens, each way twice, alternated; docs/benchmarks/2026-11-prepacked-linears): a pass over
 1 / 2 / 4 / 8 / 16 tokens 244-255 / 209-219 / 229-231 / 257-268 / 328-344 ms on `nn.Linear`, 141-158 /
 149-154 / 140-159 / 167-180 / 217-225 ms prepacked.
 
