@@ -26,10 +26,10 @@ from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import AUTO, GPU_MAX_AUTO_K, AutoK, FixedK, make_policy
-from specdraft.sampling import SamplingParams, seen_tokens_per_row, warp
+from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
-from specdraft.verify import verify_greedy, verify_sampled, verify_tree
+from specdraft.verify import verify
 
 # Draft tokens per step when none is given: chosen each step by the cost model (policy.py).
 DEFAULT_K = AUTO
@@ -94,6 +94,34 @@ def sync_device(device: torch.device) -> None:
     """Wait for queued device work (CUDA), so a wall-clock reading covers it; a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Run:
+    """One request's state while it generates."""
+
+    sequence: torch.Tensor  # [L] committed tokens, the prompt first
+    seen: torch.Tensor | None  # [V] bool: tokens of the sequence (repetition penalty only)
+    params: SamplingParams
+    generator: torch.Generator
+    max_new_tokens: int
+    text: IncrementalText
+    stats: GenerationStats
+    started: float  # perf_counter() at the request's start
+    logprobs: int | None
+    generated: list[int] = field(default_factory=list)
+
+    def full(self, context: int) -> bool:
+        """Whether the answer has its budget of new tokens or the sequence fills the model's `context`."""
+        return len(self.generated) >= self.max_new_tokens or self.sequence.shape[0] >= context
+
+    def extend(self, committed: list[int]) -> None:
+        """Append a step's emitted tokens to the sequence (and to what the repetition penalty has seen)."""
+        self.generated.extend(committed)
+        tokens = self.sequence.new_tensor(committed)  # [n]
+        self.sequence = torch.cat([self.sequence, tokens])
+        if self.seen is not None:
+            self.seen[tokens] = True
 
 
 class SpeculativeDecoder:
@@ -187,13 +215,12 @@ class SpeculativeDecoder:
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 
-        generated: list[int] = []
+        run = _Run(sequence, seen, params, generator, max_new_tokens, text, stats, started, logprobs)
         try:
-            yield from self._steps(sequence, seen, params, generator, max_new_tokens, text, stats, started, generated,
-                                   logprobs)
+            yield from self._steps(run)
         finally:
             if drafter is not None:
-                drafter.end(sequence.new_tensor(prompt_ids + generated))
+                drafter.end(sequence.new_tensor(prompt_ids + run.generated))
 
     def _choose_draft(self, ctx: DraftContext, limit: int, remaining: int, generated: int) -> tuple[str | None, int, int]:
         """Who drafts this step, how many tokens, and how many committed tokens it must read first:
@@ -211,109 +238,77 @@ class SpeculativeDecoder:
             declined.add(source)
         return None, 0, 0
 
-    def _steps(self, sequence, seen, params, generator, max_new_tokens, text, stats, started, generated,
-               logprobs=None):
-        target, drafter, device = self.target, self.drafter, self.target.device
-        eos_ids = target.eos_token_ids
+    def _propose(self, run: "_Run") -> tuple[Draft, str | None, int]:
+        """This step's draft (empty for a plain step), who drafted it, and how many committed tokens it read."""
+        remaining = run.max_new_tokens - len(run.generated)
+        room = max(0, self.target.max_context - run.sequence.shape[0] - 1)  # draft tokens the context holds
+        depth = min(remaining - 1, room)  # the deepest a draft may go and still be emitted
+        limit = depth if not self.tree_budget else min(self.tree_budget, room) if depth > 0 else 0
+        if self.drafter is None:
+            return Draft.chain(run.sequence.new_empty(0)), None, 0
+        ctx = DraftContext(run.sequence, run.params, run.generator, run.seen,
+                           tree_branch=self.tree_branch if self.tree_budget else 1,
+                           max_depth=min(depth, self.policy.max_depth))
+        source, k, unread = self._choose_draft(ctx, limit, remaining, len(run.generated))
+        if k == 0:
+            return Draft.chain(run.sequence.new_empty(0)), None, 0
+        draft = self.drafter.propose(ctx, k)
+        if draft.scores is not None:  # any prefix holding the drawn tokens verifies exactly
+            draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
+        return draft, source, unread
+
+    def _commit(self, run: "_Run", draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+        """Both caches keep the accepted path; a feature drafter reads the kept rows' hidden states [1 + a, H]."""
+        length = run.sequence.shape[0]
+        self.target.keep(length, path)
+        if hidden is not None:
+            self.drafter.features(hidden[[0] + [1 + node for node in path]])
+        if draft.k > 0:
+            self.drafter.commit(length, path)
+
+    def _steps(self, run: "_Run") -> Iterator[StepEvent]:
+        """propose -> score -> verify -> commit -> emit, until the answer stops."""
+        target, drafter = self.target, self.drafter
+        wants_features = drafter is not None and drafter.needs_features
         while True:
-            length = sequence.shape[0]
-            remaining = max_new_tokens - len(generated)
-            room = max(0, target.max_context - length - 1)  # draft tokens the context can hold this pass
-            depth = min(remaining - 1, room)  # the deepest a draft may go and still be emitted
-            limit = depth if not self.tree_budget else min(self.tree_budget, room) if depth > 0 else 0
-
-            # 1. propose
             t0 = time.perf_counter()
-            source, k, unread = None, 0, 0
-            if drafter is not None:
-                ctx = DraftContext(sequence, params, generator, seen, tree_branch=self.tree_branch if self.tree_budget
-                                   else 1, max_depth=min(depth, self.policy.max_depth))
-                source, k, unread = self._choose_draft(ctx, limit, remaining, len(generated))
-            if k > 0:
-                draft = drafter.propose(ctx, k)
-                if draft.scores is not None:  # any prefix holding the drawn tokens verifies exactly
-                    draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
-                k = draft.k
-            else:
-                draft = Draft.chain(sequence.new_empty(0))
-            sync_device(device)
+            draft, source, unread = self._propose(run)  # 1. propose
+            k, tree = draft.k, draft.layout
+            sync_device(target.device)
             t1 = time.perf_counter()
-
-            # 2. score every draft position in one target pass: [last, d1 .. dk] (a tree: nodes by depth)
-            block = torch.cat([sequence[target.cache_len:], draft.tokens])  # [T]
-            tree = draft.layout
-            offsets = visible = None
-            if tree is not None:
-                offsets, visible = tree.block_attention(block.shape[0] - k)
-            wants_features = drafter is not None and drafter.needs_features
+            # 2. score every draft position in one target pass: [unread committed .., last, d1 .. dk] (a tree: by depth)
+            block = torch.cat([run.sequence[target.cache_len :], draft.tokens])  # [T]
+            offsets, visible = tree.block_attention(block.shape[0] - k) if tree is not None else (None, None)
             scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=k + 1 if wants_features else 0,
                                     offsets=offsets, visible=visible)
-            logits = scored.logits[0]  # [k + 1, V]
-
-            # 3. verify
-            if params.greedy and seen is None:
-                p_target = logits
-            else:
-                rows_seen = None  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
-                if seen is not None:
-                    rows_seen = seen_tokens_per_row(seen, block[block.shape[0] - k - 1 :],
-                                                    None if tree is None else tree.rows_ancestors())
-                p_target = warp(logits, params, rows_seen)  # [k + 1, V]
-            sampler = None if params.greedy else generator
-            if tree is not None:
-                verdict = verify_tree(draft.tokens, tree, p_target, draft.q_draft, sampler)
-            elif sampler is None:
-                verdict = verify_greedy(draft.tokens.unsqueeze(0), p_target.unsqueeze(0))
-            else:
-                q = draft.q_draft.unsqueeze(0) if draft.q_draft is not None else None
-                verdict = verify_sampled(draft.tokens.unsqueeze(0), q, p_target.unsqueeze(0), sampler)
-            # The one host sync of the step: [num_accepted, next_token, last accepted node, d1 .. dk].
-            last_node = verdict.last_node if tree is not None else verdict.num_accepted[:1] - 1
-            decided = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1], last_node, draft.tokens]).tolist()
-            num_accepted, next_token = decided[0], decided[1]
-            path = tree.path(decided[2]) if tree is not None else list(range(num_accepted))
+            logits = scored.logits[0]  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
+            p_target = target_rows(logits, run.params, run.seen, block[block.shape[0] - k - 1 :],
+                                   None if tree is None else tree.rows_ancestors())  # [k + 1, V]
+            verdict = verify(draft, p_target, None if run.params.greedy else run.generator)  # 3. verify
+            # The one host sync of the step: [num_accepted, next_token, deepest accepted node, d1 .. dk].
+            decided = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1], verdict.deepest()[:1],
+                                 draft.tokens]).tolist()
+            num_accepted, next_token, deepest = decided[:3]
+            path = tree.path(deepest) if tree is not None else list(range(num_accepted))
             t2 = time.perf_counter()
-
-            # 4. commit: both caches keep the accepted path
-            target.keep(length, path)
-            kept_rows = [0] + [1 + node for node in path]  # rows of the pass kept: the last token, the accepted path
-            if wants_features:
-                drafter.features(scored.hidden_states[0][kept_rows])  # [1 + a, H]
-            if k > 0:
-                drafter.commit(length, path)
-            committed = [decided[3 + node] for node in path] + [next_token]
-            bonus = tree.is_leaf(decided[2]) if tree is not None else num_accepted == k
-            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else (BONUS if bonus else RECOVERED)]
-
-            # Stopping, possibly in the middle of the block: nothing after the stop is emitted.
-            finish = None
-            hits = [i for i, t in enumerate(committed) if t in eos_ids]
-            if hits:
-                committed, finish = committed[: hits[0] + 1], "stop"
-            texts, stopped = text.token_texts(generated, committed)  # decoded text after each token
-            if stopped:
-                committed, finish = committed[: len(texts)], "stop"
-            kinds = kinds[: len(committed)]
-            generated.extend(committed)
-            sequence = torch.cat([sequence, sequence.new_tensor(committed)])
-            if seen is not None:
-                seen[sequence.new_tensor(committed)] = True
-            if finish is None and (len(generated) >= max_new_tokens or sequence.shape[0] >= target.max_context):
+            self._commit(run, draft, path, scored.hidden_states[0] if wants_features else None)  # 4. commit
+            bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == k
+            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else BONUS if bonus else RECOVERED]
+            committed, texts, finish = run.text.cut(run.generated, [decided[3 + node] for node in path] + [next_token],
+                                                    target.eos_token_ids)  # 5. emit, cut at EOS or a stop string
+            run.extend(committed)
+            if finish is None and run.full(target.max_context):
                 finish = "length"
-            pieces = [text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
-
+            pieces = [run.text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
             if drafter is not None:
                 self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores)
-            kept_accepted = min(num_accepted, len(committed))
-            stats.record_step(k, kept_accepted, source if k > 0 else None, path,
-                              tree.height if tree is not None else k)
-            stats.new_tokens = len(generated)
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
-            stats.wall_seconds = time.perf_counter() - started
-            event = StepEvent(committed, kinds, pieces, k, kept_accepted, finish)
-            if logprobs is not None:
-                _add_logprobs(event, logits[kept_rows[: len(committed)]], logprobs)  # the rows that decided them
+            kept = min(num_accepted, len(committed))
+            run.stats.record_step(k, kept, source if k > 0 else None, path, tree.height if tree is not None else k,
+                                  t1 - t0, t2 - t1)
+            run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+            event = StepEvent(committed, kinds[: len(committed)], pieces, k, kept, finish)
+            if run.logprobs is not None:  # from the rows that decided the emitted tokens
+                _add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(committed)]], run.logprobs)
             yield event
             if finish is not None:
                 return

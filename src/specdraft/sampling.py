@@ -94,6 +94,21 @@ def seen_tokens_per_row(
     return seen
 
 
+def target_rows(
+    logits: torch.Tensor,  # [k + 1, V] the target's rows of a verification pass
+    params: "SamplingParams",
+    seen: torch.Tensor | None,  # [V] bool: tokens of the committed prefix (repetition penalty); None without one
+    block: torch.Tensor,  # [k + 1] the tokens whose rows these are: the last committed token, then the draft's
+    ancestors: torch.Tensor | None = None,  # [k + 1, k + 1] bool for a tree pass; None = a chain
+) -> torch.Tensor:
+    """What a draft is verified against: the logits themselves for plain greedy decoding (only their argmax
+    counts), else each row's warped distribution, the repetition penalty counting the tokens on its own path."""
+    if params.greedy and seen is None:
+        return logits
+    rows_seen = None if seen is None else seen_tokens_per_row(seen, block, ancestors)  # [k + 1, V]
+    return warp(logits, params, rows_seen)  # [k + 1, V]
+
+
 def warp(
     logits: torch.Tensor,  # [T, V]
     params: SamplingParams,

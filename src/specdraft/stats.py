@@ -78,10 +78,13 @@ class GenerationStats:
         return max(self.wall_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds, 0.0)
 
     def record_step(self, k: int, num_accepted: int, source: str | None = None, path: list[int] | None = None,
-                    depth: int | None = None) -> None:
+                    depth: int | None = None, draft_seconds: float = 0.0, verify_seconds: float = 0.0) -> None:
         """Count one verification step in which `source` drafted `k` tokens (a tree: `depth` deep) and
-        `num_accepted` were emitted (those at `path`; a chain: the first ones)."""
+        `num_accepted` were emitted (those at `path`; a chain: the first ones), drafting and verifying in the
+        times given."""
         depth = k if depth is None else depth
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
         self.steps += 1
         self.drafted += k
         self.accepted += num_accepted

@@ -91,6 +91,18 @@ class IncrementalText:
             texts.append(decoded)
         return texts, False
 
+    def cut(self, before: list[int], new: list[int], eos_ids: set[int]) -> tuple[list[int], list[str], str | None]:
+        """`new` cut after its first end-of-sequence token and at the first stop string: the kept tokens, the
+        decoded text after each, and "stop" when either cut them (else None)."""
+        finish = None
+        ends = [i for i, token in enumerate(new) if token in eos_ids]
+        if ends:
+            new, finish = new[: ends[0] + 1], "stop"
+        texts, stopped = self.token_texts(before, new)
+        if stopped:
+            new, finish = new[: len(texts)], "stop"
+        return new, texts, finish
+
     def delta(self, text: str, final: bool) -> str:
         """The new text to emit given the full decoded `text` so far."""
         stable = len(text) if final else len(text) - _held_back(text, self.stops)

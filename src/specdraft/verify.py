@@ -32,10 +32,29 @@ from specdraft.tree import TreeLayout
 
 @dataclass
 class Verdict:
-    """What one verification decided, per batch row."""
+    """What one verification decided, per batch row (a tree: one row)."""
 
-    num_accepted: torch.Tensor  # [B] int64, in 0..k
-    next_token: torch.Tensor  # [B] int64: the recovered token, or the bonus when num_accepted == k
+    num_accepted: torch.Tensor  # [B] int64, in 0..k: the accepted prefix (a tree: the accepted path's depth)
+    next_token: torch.Tensor  # [B] int64: the recovered token, or the bonus after a full prefix (below a leaf)
+    last_node: torch.Tensor | None = None  # [B] int64: the deepest accepted draft token, -1 for none (the root)
+
+    def deepest(self) -> torch.Tensor:
+        """The deepest accepted draft token's index, -1 for none. # [B]"""
+        return self.num_accepted - 1 if self.last_node is None else self.last_node
+
+
+def verify(draft, p_target: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """The one entry point: keep what the target would have produced of `draft` (`drafters.base.Draft`: a chain,
+    or a tree with its layout), given the target's rows `p_target` [k + 1, V] (row 0 after the last committed
+    token, then one per draft token; greedy: logits do). `generator` None: greedy. A chain is the tree whose
+    parents are i - 1, verified by its own faster path. Returns a verdict over one row."""
+    tokens = draft.tokens  # [k]
+    if draft.layout is not None:
+        return verify_tree(tokens, draft.layout, p_target, draft.q_draft, generator)
+    if generator is None:
+        return verify_greedy(tokens.unsqueeze(0), p_target.unsqueeze(0))
+    q = None if draft.q_draft is None else draft.q_draft.unsqueeze(0)
+    return verify_sampled(tokens.unsqueeze(0), q, p_target.unsqueeze(0), generator)
 
 
 def residual_distribution(
@@ -102,22 +121,13 @@ def verify_sampled(
     return Verdict(num_accepted, next_token)
 
 
-@dataclass
-class TreeVerdict:
-    """What the verification of a tree draft decided."""
-
-    num_accepted: torch.Tensor  # [1] int64: depth of the accepted path
-    next_token: torch.Tensor  # [1] int64: the recovered token at the path's end, or the bonus after a leaf
-    last_node: torch.Tensor  # [1] int64: the deepest accepted token, -1 when none was (the root)
-
-
 def verify_tree(
     tokens: torch.Tensor,  # [n] the tree's tokens, parents earlier than children
     layout: TreeLayout,
     p_target: torch.Tensor,  # [n + 1, V] warped target probabilities (greedy: logits do); row 0 = after the root
     q_draft: torch.Tensor | None = None,  # [n, V] what each token was drawn from; None = all deterministic
     generator: torch.Generator | None = None,  # None: greedy
-) -> TreeVerdict:
+) -> Verdict:
     """Walk down the tree keeping exactly what the target would have produced.
 
     At each accepted node (starting at the root) its children are tried in index order.
@@ -171,4 +181,4 @@ def verify_tree(
         next_token = choice.gather(0, last_node + 1)  # [1]
     else:  # drawn from the one row the path ends at: its p' after every child was tried (p below a leaf)
         next_token = sample(residual.index_select(0, last_node + 1), generator)  # [1]
-    return TreeVerdict(num_accepted, next_token, last_node)
+    return Verdict(num_accepted, next_token, last_node)
