@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,6 @@ class Draft:
     tokens: torch.Tensor  # [k] int64
     parents: torch.Tensor  # [k] int64
     q_draft: torch.Tensor | None = None  # [k, V] float32
-    info: dict = field(default_factory=dict)
     layout: TreeLayout | None = None  # the tree's shape; None for a chain
     scores: list[float] | None = None  # [k]
     drawn: int | None = None  # leading tokens drawn from their q rows (see above)

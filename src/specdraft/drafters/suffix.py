@@ -522,11 +522,8 @@ class SuffixDrafter(Drafter):
         scores = proposal.scores[:k]
         # A tree's nodes are in topological order, so its first k are a tree too.
         if proposal.parents is None:
-            draft = Draft.chain(tokens, scores=scores)
-        else:
-            draft = Draft.tree(tokens, proposal.parents[:k], scores=scores)
-        draft.info.update(match_length=proposal.match_length)
-        return draft
+            return Draft.chain(tokens, scores=scores)
+        return Draft.tree(tokens, proposal.parents[:k], scores=scores)
 
     def end(self, sequence: torch.Tensor) -> None:  # sequence: [L] prompt + every committed token
         self.index.finish_request(sequence.tolist())

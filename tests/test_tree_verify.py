@@ -1,41 +1,26 @@
-"""Token trees: layout, tree verification (all three exactness tiers), and tree passes of a model.
+"""Tree verification, tiers 1 and 2.
 
-1. `TreeLayout`: the worked example of tree.py's docstring, chains, invalid parent lists,
-   and the positions and visibility of one block pass (`block_attention`).
-2. Tier 1, hand-built logits: greedy `verify_tree` keeps the deepest path of argmax
-   matches, takes the right branch when the first one mismatches, resolves duplicate
-   siblings in index order, commits the root's argmax when nothing matches and the bonus
-   from the leaf's row after a full path; on a chain it agrees with `verify_greedy`
-   (and, sampling, with `verify_sampled` draw for draw under the same seed).
-3. Tier 2, statistics: a toy Markov "LM" on V = 6 tokens (next-token logits depend only on
-   the last token; target P, draft Q). Each trial drafts one fixed-shape tree after X0 —
-   deterministic top-ranked children, children drawn i.i.d. from warp(Q) (repeats allowed),
-   or a mix with one-hot q rows — and runs `verify_tree`. The first two committed tokens
-   must follow the target's two-step distribution warp(P)[X0, a] * warp(P)[a, b]: a chi-square
-   test on the first token's counts and on the joint counts. The same test must reject two
-   deliberately wrong verifiers, built here from a batched copy of the algorithm (the copy is
-   first checked to make the library's decisions draw for draw): one that never takes
-   rejected siblings out of p', one that draws the recovered token from p.
-4. Tree passes of a tiny random float32 Qwen2 (through `CausalLM`): every row of a tree pass
-   equals a plain pass along that token's path; `keep(start, path)` leaves the cache a plain
-   pass over the path would have left; `keep` with rows 0..a-1 is `truncate`.
-5. `seen_tokens_per_row` with a tree's `rows_ancestors()`: each row saw only its own path.
-6. A sliding-window model (tiny Mistral, window 8) runs tree passes below its window and
-   refuses one that reaches past it (`SpecdraftError`), leaving its cache untouched.
+Tier 1, hand-built logits: greedy `verify_tree` keeps the deepest path of argmax matches, takes the right branch when
+the first one mismatches, resolves duplicate siblings in index order, commits the root's argmax when nothing matches
+and the bonus from the leaf's row after a full path; on a chain it agrees with `verify_greedy` (and, sampling, with
+`verify_sampled` draw for draw under the same seed).
+
+Tier 2, statistics: a toy Markov "LM" on V = 6 tokens (next-token logits depend only on the last token; target P,
+draft Q). Each trial drafts one fixed-shape tree after X0 (deterministic top-ranked children, children drawn i.i.d.
+from warp(Q), or a mix with one-hot q rows) and runs `verify_tree`. The first two committed tokens must follow the
+target's two-step distribution warp(P)[X0, a] * warp(P)[a, b]: a chi-square test on the first token's counts and on
+the joint counts. The same test must reject two deliberately wrong verifiers, built here from a batched copy of the
+algorithm (the copy is first checked to make the library's decisions draw for draw): one that never takes rejected
+siblings out of p', one that draws the recovered token from p.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
 
-from conftest import tiny_config, tiny_model
 from specdraft.exactness import chi_square_pvalue
-from specdraft.drafters.base import Draft
-from specdraft.errors import SpecdraftError
-from specdraft.models.causal_lm import CausalLM
-from specdraft.sampling import SamplingParams, sample, seen_tokens_per_row, warp
+from specdraft.sampling import SamplingParams, sample, warp
 from specdraft.tree import TreeLayout
 from specdraft.verify import verify_greedy, verify_sampled, verify_tree
 
@@ -44,111 +29,6 @@ def gen(seed: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
     return g
-
-
-# ---------------------------------------------------------------------------------------------
-# 1. TreeLayout
-# ---------------------------------------------------------------------------------------------
-
-# tree.py's worked example: tokens [a, b, c, d]
-#     root ── a ── c
-#         │    └── d
-#         └── b
-EXAMPLE_PARENTS = [-1, -1, 0, 0]
-A, B_, C, D = 0, 1, 2, 3  # node indices of a, b, c, d
-
-
-def test_layout_worked_example():
-    layout = TreeLayout.from_parents(EXAMPLE_PARENTS)
-    assert layout.size == 4
-    assert layout.depth.tolist() == [1, 1, 2, 2]
-    # sibling ranks [0, 1, 0, 1]: rank 0 holds a and c, rank 1 holds b and d
-    assert [r.tolist() for r in layout.by_rank] == [[A, C], [B_, D]]
-    assert layout.width == 2
-    assert layout.parent_rows.tolist() == [0, 0, 1, 1]  # a, b judged by the root's row; c, d by a's
-    assert layout.path(D) == [A, D]
-    assert layout.path(C) == [A, C]
-    assert layout.path(B_) == [B_]
-    assert layout.path(-1) == []
-    # d attends to the root (implicitly), a and itself
-    assert layout.ancestors.tolist() == [
-        [True, False, False, False],
-        [False, True, False, False],
-        [True, False, True, False],
-        [True, False, False, True],
-    ]
-    assert [layout.is_leaf(i) for i in (-1, A, B_, C, D)] == [False, False, True, True, True]
-    assert not layout.is_chain
-
-
-def test_layout_chain_and_empty_tree():
-    chain = TreeLayout.from_parents([-1, 0, 1, 2])
-    assert chain.is_chain and chain.width == 1
-    assert chain.depth.tolist() == [1, 2, 3, 4]
-    assert chain.path(3) == [0, 1, 2, 3]
-    assert chain.ancestors.tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
-    assert [chain.is_leaf(i) for i in range(4)] == [False, False, False, True]
-    # a single branch point makes it a tree
-    assert not TreeLayout.from_parents([-1, 0, 0]).is_chain
-    empty = TreeLayout.from_parents([])
-    assert empty.size == 0 and empty.is_chain and empty.width == 0
-    assert empty.is_leaf(-1)  # the root is a leaf only of an empty tree
-
-
-@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, 5], [-2], [-1, 0, 3], [-1, -1, 2, 1]])
-def test_layout_rejects_invalid_parents(parents):
-    with pytest.raises(SpecdraftError):
-        TreeLayout.from_parents(parents)
-
-
-def test_block_attention_prefix_one():
-    """One plain token (the root itself) and the tree: positions by depth, ancestors-only visibility."""
-    offsets, visible = TreeLayout.from_parents(EXAMPLE_PARENTS).block_attention(1)
-    assert offsets.tolist() == [0, 1, 1, 2, 2]
-    T, F = True, False
-    assert visible.tolist() == [
-        [T, F, F, F, F],  # root
-        [T, T, F, F, F],  # a
-        [T, F, T, F, F],  # b
-        [T, T, F, T, F],  # c
-        [T, T, F, F, T],  # d
-    ]
-
-
-def test_block_attention_prefix_two():
-    """Two plain tokens before the tree: the plain part is causal, the tree hangs off the second."""
-    offsets, visible = TreeLayout.from_parents(EXAMPLE_PARENTS).block_attention(2)
-    assert offsets.tolist() == [0, 1, 2, 2, 3, 3]
-    T, F = True, False
-    assert visible.tolist() == [
-        [T, F, F, F, F, F],
-        [T, T, F, F, F, F],
-        [T, T, T, F, F, F],  # a
-        [T, T, F, T, F, F],  # b
-        [T, T, T, F, T, F],  # c
-        [T, T, T, F, F, T],  # d
-    ]
-
-
-def test_draft_tree_is_a_chain_draft_when_the_parents_are_a_chain():
-    tokens = torch.tensor([5, 6, 7])
-    chain = Draft.tree(tokens, [-1, 0, 1])
-    assert chain.layout is None and chain.parents.tolist() == [-1, 0, 1]
-    tree = Draft.tree(tokens, [-1, -1, 0])
-    assert tree.layout is not None and tree.layout.parents == (-1, -1, 0)
-    assert tree.parents.tolist() == [-1, -1, 0] and tree.k == 3
-
-
-def test_a_drafts_prefix_is_the_tree_of_its_first_tokens():
-    """`prefix(n)`: tokens, parents, q rows and scores of the first n; a tree whose prefix is a chain becomes one."""
-    tokens, q = torch.tensor([5, 6, 7, 8]), torch.eye(9)[[5, 6, 7, 8]]
-    tree = Draft.tree(tokens, [-1, -1, 0, 2], q, scores=[0.9, 0.5, 0.4, 0.2])
-    three = tree.prefix(3)
-    assert three.tokens.tolist() == [5, 6, 7] and three.layout.parents == (-1, -1, 0) and three.scores == [0.9, 0.5, 0.4]
-    assert torch.equal(three.q_draft, q[:3])
-    one = tree.prefix(1)
-    assert one.layout is None and one.parents.tolist() == [-1] and one.k == 1
-    assert tree.prefix(4) is tree and tree.prefix(9) is tree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,196 +383,3 @@ def test_negative_controls_are_real_bugs_of_the_copy():
         first, second, _ = _first_two_committed(kinds, params, _batched_tree_verifier, seed=1)
         p_first, p_joint = _pvalues(first, second, params)
         assert p_first > P_PASS and p_joint > P_PASS, f"{case}: p-values {p_first:.3g}, {p_joint:.3g}"
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. Tree passes of a tiny float32 model
-# ---------------------------------------------------------------------------------------------
-
-MODEL_SEED = 7
-TREE_SEED = 5
-PROMPT_LEN = 6
-TREE_NODES = 8
-ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_float_model():
-    return tiny_model(tiny_config(), seed=MODEL_SEED).float()
-
-
-def _random_tree(generator: torch.Generator, nodes: int, vocab: int) -> tuple[torch.Tensor, TreeLayout]:
-    """Random tokens and random parents (each an earlier node or the root); at least one branch and depth 3."""
-    while True:
-        parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(nodes)]
-        layout = TreeLayout.from_parents(parents)
-        if layout.width >= 2 and int(layout.depth.max()) >= 3:
-            return torch.randint(0, vocab, (nodes,), generator=generator), layout
-
-
-def _plain_logits(model, tokens: list[int]) -> torch.Tensor:
-    """The last row of logits of a fresh plain pass over `tokens`: `[V]`."""
-    lm = CausalLM(model)
-    return lm.forward(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
-
-
-@pytest.mark.parametrize("prefix", [1, 2])
-def test_tree_pass_rows_equal_plain_passes_along_each_path(tiny_float_model, prefix):
-    g = gen(TREE_SEED)
-    vocab = tiny_float_model.config.vocab_size
-    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=g)
-    tokens, layout = _random_tree(g, TREE_NODES, vocab)
-    lm = CausalLM(tiny_float_model)
-    lm.prefill(prompt[:-prefix].unsqueeze(0))
-    offsets, visible = layout.block_attention(prefix)
-    block = torch.cat([prompt[-prefix:], tokens]).unsqueeze(0)
-    logits = lm.forward(block, block.shape[1], offsets=offsets, visible=visible).logits[0]  # [prefix + n, V]
-    assert lm.cache_len == PROMPT_LEN + TREE_NODES
-    for j in range(prefix):  # the plain part
-        expected = _plain_logits(tiny_float_model, prompt[: PROMPT_LEN - prefix + j + 1].tolist())
-        torch.testing.assert_close(logits[j], expected, atol=ATOL, rtol=0)
-    for node in range(TREE_NODES):
-        expected = _plain_logits(tiny_float_model, prompt.tolist() + tokens[layout.path(node)].tolist())
-        torch.testing.assert_close(logits[prefix + node], expected, atol=ATOL, rtol=0, msg=f"node {node}")
-
-
-def test_keep_path_leaves_the_cache_of_a_plain_pass(tiny_float_model):
-    """Two engine-like rounds: tree pass, keep the deepest path, then the next token and a new tree."""
-    g = gen(TREE_SEED + 1)
-    vocab = tiny_float_model.config.vocab_size
-    sequence = torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()
-    lm = CausalLM(tiny_float_model)
-    lm.prefill(torch.tensor([sequence[:-1]]))
-    for _ in range(2):
-        tokens, layout = _random_tree(g, TREE_NODES, vocab)
-        offsets, visible = layout.block_attention(1)
-        block = torch.tensor([sequence[-1:] + tokens.tolist()])
-        logits = lm.forward(block, TREE_NODES + 1, offsets=offsets, visible=visible).logits[0]
-        torch.testing.assert_close(logits[0], _plain_logits(tiny_float_model, sequence), atol=ATOL, rtol=0)
-        path = layout.path(int(layout.depth.argmax()))  # a path that skips some rows
-        assert path != list(range(len(path)))
-        lm.keep(len(sequence), path)
-        sequence = sequence + tokens[path].tolist()
-        assert lm.cache_len == len(sequence)
-
-        reference = CausalLM(tiny_float_model)
-        reference.prefill(torch.tensor([sequence]))
-        for kept, plain in zip(lm._cache.layers, reference._cache.layers):
-            torch.testing.assert_close(kept.keys, plain.keys, atol=ATOL, rtol=0)
-            torch.testing.assert_close(kept.values, plain.values, atol=ATOL, rtol=0)
-        # the next token continues the kept path exactly as it continues the plain sequence
-        next_token = int(torch.randint(0, vocab, (1,), generator=g))
-        after_keep = lm.forward(torch.tensor([[next_token]])).logits[0, -1]
-        sequence.append(next_token)
-        torch.testing.assert_close(after_keep, _plain_logits(tiny_float_model, sequence), atol=ATOL, rtol=0)
-        lm.truncate(len(sequence) - 1)  # the next round feeds the last token again, as the engine does
-
-
-@pytest.mark.parametrize("accepted", [0, 1, 3, 5])
-def test_keep_leading_rows_is_truncate(tiny_float_model, accepted):
-    g = gen(TREE_SEED + 2)
-    vocab = tiny_float_model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, PROMPT_LEN), generator=g)
-    chain = torch.randint(0, vocab, (1, 5), generator=g)
-    kept, truncated = CausalLM(tiny_float_model), CausalLM(tiny_float_model)
-    for lm in (kept, truncated):
-        lm.prefill(prompt)
-        lm.forward(chain, 1)
-    kept.keep(PROMPT_LEN, list(range(accepted)))
-    truncated.truncate(PROMPT_LEN + accepted)
-    assert kept.cache_len == truncated.cache_len == PROMPT_LEN + accepted
-    for a, b in zip(kept._cache.layers, truncated._cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    probe = torch.tensor([[1, 2]])
-    assert torch.equal(kept.forward(probe, 2).logits, truncated.forward(probe, 2).logits)
-
-
-# ---------------------------------------------------------------------------------------------
-# 5. seen_tokens_per_row with a tree
-# ---------------------------------------------------------------------------------------------
-
-
-def test_seen_tokens_per_row_tree_worked_example():
-    """Context {a}; the root r and the tree [b, c, d, e] shaped like tree.py's example."""
-    a, r, b, c, d, e = range(6)
-    layout = TreeLayout.from_parents(EXAMPLE_PARENTS)
-    context = torch.zeros(6, dtype=torch.bool)
-    context[a] = True
-    rows = seen_tokens_per_row(context, torch.tensor([r, b, c, d, e]), layout.rows_ancestors())
-    expected = [{a, r}, {a, r, b}, {a, r, c}, {a, r, b, d}, {a, r, b, e}]
-    assert [set(row.nonzero().flatten().tolist()) for row in rows] == expected
-    assert not context[1:].any()  # the context is not written to
-
-
-def test_seen_tokens_per_row_random_tree_and_chain():
-    g = gen(TREE_SEED + 3)
-    vocab = 12
-    tokens, layout = _random_tree(g, TREE_NODES, vocab)
-    root = 11
-    context = torch.rand(vocab, generator=g) < 0.3
-    block = torch.cat([torch.tensor([root]), tokens])
-    rows = seen_tokens_per_row(context, block, layout.rows_ancestors())
-    assert rows.shape == (TREE_NODES + 1, vocab)
-    for row in range(TREE_NODES + 1):
-        prefix = [root] + tokens[layout.path(row - 1)].tolist()
-        expected = context.clone()
-        expected[prefix] = True
-        assert torch.equal(rows[row], expected), f"row {row}"
-    # a chain layout's rows_ancestors is the default (causal) one
-    chain = TreeLayout.from_parents(list(range(-1, TREE_NODES - 1)))
-    assert torch.equal(seen_tokens_per_row(context, block, chain.rows_ancestors()), seen_tokens_per_row(context, block))
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. A sliding-window model
-# ---------------------------------------------------------------------------------------------
-
-WINDOW = 8
-
-
-@pytest.fixture(scope="module")
-def sliding_model():
-    config = MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=WINDOW,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-    )
-    torch.manual_seed(MODEL_SEED)
-    model = MistralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model
-
-
-SLIDING_PARENTS = [-1, -1, 0]
-SLIDING_TOKENS = [5, 9, 13]
-
-
-def test_sliding_window_model_runs_a_tree_pass_below_its_window(sliding_model):
-    prompt = [3, 1, 4, 1]  # cache 3 + block 1 + tree 3 = 7 keys < WINDOW
-    layout = TreeLayout.from_parents(SLIDING_PARENTS)
-    lm = CausalLM(sliding_model, name="sliding")
-    lm.prefill(torch.tensor([prompt[:-1]]))
-    offsets, visible = layout.block_attention(1)
-    logits = lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 4, offsets=offsets, visible=visible).logits[0]
-    for node in range(-1, len(SLIDING_PARENTS)):
-        path = [SLIDING_TOKENS[i] for i in layout.path(node)]
-        torch.testing.assert_close(logits[node + 1], _plain_logits(sliding_model, prompt + path), atol=ATOL, rtol=0)
-    lm.keep(len(prompt), layout.path(2))
-    after_keep = lm.forward(torch.tensor([[7]])).logits[0, -1]
-    expected = _plain_logits(sliding_model, prompt + [SLIDING_TOKENS[0], SLIDING_TOKENS[2], 7])
-    torch.testing.assert_close(after_keep, expected, atol=ATOL, rtol=0)
-
-
-def test_sliding_window_model_refuses_a_tree_pass_past_its_window(sliding_model):
-    prompt = list(range(10, 10 + WINDOW))  # cache 7 + block 1 + tree 3 = 11 keys > WINDOW
-    layout = TreeLayout.from_parents(SLIDING_PARENTS)
-    lm = CausalLM(sliding_model, name="sliding")
-    lm.prefill(torch.tensor([prompt[:-1]]))
-    offsets, visible = layout.block_attention(1)
-    with pytest.raises(SpecdraftError, match="sliding"):
-        lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 4, offsets=offsets, visible=visible)
-    assert lm.cache_len == WINDOW - 1  # nothing was appended
-    # a plain (chain) pass past the window still works, and matches a fresh plain pass
-    logits = lm.forward(torch.tensor([prompt[-1:] + SLIDING_TOKENS]), 1).logits[0, -1]
-    torch.testing.assert_close(logits, _plain_logits(sliding_model, prompt + SLIDING_TOKENS), atol=ATOL, rtol=0)
