@@ -65,7 +65,7 @@ OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k"
                                  "tree-branch": int, "draft": str}
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
-OPTION_TYPES.update({key: type(value) for info in DRAFTERS.values() for key, value in info.options.items()})
+OPTION_TYPES.update({key: type(option.default) for info in DRAFTERS.values() for key, option in info.options.items()})
 SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
 
 

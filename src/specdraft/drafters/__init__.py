@@ -30,17 +30,29 @@ DEFAULT_DRAFTER = "ngram+model"
 
 
 @dataclass(frozen=True)
-class DrafterInfo:
-    """A registered drafter: a one-line description, its options (with defaults) and how to build it.
+class Option:
+    """A drafter option, declared once: its default (whose type is the option's), what it does, and its least value
+    (None: any). The CLI's `--KEY` flags of `generate` and `serve`, `specdraft drafters`, the bench's method keys
+    and the server's defaults all come from these."""
 
-    `build(options, draft_model=..., target_model=...)` gets every option of `options` filled in.
+    default: Any
+    help: str
+    minimum: float | None = None
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """A registered drafter: a one-line description, its options (by key: `--KEY` on the command line) and how to
+    build it.
+
+    `build(options, draft_model=..., target_model=...)` gets every option of `options` filled in (the values).
     `bench_only`: a measuring tool `specdraft bench` alone can feed (`generate` and `serve` refuse it).
     """
 
     description: str
     build: Callable[..., Drafter]
     needs_draft_model: bool
-    options: dict[str, Any]
+    options: dict[str, Option]
     bench_only: bool = False
 
 
@@ -89,31 +101,45 @@ def _build_eagle(options: dict, target_model=None, **_resources) -> Drafter:
     return EagleDrafter(target_model, trained.module, trained.vocab_ids, min_confidence=options["draft-confidence"])
 
 
+CONFIDENCE = Option(DEFAULT_MIN_CONFIDENCE, "stop a draft once the drafter's own estimate that the whole draft is "
+                    "accepted falls below this (0 = always k)")
+TRAINED = Option("", "a trained drafter file from `specdraft train` (default: the one shipped for the target)")
+
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
-                         _build_model, True, {"draft-confidence": DEFAULT_MIN_CONFIDENCE,
-                                              "draft-context": DEFAULT_CONTEXT}),
+                         _build_model, True, {
+                             "draft-confidence": CONFIDENCE,
+                             "draft-context": Option(DEFAULT_CONTEXT, "the draft reads at most the prompt's last N "
+                                                     "tokens (its prefill is the largest cost on long prompts; the "
+                                                     "output is unchanged; 0 = all)", 0)}),
     "ngram": DrafterInfo("prompt lookup: proposes what followed the last n tokens earlier in prompt or output "
-                         "(no model, c ≈ 0)", _build_ngram, False,
-                         {"ngram-max": DEFAULT_MAX_N, "ngram-min": DEFAULT_MIN_N}),
+                         "(no model, c ≈ 0)", _build_ngram, False, {
+                             "ngram-max": Option(DEFAULT_MAX_N, "longest tail to look up"),
+                             "ngram-min": Option(DEFAULT_MIN_N, "shortest tail to look up")}),
     "suffix": DrafterInfo("suffix decoding: the most frequent continuation of the longest matches in this request "
-                          "and in earlier ones (remembered across requests; no model, c ≈ 0)", _build_suffix, False,
-                          {"suffix-min-match": DEFAULT_MIN_MATCH, "suffix-min-score": DEFAULT_MIN_SCORE,
-                           "suffix-factor": DEFAULT_MAX_SPEC_FACTOR}),
+                          "and in earlier ones (remembered across requests; no model, c ≈ 0)", _build_suffix, False, {
+                              "suffix-min-match": Option(DEFAULT_MIN_MATCH, "shortest match that may propose"),
+                              "suffix-min-score": Option(DEFAULT_MIN_SCORE, "stop a draft once its estimated "
+                                                         "survival falls below this"),
+                              "suffix-factor": Option(DEFAULT_MAX_SPEC_FACTOR, "at most this many draft tokens per "
+                                                      "matched token")}),
     "early-exit": DrafterInfo("self-speculation: the target's first L layers, final norm and LM head draft (shared "
                               "weights; accepts little unless the model was trained for early exit)",
-                              _build_early_exit, False,
-                              {"exit-layer": 0, "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+                              _build_early_exit, False, {
+                                  "exit-layer": Option(0, "draft with the target's first L layers (0: 3/4 of them; "
+                                                       "choose by `specdraft diagnose --draft early-exit:L`)"),
+                                  "draft-confidence": CONFIDENCE}),
     "medusa": DrafterInfo("Medusa heads trained on the target's hidden states: every draft position from one small "
                           "pass over the target's last feature (chain or tree; --trained FILE, default the shipped ones)",
-                          _build_medusa, False, {"trained": "", "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+                          _build_medusa, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
     "eagle": DrafterInfo("EAGLE feature drafter: one trained decoder layer extrapolates the target's hidden states, "
                          "reading them from its verification passes (--trained FILE, default the shipped one)",
-                         _build_eagle, False, {"trained": "", "draft-confidence": DEFAULT_MIN_CONFIDENCE}),
+                         _build_eagle, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
     "oracle": DrafterInfo("bench only: synthetic acceptance; proposes the target's own tokens from a recorded ar run "
                           "of the prompt, each wrong with probability 1 - oracle-alpha (`specdraft bench` records "
-                          "them: spec:drafter=oracle;oracle-alpha=0.8)", _build_oracle, False,
-                          {"oracle-alpha": ORACLE_ALPHA, "oracle-seed": ORACLE_SEED}, bench_only=True),
+                          "them: spec:drafter=oracle;oracle-alpha=0.8)", _build_oracle, False, {
+                              "oracle-alpha": Option(ORACLE_ALPHA, "the chance each proposed token is right"),
+                              "oracle-seed": Option(ORACLE_SEED, "seeds the right/wrong draws")}, bench_only=True),
 }
 
 
@@ -148,7 +174,18 @@ def drafter_options(name: str) -> dict[str, Any]:
     """Every option the parts of `name` read, with its default."""
     options: dict[str, Any] = {}
     for part in drafter_parts(name):
-        options.update(DRAFTERS[part].options)
+        options.update({key: option.default for key, option in DRAFTERS[part].options.items()})
+    return options
+
+
+def user_options() -> dict[str, Option]:
+    """Every option of the drafters a user can pick (bench-only tools left out), by key, first declaration first:
+    what `generate` and `serve` take as `--KEY` flags."""
+    options: dict[str, Option] = {}
+    for info in DRAFTERS.values():
+        if not info.bench_only:
+            for key, option in info.options.items():
+                options.setdefault(key, option)
     return options
 
 
@@ -176,6 +213,6 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
 
 
 __all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EagleDrafter",
-           "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "OracleDrafter", "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options",
-           "make_drafter", "needs_draft_model"]
+           "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Option", "OracleDrafter",
+           "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options", "make_drafter",
+           "needs_draft_model", "user_options"]

@@ -15,9 +15,6 @@ from rich.table import Table
 from rich.text import Text
 
 from specdraft.drafters import DEFAULT_DRAFTER
-from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE
-from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N
-from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE
 from specdraft.analysis.costs import DEFAULT_CONTEXT as COST_CONTEXT, DEFAULT_REPEATS as COST_REPEATS, \
     DEFAULT_WIDTHS as COST_WIDTHS
 from specdraft.analysis.diagnose import DIAGNOSE_K
@@ -58,28 +55,6 @@ def generate(
                                                     "by + (ngram+model: prompt lookup first, the draft model otherwise)."),
     k: str = typer.Option(DEFAULT_K, "--k", help="Draft tokens per step: an integer, or auto (a cost model of this "
                                                 "machine picks k each step, 0 when speculation would not pay)."),
-    draft_confidence: Optional[float] = typer.Option(
-        None, "--draft-confidence",
-        help=f"model drafters: stop a draft once the draft's own estimate that the whole chain is accepted falls "
-             f"below this (0 = always k; default {DEFAULT_MIN_CONFIDENCE})."),
-    draft_context: Optional[int] = typer.Option(
-        None, "--draft-context", min=0,
-        help=f"model: the draft reads at most the prompt's last N tokens (its prefill is the largest cost on long "
-             f"prompts; the output is unchanged; 0 = all; default {DEFAULT_CONTEXT})."),
-    ngram_max: Optional[int] = typer.Option(None, "--ngram-max", help=f"ngram: longest tail to look up (default {DEFAULT_MAX_N})."),
-    ngram_min: Optional[int] = typer.Option(None, "--ngram-min", help=f"ngram: shortest tail to look up (default {DEFAULT_MIN_N})."),
-    suffix_min_match: Optional[int] = typer.Option(
-        None, "--suffix-min-match", help=f"suffix: shortest match that may propose (default {DEFAULT_MIN_MATCH})."),
-    suffix_min_score: Optional[float] = typer.Option(
-        None, "--suffix-min-score",
-        help=f"suffix: stop a draft once its estimated survival falls below this (default {DEFAULT_MIN_SCORE})."),
-    suffix_factor: Optional[float] = typer.Option(
-        None, "--suffix-factor", help=f"suffix: at most this many draft tokens per matched token (default {DEFAULT_MAX_SPEC_FACTOR})."),
-    exit_layer: Optional[int] = typer.Option(None, "--exit-layer",
-                                             help="early-exit: draft with the target's first L layers (default: 3/4 of "
-                                                  "them; choose by `specdraft diagnose --draft early-exit:L`)."),
-    trained: Optional[str] = typer.Option(None, "--trained", help="medusa, eagle: a trained drafter file from "
-                                          "`specdraft train` (default: the one shipped for the target)."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Draft tree nodes per step (0 = a chain); with --k "
                                     "auto the cost model picks up to this many, with a whole k the tree is at most k deep."),
     tree_branch: int = typer.Option(DEFAULT_TREE_BRANCH, "--tree-branch", help="Children per tree node (with --tree-budget)."),
@@ -101,6 +76,7 @@ def generate(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+    **drafter_options,  # `--KEY` for every drafter option, declared once in the registry (`with_drafter_flags`)
 ) -> None:
     """Generate from a prompt, streaming tokens coloured by what happened to each."""
     try:
@@ -109,12 +85,9 @@ def generate(
         _fail(str(error))
 
 
-def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_confidence, draft_context,
-              ngram_max, ngram_min,
-              suffix_min_match, suffix_min_score, suffix_factor, exit_layer, trained, tree_budget, tree_branch,
-              draft_quant, draft_vocab,
-              temperature, top_k, top_p, min_p,
-              repetition_penalty, seed, max_new_tokens, stop, chat, n, dtype, device, gguf_weights, as_json) -> None:
+def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_budget, tree_branch, draft_quant,
+              draft_vocab, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, chat, n,
+              dtype, device, gguf_weights, as_json, drafter_options) -> None:
     from specdraft.engine import SpeculativeDecoder, check_tree_options
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
@@ -138,10 +111,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, draft_c
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
 
-    options = drafter_flags(draft_confidence=draft_confidence, draft_context=draft_context, ngram_max=ngram_max,
-                            ngram_min=ngram_min,
-                            suffix_min_match=suffix_min_match, suffix_min_score=suffix_min_score,
-                            suffix_factor=suffix_factor, exit_layer=exit_layer, trained=trained)
+    options = drafter_flags(**drafter_options)
     target_lm, draft_lm = load_models(target, draft, drafter if method == Method.spec else None, options,
                                       dtype=dtype, device=device, gguf_weights=gguf_weights,
                                       draft_quant=draft_quant, draft_vocab=draft_vocab)
@@ -240,12 +210,12 @@ def drafters() -> None:
     for name, info in DRAFTERS.items():
         if info.bench_only:
             continue
-        options = ", ".join(f"--{key} ({value})" for key, value in info.options.items())
+        options = ", ".join(f"--{key} ({option.default})" for key, option in info.options.items())
         out.print(f"[bold]{name}[/]  {info.description}" + (f"  [dim]options: {options}[/]" if options else ""))
     out.print("Compose with +: [bold]ngram+model[/] drafts by lookup where the text repeats, with the model elsewhere.")
     for name, info in DRAFTERS.items():  # measuring tools: `specdraft bench` methods only, never generate or serve
         if info.bench_only:
-            options = ", ".join(f"{key}={value}" for key, value in info.options.items())
+            options = ", ".join(f"{key}={option.default}" for key, option in info.options.items())
             out.print(f"[dim][bold]{name}[/bold]  {info.description}  method keys: {options}[/]")
 
 
@@ -457,8 +427,10 @@ from specdraft.surfaces.train_cli import train_app  # noqa: E402  (after the com
 
 app.add_typer(train_app, name="train")
 
+from specdraft.surfaces.model_setup import with_drafter_flags  # noqa: E402
 from specdraft.surfaces.serve_cli import with_generate_options  # noqa: E402
 
+with_drafter_flags(generate, after="k")
 app.command("serve")(with_generate_options(generate))
 
 

@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable, Optional
+
+import typer
 
 
-def drafter_flags(*, draft_confidence=None, draft_context=None, ngram_max=None, ngram_min=None, suffix_min_match=None,
-                  suffix_min_score=None, suffix_factor=None, exit_layer=None, trained=None) -> dict[str, Any]:
-    """The drafter options given on the command line, keyed by flag name (None = not given)."""
-    return {"draft-confidence": draft_confidence, "draft-context": draft_context, "ngram-max": ngram_max, "ngram-min": ngram_min,
-            "suffix-min-match": suffix_min_match, "suffix-min-score": suffix_min_score,
-            "suffix-factor": suffix_factor, "exit-layer": exit_layer, "trained": trained}
+def _flag_name(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def flag_names() -> list[str]:
+    """The Python names of the drafter flags (`draft-confidence` -> `draft_confidence`), in declaration order."""
+    from specdraft.drafters import user_options
+
+    return [_flag_name(key) for key in user_options()]
+
+
+def with_drafter_flags(command: Callable, after: str) -> Callable:
+    """Give `command` (which takes `**drafter_options`) a `--KEY` typer option for every option a user's drafter
+    declares (`drafters.Option`), placed after its parameter `after`: None = not given, the drafter's default
+    applies. A drafter's option is declared once, in the registry; this is how the CLI learns it."""
+    from specdraft.drafters import DRAFTERS, user_options
+
+    flags = []
+    for key, option in user_options().items():
+        users = [name for name, info in DRAFTERS.items() if key in info.options and not info.bench_only]
+        kind = type(option.default)
+        flags.append(inspect.Parameter(
+            _flag_name(key), inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
+            default=typer.Option(None, f"--{key}", min=option.minimum,
+                                 help=f"{', '.join(users)}: {option.help} (default {option.default!r}).")))
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = next(i for i, p in enumerate(own) if p.name == after) + 1
+    command.__signature__ = inspect.Signature([*(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own[:at]),
+                                               *flags,
+                                               *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own[at:])])
+    return command
+
+
+def drafter_flags(**given) -> dict[str, Any]:
+    """The drafter options given on the command line (by Python name), keyed by option (None = not given)."""
+    from specdraft.drafters import user_options
+
+    return {key: given.get(_flag_name(key)) for key in user_options()}
 
 
 def load_models(target: str, draft: str, drafter: str | None, options: dict[str, Any], *, dtype: str, device: str,

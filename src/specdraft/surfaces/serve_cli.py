@@ -10,13 +10,14 @@ import typer
 from rich.console import Console
 
 from specdraft.errors import SpecdraftError
+from specdraft.surfaces.model_setup import flag_names
 
 err = Console(stderr=True, soft_wrap=True)
 
-# The options of `specdraft generate` that `serve` takes as they are (declared once, in cli.generate).
-SHARED_OPTIONS = ("target", "draft", "drafter", "k", "draft_confidence", "draft_context", "ngram_max", "ngram_min", "suffix_min_match",
-                  "suffix_min_score", "suffix_factor", "exit_layer", "trained", "tree_budget", "tree_branch",
-                  "draft_quant", "draft_vocab", "dtype", "device", "gguf_weights")
+# The options of `specdraft generate` that `serve` takes as they are (declared once, in cli.generate), besides
+# the drafters' own (declared once, in the registry: `model_setup.with_drafter_flags`).
+SHARED_OPTIONS = ("target", "draft", "drafter", "k", "tree_budget", "tree_branch", "draft_quant", "draft_vocab",
+                  "dtype", "device", "gguf_weights")
 
 
 def serve(
@@ -76,5 +77,7 @@ def with_generate_options(generate):
     shared = inspect.signature(generate, eval_str=True).parameters
     own = [p for p in inspect.signature(serve, eval_str=True).parameters.values()
            if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    serve.__signature__ = inspect.Signature([*own, *(shared[name] for name in SHARED_OPTIONS)])
+    names = [*SHARED_OPTIONS, *flag_names()]
+    serve.__signature__ = inspect.Signature([*own, *(shared[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                                                     for name in names)])
     return serve
