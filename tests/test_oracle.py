@@ -15,7 +15,8 @@ from specdraft.bench import parse_method, render_report, run_bench, summarize
 from specdraft.bench.methods import METHODS
 from specdraft.bench.runs import Models
 from specdraft.bench.runner import BenchConfig
-from specdraft.drafters import DRAFTERS, DraftContext, OracleDrafter, check_not_bench_only, make_drafter
+from specdraft.drafters import (DRAFTERS, DraftContext, OracleDrafter, check_not_bench_only, drafter_options,
+                                make_drafter)
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
 from specdraft.server.decoders import DecoderPool
@@ -149,7 +150,7 @@ def test_clear_errors(tiny_target, make_lm):
 
 def test_generate_and_serve_do_not_offer_it(tiny_target, make_lm):
     assert DRAFTERS["oracle"].bench_only and DRAFTERS["oracle"].description.startswith("bench only:")
-    assert DRAFTERS["oracle"].options == {"oracle-alpha": 0.8, "oracle-seed": 0}
+    assert drafter_options("oracle") == {"oracle-alpha": 0.8, "oracle-seed": 0}
     check_not_bench_only("ngram+model")
     for name in ("oracle", "ngram+oracle"):
         with pytest.raises(SpecdraftError, match="for benchmarks only"):

@@ -331,3 +331,18 @@ class SpeculativeDecoder:
             pieces.append(event.text)
             finish = event.finish_reason or finish
         return Completion(prompt_ids, token_ids, "".join(pieces), finish, stats, kinds)
+
+
+def build_decoder(target: CausalLM, drafter: str | Drafter | None = None, options: dict | None = None, *,
+                  draft_model: CausalLM | None = None, k: int | str | FixedK | AutoK = DEFAULT_K, tree_budget: int = 0,
+                  tree_branch: int = DEFAULT_TREE_BRANCH) -> SpeculativeDecoder:
+    """The one way the CLI, the server and the bench make a decoder: `drafter` a registered name (parts joined by
+    +; built from `options` over its defaults, None values not given, and `draft_model`: an option the drafter does
+    not take is an error), a drafter already built, or None for plain decoding."""
+    if drafter is None:
+        return SpeculativeDecoder(target)
+    if isinstance(drafter, str):
+        from specdraft.drafters import make_drafter
+
+        drafter = make_drafter(drafter, options, draft_model=draft_model, target_model=target)
+    return SpeculativeDecoder(target, drafter, k=k, tree_budget=tree_budget, tree_branch=tree_branch)

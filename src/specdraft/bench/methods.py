@@ -44,7 +44,7 @@ from specdraft.bench.runs import Models, RunOutput, RunParams
 from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, drafter_parts, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.oracle import OracleDrafter
-from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options, sync_device
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, build_decoder, check_tree_options, sync_device
 from specdraft.policy import AUTO, make_policy
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -192,10 +192,10 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
             if setting not in models.policies:
                 models.policies[setting] = make_policy(AUTO, params.tree_budget)
             k = models.policies[setting]
-        decoder = SpeculativeDecoder(target, _drafter(models, params), k=k, tree_budget=params.tree_budget,
-                                     tree_branch=params.tree_branch)
+        decoder = build_decoder(target, _drafter(models, params), k=k, tree_budget=params.tree_budget,
+                                tree_branch=params.tree_branch)
     else:
-        decoder = SpeculativeDecoder(target)
+        decoder = build_decoder(target)
     sync_device(target.device)
     started = time.perf_counter()
     completion = decoder.generate(prompt_ids, params.sampling, params.max_new_tokens)

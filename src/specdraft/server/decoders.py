@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdraft.drafters import (DEFAULT_DRAFTER, DRAFTERS, check_not_bench_only, drafter_options, make_drafter,
-                                needs_draft_model)
-from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, check_tree_options
+from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_not_bench_only, drafter_options, needs_draft_model
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, build_decoder, check_tree_options
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import AUTO, FixedK, make_policy
@@ -67,13 +66,11 @@ class DecoderPool:
         """The decoder for `key`, built on first use (engine thread only: drafters hold model state)."""
         decoder = self._decoders.get(key)
         if decoder is None:
-            if key.drafter == PLAIN:
-                decoder = SpeculativeDecoder(self.target)
-            else:
-                known = drafter_options(key.drafter)
-                options = {name: value for name, value in self.options.items() if name in known}
-                drafter = make_drafter(key.drafter, options, draft_model=self.draft, target_model=self.target)
-                decoder = SpeculativeDecoder(self.target, drafter, k=key.k, tree_budget=self.tree_budget,
-                                             tree_branch=self.tree_branch)
+            drafter = None if key.drafter == PLAIN else key.drafter
+            known = drafter_options(key.drafter) if drafter else {}  # the server's options serve several drafters
+            decoder = build_decoder(self.target, drafter, {name: value for name, value in self.options.items()
+                                                           if name in known},
+                                    draft_model=self.draft, k=key.k, tree_budget=self.tree_budget,
+                                    tree_branch=self.tree_branch)
             self._decoders[key] = decoder
         return decoder

@@ -88,10 +88,9 @@ def generate(
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, chat, n,
               dtype, device, gguf_weights, as_json, drafter_options) -> None:
-    from specdraft.engine import SpeculativeDecoder, check_tree_options
+    from specdraft.engine import build_decoder, check_tree_options
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
-    from specdraft.drafters import make_drafter
     from specdraft.sampling import SamplingParams
     from specdraft.stats import GenerationStats
     from specdraft.surfaces.model_setup import drafter_flags, load_models
@@ -115,12 +114,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_bu
     target_lm, draft_lm = load_models(target, draft, drafter if method == Method.spec else None, options,
                                       dtype=dtype, device=device, gguf_weights=gguf_weights,
                                       draft_quant=draft_quant, draft_vocab=draft_vocab)
-    if method == Method.spec:
-        decoder = SpeculativeDecoder(target_lm, make_drafter(drafter, options, draft_model=draft_lm,
-                                                             target_model=target_lm), k=policy,
-                                     tree_budget=tree_budget, tree_branch=tree_branch)
-    else:
-        decoder = SpeculativeDecoder(target_lm)
+    decoder = build_decoder(target_lm, drafter if method == Method.spec else None, options, draft_model=draft_lm,
+                            k=policy, tree_budget=tree_budget, tree_branch=tree_branch)
 
     prompt_ids = encode_prompt(target_lm.tokenizer, prompt, chat=chat)  # once, for every sample
     out = Console(highlight=False, soft_wrap=True)
