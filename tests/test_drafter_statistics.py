@@ -20,7 +20,7 @@ from transformers import Qwen2ForCausalLM
 import specdraft.verify as verify_module
 from conftest import perturbed, tiny_config
 from registered_drafters import build, random_eagle, random_medusa, registered
-from specdraft.exactness import chi_square_pvalue
+from specdraft.exactness import chi_square_pvalue, exact_two_tokens
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters import make_drafter
 from specdraft.models.causal_lm import CausalLM
@@ -41,15 +41,6 @@ def target_model() -> Qwen2ForCausalLM:
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
     return model
-
-
-def exact_two_tokens(model: Qwen2ForCausalLM, prompt: list[int] = PROMPT) -> np.ndarray:
-    """`[V, V]` probability that the target generates (a, b) after `prompt`."""
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)  # [V]
-        rows = torch.tensor([prompt + [a] for a in range(V)])  # [V, L + 1]
-        second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
-    return (first[:, None] * second).numpy()
 
 
 def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tuple[np.ndarray, dict]:
@@ -73,7 +64,7 @@ def test_sampled_output_follows_the_target(target_model, name):
     decoder = SpeculativeDecoder(target, build(name, target, draft), k=3)
     counts, drafted = sampled_pairs(decoder)
     assert all(drafted.get(source, 0) > SAMPLES // 10 for source in name.split("+")), drafted
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, PROMPT).ravel() * SAMPLES)
     assert pvalue > P_PASS, f"{name}: p-value {pvalue:.3g}"
 
 
@@ -158,5 +149,5 @@ def test_point_mass_left_in_the_residual_is_caught(target_model, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", keeps_draft_token)
     decoder = SpeculativeDecoder(CausalLM(target_model), make_drafter("ngram"), k=3)
     counts, _ = sampled_pairs(decoder)
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model).ravel() * SAMPLES)
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(target_model, PROMPT).ravel() * SAMPLES)
     assert pvalue < P_REJECT, f"unremoved point mass went unnoticed: p-value {pvalue:.3g}"

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specdraft.drafters import make_drafter
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -342,7 +343,5 @@ def build_decoder(target: CausalLM, drafter: str | Drafter | None = None, option
     if drafter is None:
         return SpeculativeDecoder(target)
     if isinstance(drafter, str):
-        from specdraft.drafters import make_drafter
-
         drafter = make_drafter(drafter, options, draft_model=draft_model, target_model=target)
     return SpeculativeDecoder(target, drafter, k=k, tree_budget=tree_budget, tree_branch=tree_branch)

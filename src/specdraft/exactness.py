@@ -74,6 +74,17 @@ def compare_greedy(
     return GreedyComparison(equal=False, diverged_at=at, top2_gap=gap, near_tie=gap <= margin)
 
 
+@torch.inference_mode()
+def exact_two_tokens(model, prompt: list[int]) -> np.ndarray:
+    """`[V, V]` probability that a Hugging Face causal LM `model` samples (a, b) after `prompt` at temperature 1: the
+    exact distribution the statistical checks compare the first two generated tokens with."""
+    vocab = model.config.vocab_size
+    first = model(torch.tensor([prompt], device=model.device)).logits[0, -1].double().softmax(-1)  # [V]
+    rows = torch.tensor([prompt + [a] for a in range(vocab)], device=model.device)  # [V, L + 1]
+    second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
+    return (first[:, None] * second).cpu().numpy()
+
+
 def chi_square_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
     """p-value of `observed` counts under `expected` counts (same total), cell by cell.
 

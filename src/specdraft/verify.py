@@ -23,11 +23,15 @@ next token = candidates[1], the recovered token of position 1; committed = [x_0,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdraft.sampling import sample
 from specdraft.tree import TreeLayout
+
+if TYPE_CHECKING:
+    from specdraft.drafters.base import Draft
 
 
 @dataclass
@@ -43,7 +47,7 @@ class Verdict:
         return self.num_accepted - 1 if self.last_node is None else self.last_node
 
 
-def verify(draft, p_target: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+def verify(draft: "Draft", p_target: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
     """The one entry point: keep what the target would have produced of `draft` (`drafters.base.Draft`: a chain,
     or a tree with its layout), given the target's rows `p_target` [k + 1, V] (row 0 after the last committed
     token, then one per draft token; greedy: logits do). `generator` None: greedy. A chain is the tree whose

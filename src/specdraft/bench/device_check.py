@@ -42,7 +42,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from specdraft.drafters import ModelDrafter, make_drafter
 from specdraft.drafters.oracle import OracleDrafter
 from specdraft.engine import SpeculativeDecoder, sync_device
-from specdraft.exactness import chi_square_pvalue
+from specdraft.exactness import chi_square_pvalue, exact_two_tokens
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import SamplingParams
 
@@ -271,15 +271,6 @@ def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed:
     return model.to(dtype)
 
 
-def exact_two_tokens(model: Qwen2ForCausalLM, prompt: list[int], vocab: int) -> np.ndarray:
-    """`[V, V]` probability that `model` generates (a, b) after `prompt`."""
-    with torch.inference_mode():
-        first = model(torch.tensor([prompt], device=model.device)).logits[0, -1].double().softmax(-1)  # [V]
-        rows = torch.tensor([prompt + [a] for a in range(vocab)], device=model.device)  # [V, L + 1]
-        second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
-    return (first[:, None] * second).cpu().numpy()
-
-
 def sampled_part(device: torch.device, results: dict, samples: int) -> None:
     """Chi-square of the first two sampled tokens (temperature 1) against the target's exact distribution."""
     vocab, prompt = 8, [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]
@@ -288,7 +279,7 @@ def sampled_part(device: torch.device, results: dict, samples: int) -> None:
     with torch.no_grad():
         target_model.lm_head.weight.mul_(4.0)
     draft_model = perturbed(target_model, noise=0.5, seed=3)
-    expected = exact_two_tokens(target_model, prompt, vocab).ravel() * samples
+    expected = exact_two_tokens(target_model, prompt).ravel() * samples
     target, draft = CausalLM(target_model, static_cache=True), CausalLM(draft_model, static_cache=True)
     cases = {"chain k=3": (ModelDrafter(draft, min_confidence=0.0), 0),
              "tree budget 6": (ModelDrafter(draft, min_confidence=0.05), 6),

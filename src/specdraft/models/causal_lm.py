@@ -202,7 +202,7 @@ class CausalLM:
         function). For the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft, unless
         every pass runs so (`kernels/prompt_pass`: the default on the AVX2 kernels).
         """
-        if (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
+        if self._static is None and (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
             with prompt_pass.prompt_pass(starts_sequence=self.cache_len == 0):
                 return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
         if tokens.dim() != 2 or tokens.shape[0] != 1:

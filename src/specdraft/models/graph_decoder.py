@@ -143,7 +143,6 @@ class StaticDecoder:
         if obstacle is not None:
             raise ValueError(f"{type(model).__name__} cannot run on a static cache: {obstacle}")
         config, inner = model.config, model.model
-        self.model = model
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
         self.heads = config.num_attention_heads
