@@ -77,6 +77,24 @@ def test_prompt_pass_computes_each_token_alone(case):
             assert torch.equal(matmul(x[i:i + 1])[0], together[i])
 
 
+def test_prompt_pass_over_long_rows_cuts_the_tokens_into_spans():
+    """4,096 inputs a row: the AVX2 kernel sweeps the rows once per 64 tokens (its int8 activations kept in L2), so 70
+    tokens take two sweeps; each token still gets its own bits and the int8 error."""
+    codes, scale, minimum, weight = affine_matrix(32, 4096, seed=7)
+    packed = int4_layout.pack(codes, scale, minimum)
+    raw = random_q6k_raw(16, 4096, seed=7)
+    q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw))
+    x = torch.randn(70, 4096, generator=torch.Generator().manual_seed(7)).bfloat16()  # [T, K]
+    cases = [(lambda inputs: tiles.tile_kernel().matmul(packed, inputs), weight),
+             (lambda inputs: tiles.tile_kernel().q6k_matmul(q6.tiles, q6.d, inputs, 16), dequantize(raw, "Q6_K", (16, 4096)))]
+    for matmul, w in cases:
+        with prompt_pass.prompt_pass():
+            together = matmul(x)  # [70, N]
+            assert torch.equal(matmul(x[65:70]), together[65:70])
+            assert torch.equal(matmul(x[63:64])[0], together[63])
+        assert 1e-3 < relative_error(together, x.double() @ w.double().T) < 1e-2
+
+
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
 def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case):
     """`starts_sequence`: row 0 (the attention sink) gets the 16-bit kernel's bits (either dot flavour), the others

@@ -16,14 +16,13 @@
  */
 #include "avx2_tiles.c"
 
-#define Q8_TOKENS 8
+#ifndef Q8_BLOCK
+#define Q8_BLOCK 4  /* tokens whose int16 sums for 16 rows stay in registers */
+#endif
+#define Q8_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows */
 
-#define WITH_CONSTANT_TOKENS_8(tokens, call)                                                  \
-    switch (tokens) {                                                                         \
-        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break;               \
-        case 4: call(4); break; case 5: call(5); break; case 6: call(6); break;               \
-        case 7: call(7); break; default: call(8); break;                                      \
-    }
+#define WITH_CONSTANT_Q8_BLOCK(tokens, call) \
+    switch (tokens) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); break; }
 
 /* x [K] bf16 of one token -> â [K] int8, a [K/32], and a·Σâ per 16 inputs [K/16]. */
 static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale, float *sums16) {
@@ -69,98 +68,128 @@ static inline __attribute__((always_inline)) void pairs_to_quads8(const __m256i 
 
 /* int16 sums of q·â over the quads against one token's activation dwords -> int32 per row. */
 static inline __m256i widen16(__m256i words) { return _mm256_madd_epi16(words, _mm256_set1_epi16(1)); }
-#define BYTE_DOT(quad, xq, j) _mm256_maddubs_epi16((quad), _mm256_set1_epi32(((const int32_t *)(xq))[j]))
 
-/* Half `half` of a block of 16 rows of a 4-bit matrix against `tokens` tokens (a constant after inlining). */
-static inline __attribute__((always_inline)) void int4_half_q8(const uint8_t *codes, const uint16_t *block_scale,
-                                                              const uint16_t *block_zero, const int8_t *xq,
-                                                              const float *act_scale, const float *sums16, int64_t K,
-                                                              int64_t groups, int tokens, int half, float *y, int64_t ldy) {
-    __m256 acc[Q8_TOKENS];
-    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+/* Both halves of a block of 16 rows of a 4-bit matrix against `tokens` tokens (a constant after inlining): one
+ * activation broadcast feeds both halves, and each token's int16 sums stay in registers through a group. */
+static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *codes, const uint16_t *block_scale,
+                                                                const uint16_t *block_zero, const int8_t *xq,
+                                                                const float *act_scale, const float *sums16, int64_t K,
+                                                                int64_t groups, int tokens, float *y, int64_t ldy) {
+    __m256 acc[Q8_BLOCK][2];
+    for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_tile(group_codes, INT4_TILE_BYTES, half * 32);
-        __m256i quads[8];
-        for (int chunk = 0; chunk < 4; chunk++) int4_quads8(group_codes + chunk * 64 + half * 32, quads + 2 * chunk);
-        const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
-        const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
-        for (int t = 0; t < tokens; t++) {
-            const int8_t *xg = xq + t * K + g * GROUP;
-            __m256i words = BYTE_DOT(quads[0], xg, 0);
-            for (int j = 1; j < 8; j++) words = _mm256_add_epi16(words, BYTE_DOT(quads[j], xg, j));
-            const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g] + sums16[t * 2 * groups + 2 * g + 1];
-            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(widen16(words)), acc[t]);
-            acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t]);
+        prefetch_tile(group_codes, INT4_TILE_BYTES, 0);
+        __m256i words[Q8_BLOCK][2];
+        for (int t = 0; t < tokens; t++) words[t][0] = words[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int chunk = 0; chunk < 4; chunk++) {
+            __m256i low[2], high[2];  /* the quads of rows 0-7 and 8-15 */
+            int4_quads8(group_codes + chunk * 64, low);
+            int4_quads8(group_codes + chunk * 64 + 32, high);
+            for (int t = 0; t < tokens; t++)
+                for (int j = 0; j < 2; j++) {
+                    const __m256i x4 = _mm256_set1_epi32(((const int32_t *)(xq + t * K + g * GROUP))[2 * chunk + j]);
+                    const __m256i p0 = _mm256_maddubs_epi16(low[j], x4), p1 = _mm256_maddubs_epi16(high[j], x4);
+                    words[t][0] = _mm256_add_epi16(words[t][0], p0);
+                    words[t][1] = _mm256_add_epi16(words[t][1], p1);
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = bf16x8_to_ps(block_scale + g * 16 + h * 8), z = bf16x8_to_ps(block_zero + g * 16 + h * 8);
+            const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
+            for (int t = 0; t < tokens; t++) {
+                const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g] + sums16[t * 2 * groups + 2 * g + 1];
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(widen16(words[t][h])), acc[t][h]);
+                acc[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t][h]);
+            }
         }
     }
-    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+    for (int t = 0; t < tokens; t++) {
+        _mm256_storeu_ps(y + t * ldy, acc[t][0]);
+        _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
+    }
 }
 
-/* Half `half` of a block of 16 rows of a Q6_K matrix against `tokens` tokens. */
-static inline __attribute__((always_inline)) void q6_half_q8(const uint8_t *tiles, const float *d, const int8_t *xq,
-                                                            const float *act_scale, const float *sums16, int64_t K,
-                                                            int64_t groups, int tokens, int half, float *y, int64_t ldy) {
-    __m256 acc[Q8_TOKENS];
-    for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
+/* Both halves of a block of 16 rows of a Q6_K matrix against `tokens` tokens. */
+static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *tiles, const float *d, const int8_t *xq,
+                                                              const float *act_scale, const float *sums16, int64_t K,
+                                                              int64_t groups, int tokens, float *y, int64_t ldy) {
+    __m256 acc[Q8_BLOCK][2];
+    for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
         prefetch_tile(tile, Q6_TILE_BYTES, 0);
-        const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + half * 8);
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
-            __m256i quads[4], pairs[2];
-            q6_pairs8(tile, 2 * sub, half, pairs);
-            pairs_to_quads8(pairs, quads);
-            q6_pairs8(tile, 2 * sub + 1, half, pairs);
-            pairs_to_quads8(pairs, quads + 2);
-            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + sub * 16 + half * 8))));
-            const __m256 s = _mm256_mul_ps(sc, dg), offset = _mm256_mul_ps(s, _mm256_set1_ps(32.0f));
-            for (int t = 0; t < tokens; t++) {
-                const int8_t *xs = xq + t * K + g * GROUP + sub * SUB;
-                const __m256i first = _mm256_add_epi16(BYTE_DOT(quads[0], xs, 0), BYTE_DOT(quads[1], xs, 1));
-                const __m256i second = _mm256_add_epi16(BYTE_DOT(quads[2], xs, 2), BYTE_DOT(quads[3], xs, 3));
-                const __m256i dot = _mm256_add_epi32(widen16(first), widen16(second));
-                const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g + sub];
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(dot), acc[t]);
-                acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t]);
+            __m256i dots[Q8_BLOCK][2];
+            for (int c = 0; c < 2; c++) {
+                __m256i pairs[2], low[2], high[2];
+                q6_pairs8(tile, 2 * sub + c, 0, pairs);
+                pairs_to_quads8(pairs, low);
+                q6_pairs8(tile, 2 * sub + c, 1, pairs);
+                pairs_to_quads8(pairs, high);
+                for (int t = 0; t < tokens; t++) {
+                    const int32_t *xs = (const int32_t *)(xq + t * K + g * GROUP + sub * SUB);
+                    const __m256i x0 = _mm256_set1_epi32(xs[2 * c]), x1 = _mm256_set1_epi32(xs[2 * c + 1]);
+                    /* two words of at most 2·63·127 each: no int16 overflow */
+                    const __m256i w0 = widen16(_mm256_add_epi16(_mm256_maddubs_epi16(low[0], x0), _mm256_maddubs_epi16(low[1], x1)));
+                    const __m256i w1 = widen16(_mm256_add_epi16(_mm256_maddubs_epi16(high[0], x0), _mm256_maddubs_epi16(high[1], x1)));
+                    dots[t][0] = c == 0 ? w0 : _mm256_add_epi32(dots[t][0], w0);
+                    dots[t][1] = c == 0 ? w1 : _mm256_add_epi32(dots[t][1], w1);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256 dg = _mm256_loadu_ps(d + (g / 8) * 16 + h * 8);
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + sub * 16 + h * 8))));
+                const __m256 s = _mm256_mul_ps(sc, dg), offset = _mm256_mul_ps(s, _mm256_set1_ps(32.0f));
+                for (int t = 0; t < tokens; t++) {
+                    const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g + sub];
+                    acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(dots[t][h]), acc[t][h]);
+                    acc[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t][h]);
+                }
             }
         }
     }
-    for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
+    for (int t = 0; t < tokens; t++) {
+        _mm256_storeu_ps(y + t * ldy, acc[t][0]);
+        _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
+    }
 }
 
 /* y [tokens, N] float32 (rows `ldy` apart) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K
- * tiles (`zero` NULL, `scale` its d), passes of up to Q8_TOKENS tokens. */
+ * tiles (`zero` NULL, `scale` its d). The tokens are taken in spans whose int8 activations fit in L2 (Q8_SPAN_BYTES);
+ * in a span each block of 16 rows meets Q8_BLOCK tokens at a time while its codes stay in L1/L2. */
 static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
                       int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
-    const int64_t groups = K / GROUP, items = 2 * (N / 16);
+    const int64_t groups = K / GROUP, blocks = N / 16;
+    const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * groups)), *sums = malloc(sizeof(float) * (size_t)(tokens * 2 * groups));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tokens - first > 1)
     for (int64_t t = first; t < tokens; t++) quantize_token(x + t * K, K, q + t * K, a + t * groups, sums + t * 2 * groups);
-    for (int64_t t0 = first; t0 < tokens; t0 += Q8_TOKENS) {
-        const int chunk = (int)(tokens - t0 < Q8_TOKENS ? tokens - t0 : Q8_TOKENS);
-        const int8_t *xq = q + t0 * K;
-        const float *at = a + t0 * groups, *st = sums + t0 * 2 * groups;
+    for (int64_t s0 = first; s0 < tokens; s0 += span) {
+        const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t nb = item / 2;
-            const int half = (int)(item % 2);
-            float *out = y + t0 * ldy + nb * 16;
-            if (zero != NULL) {
-                const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
-                const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_HALF(T) int4_half_q8(codes, bs, bz, xq, at, st, K, groups, T, half, out, ldy)
-                WITH_CONSTANT_TOKENS_8(chunk, INT4_Q8_HALF)
-#undef INT4_Q8_HALF
-            } else {
-                const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
-                const float *bd = (const float *)scale + nb * (K / 256) * 16;
-#define Q6_Q8_HALF(T) q6_half_q8(block, bd, xq, at, st, K, groups, T, half, out, ldy)
-                WITH_CONSTANT_TOKENS_8(chunk, Q6_Q8_HALF)
-#undef Q6_Q8_HALF
+        for (int64_t nb = 0; nb < blocks; nb++)
+            for (int64_t t0 = s0; t0 < s1; t0 += Q8_BLOCK) {
+                const int chunk = (int)(s1 - t0 < Q8_BLOCK ? s1 - t0 : Q8_BLOCK);
+                const int8_t *xq = q + t0 * K;
+                const float *at = a + t0 * groups, *st = sums + t0 * 2 * groups;
+                float *out = y + t0 * ldy + nb * 16;
+                if (zero != NULL) {
+                    const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
+                    const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+#define INT4_Q8_ROWS(T) int4_rows16_q8(codes, bs, bz, xq, at, st, K, groups, T, out, ldy)
+                    WITH_CONSTANT_Q8_BLOCK(chunk, INT4_Q8_ROWS)
+#undef INT4_Q8_ROWS
+                } else {
+                    const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
+                    const float *bd = (const float *)scale + nb * (K / 256) * 16;
+#define Q6_Q8_ROWS(T) q6_rows16_q8(block, bd, xq, at, st, K, groups, T, out, ldy)
+                    WITH_CONSTANT_Q8_BLOCK(chunk, Q6_Q8_ROWS)
+#undef Q6_Q8_ROWS
+                }
             }
-        }
     }
     free(q);
     free(a);
