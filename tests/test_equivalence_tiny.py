@@ -249,3 +249,26 @@ def test_draft_context_prices_only_the_window(tiny_target, drafts, make_lm):
                                        torch.Generator(), None)) == 2  # the window's draft token was kept
     with pytest.raises(Exception, match="draft-context"):
         ModelDrafter(make_lm(drafts["close"]), context=-1)
+
+
+def test_draft_vocab_auto_narrows_only_a_large_counted_head_on_the_cpu(tiny_target, drafts, make_lm, monkeypatch):
+    """`--draft-vocab auto` (the default): AUTO_DRAFT_VOCAB tokens on the CPU where token counts exist for the
+    draft's tokenizer and the vocabulary is larger; the whole vocabulary otherwise; numbers are taken as given."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.models import draft_head
+    from specdraft.models.draft_head import AUTO_DRAFT_VOCAB, draft_vocab_value, resolved_draft_vocab
+    from specdraft.models.loading import prepare_draft
+
+    assert draft_vocab_value("auto") == draft_vocab_value(" AUTO ") == "auto"
+    assert draft_vocab_value("0") == 0 and draft_vocab_value(32768) == 32768
+    for bad in ("-1", "lots", "1.5"):
+        with pytest.raises(SpecdraftError, match="--draft-vocab"):
+            draft_vocab_value(bad)
+    draft = make_lm(drafts["close"])  # a tiny vocabulary: nothing to narrow
+    assert resolved_draft_vocab("auto", draft, counted=True) == 0
+    assert resolved_draft_vocab(40, draft, counted=False) == 40
+    monkeypatch.setattr(draft_head, "AUTO_DRAFT_VOCAB", 40)  # as if the tiny vocabulary were a large one
+    assert resolved_draft_vocab("auto", draft, counted=True) == 40
+    assert resolved_draft_vocab("auto", draft, counted=False) == 0  # no counts: lowest ids would be a poor guess
+    assert prepare_draft(draft, "none", copy=True) is draft  # the tiny tokenizer has no counts: left as it was
+    assert AUTO_DRAFT_VOCAB == 32768

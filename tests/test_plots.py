@@ -132,7 +132,30 @@ def test_theory_plot_places_the_measured_point_at_alpha_per_token(tmp_path, monk
     costs = {"pass_seconds": {"1": 0.05, "2": 0.06, "4": 0.08, "8": 0.12}}
     plot_speedup_vs_theory(summarize(RECORDS, "ar"), RECORDS, tmp_path / "t.png", costs)
     (_, curve_y), label = drawn[0]
-    assert curve_y[-1] == pytest.approx((4 + 1) / (0.09 / 0.05 + 4 * 0.4)) and "V(k+1)/V(1) = 1.80" in label
+    assert curve_y[-1] == pytest.approx((4 + 1) / (0.09 / 0.05 + 4 * 0.4))
+
+
+def test_theory_plot_prices_the_k_each_step_drafted_and_the_time_after_prefill(tmp_path, monkeypatch):
+    """k=auto mixes plain steps and drafts of several k: the curve is Σ τ(α, k) / Σ (V(k+1)/V(1) + k·c) over the
+    steps (not the largest k's curve), and the point is the speedup of the time after the prompt pass."""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    original = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: (drawn.append((a, kw.get("label", ""))), original(self, *a, **kw))[1])
+    ar = rec(1, "prose", "ar", 10, 2.0, steps=10, drafted=0, accepted=0, accepted_at=[], drafted_at=[],
+             draft_seconds=0.001, verify_seconds=1.0) | {"prefill_seconds": 1.0, "k_per_step": [0] * 10}
+    spec = rec(1, "prose", "spec", 10, 1.8, steps=6, drafted=6, accepted=4, accepted_at=[2, 1, 1], drafted_at=[3, 1, 1],
+               draft_seconds=0.12, verify_seconds=0.6, k=3) | {"prefill_seconds": 1.0, "k_per_step": [0, 0, 0, 1, 2, 3]}
+    records = [ar, spec]
+    costs = {"pass_seconds": {"1": 0.1, "2": 0.12, "3": 0.14, "4": 0.16}}
+    plot_speedup_vs_theory(summarize(records, "ar"), records, tmp_path / "t.png", costs)
+    (_, curve_y), label = drawn[0]
+    c = (0.12 / 6) / (0.6 / 6)  # 0.2
+    # at α = 1: steps of k 0, 0, 0, 1, 2, 3 commit 1 + 1 + 1 + 2 + 3 + 4 tokens for passes of 1, 1, 1, 1.2, 1.4, 1.6
+    assert curve_y[-1] == pytest.approx(12 / (3 + 1.2 + 1.4 + 1.6 + 6 * c)) and "mean 1.00" in label
+    (_, point_y), _ = drawn[1]
+    assert point_y == [pytest.approx((10 / 0.8) / (10 / 1.0))]  # after prefill: 0.8 s against ar's 1.0 s
 
 
 def test_the_runner_writes_plots_and_timing_fields(tiny_model_dirs, tmp_path):

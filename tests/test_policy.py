@@ -254,7 +254,7 @@ def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_targ
             return super().choose(limit, source, unread, remaining, generated)
 
     decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=Recording(3))
-    got = decoder.generate(PROMPT, max_new_tokens=12)
+    decoder.generate(PROMPT, max_new_tokens=12)
     assert seen[0] == (len(PROMPT), 12, 0)
     assert all(1 <= unread <= 4 for unread, _, _ in seen[1:])  # at most k + 1 tokens committed per step
     assert [r for _, r, _ in seen] == sorted([r for _, r, _ in seen], reverse=True) and seen[-1][1] >= 1

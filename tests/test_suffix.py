@@ -135,7 +135,7 @@ def test_min_score_stops_at_an_uncertain_branch():
 def test_lru_eviction_frees_nodes_and_forgets_the_request():
     a, b, c = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]
     index = SuffixIndex(max_depth=4, max_requests=2)
-    id_a, id_b = index.finish_request(a), index.finish_request(b)
+    id_a, _ = index.finish_request(a), index.finish_request(b)
     index.touch(id_a)  # b is now the least recently used
     id_c = index.finish_request(c)
     assert list(index.requests) == [id_a, id_c]

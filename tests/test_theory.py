@@ -5,7 +5,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from specdraft.analysis.theory import (best_k, expected_speedup, expected_tau, parse_list, pass_ratio_at,
+from specdraft.analysis.theory import (best_k, expected_speedup, expected_tau, mixed_speedup, parse_list, pass_ratio_at,
                                        theory_grid, token_acceptance, validate)
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.cli import app
@@ -26,6 +26,15 @@ def test_expected_tau_by_hand(alpha, k, tau):
 
 def test_tau_is_continuous_at_alpha_one():
     assert expected_tau(1 - 1e-9, 4) == approx(expected_tau(1.0, 4), rel=1e-6)
+
+
+def test_mixed_speedup_by_hand():
+    """Steps of several k (plain ones too) priced on measured passes; one k alone is expected_speedup."""
+    passes = {"1": 0.1, "2": 0.15, "3": 0.2}
+    # α = 0.5: k 0 commits 1, k 2 commits 1.75; passes 1 and 2 one-token passes, drafts 2·0.25
+    assert mixed_speedup(0.5, {0: 2, 2: 1}, 0.25, passes) == approx((2 * 1 + 1.75) / (2 * 1 + 2 + 0.5))
+    assert mixed_speedup(0.8, {4: 7}, 0.1, passes) == approx(expected_speedup(0.8, 4, 0.1, pass_ratio_at(passes, 5)))
+    assert mixed_speedup(0.3, {0: 5}, 0.4, passes) == approx(1.0)  # plain steps only: plain decoding
 
 
 def test_expected_speedup_by_hand():

@@ -7,7 +7,7 @@ independent of whatever backend the process (or a notebook) has selected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specdraft.analysis.theory import expected_speedup
 
@@ -37,12 +37,11 @@ def note(axes, text: str) -> None:
     axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes, color="grey")
 
 
-def theory_curve(k: int, c: float, verify_ratio: float = 1.0, points: int = CURVE_POINTS
-                 ) -> tuple[list[float], list[float]]:
-    """α in [0, 1] and the expected speedup τ(α, k) / (verify_ratio + k·c) at each, `verify_ratio` being a pass
-    over k + 1 tokens' time over a one-token pass's."""
+def theory_curve(speedup: Callable[[float], float], points: int = CURVE_POINTS) -> tuple[list[float], list[float]]:
+    """α in [0, 1] and the expected speedup `speedup(α)` at each (`theory.expected_speedup` for one k,
+    `theory.mixed_speedup` for a run's mix of k)."""
     alphas = [i / (points - 1) for i in range(points)]
-    return alphas, [expected_speedup(a, k, c, verify_ratio) for a in alphas]
+    return alphas, [speedup(a) for a in alphas]
 
 
 def speedup_chart(ks: Sequence[int], c: float, path: str | Path, alphas: Sequence[float] = (),
@@ -51,7 +50,7 @@ def speedup_chart(ks: Sequence[int], c: float, path: str | Path, alphas: Sequenc
     figure = new_figure()
     axes = figure.add_subplot()
     for k in ks:
-        xs, ys = theory_curve(k, c, 1 + slope * k)
+        xs, ys = theory_curve(lambda a, k=k: expected_speedup(a, k, c, 1 + slope * k))
         axes.plot(xs, ys, label=f"k = {k}")
     for alpha in alphas:
         axes.axvline(alpha, color="grey", linestyle=":", linewidth=1)

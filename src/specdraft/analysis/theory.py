@@ -37,6 +37,15 @@ def expected_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) 
     return expected_tau(alpha, k) / (k * c + verify_ratio)
 
 
+def mixed_speedup(alpha: float, steps: Mapping[int, int], c: float, pass_seconds: Mapping) -> float:
+    """Expected speedup of a run whose steps drafted various k (`steps`: k -> how many steps, 0 = a plain step, as
+    `k=auto` mixes them): Σ τ(α, k) over Σ (V(k + 1) / V(1) + k·c), each pass priced by the measured pass times
+    (`pass_ratio_at`). One k alone gives `expected_speedup`."""
+    gained = sum(count * expected_tau(alpha, k) for k, count in steps.items())
+    paid = sum(count * (pass_ratio_at(pass_seconds, k + 1) + k * c) for k, count in steps.items())
+    return gained / paid if paid else 1.0
+
+
 def pass_ratio_at(pass_seconds: Mapping, width: int) -> float:
     """V(width) / V(1) from measured pass times (`costs`: width -> seconds, widths as ints or strings), linear
     past the widest measured (the slope of its last two widths); 1 when nothing but one token was measured."""

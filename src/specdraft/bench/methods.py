@@ -48,6 +48,7 @@ from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, build_decoder, chec
 from specdraft.policy import AUTO, make_policy
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.draft_head import draft_vocab_value
 from specdraft.models.loading import DRAFT_QUANTS
 from specdraft.sampling import SamplingParams
 
@@ -61,7 +62,7 @@ def k_value(text: str) -> int | str:
 
 
 OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
-                                 "draft-quant": str, "draft-vocab": int, "drafter": str, "tree-budget": int,
+                                 "draft-quant": str, "draft-vocab": draft_vocab_value, "drafter": str, "tree-budget": int,
                                  "tree-branch": int, "draft": str}
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
@@ -135,9 +136,7 @@ class MethodSpec:
         quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
         if quant not in DRAFT_QUANTS:
             raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
-        vocab = int(self.options.get("draft-vocab", 0))
-        if vocab < 0:
-            raise SpecdraftError(f"draft-vocab must be >= 0 in {self.label!r}, got {vocab}.")
+        vocab = self.options.get("draft-vocab", AUTO if self.name == "spec" else 0)
         drafter = str(self.options.get("drafter", DEFAULT_DRAFTER))
         given = {key: value for key, value in self.options.items() if key in DRAFTER_KEYS}
         try:
@@ -359,6 +358,8 @@ def _read_value(key: str, value: str, label: str) -> int | float:
     except ValueError:
         what = {int: "a whole number", k_value: "auto or a whole number"}.get(kind, "a number")
         raise SpecdraftError(f"{key} must be {what} in method {label!r}, got {value!r}.") from None
+    except SpecdraftError as error:
+        raise SpecdraftError(f"{error} (in method {label!r})") from None
 
 
 def parse_method(text: str) -> MethodSpec:

@@ -2,8 +2,8 @@
 
 speedup_by_category.png     grouped bars: speedup over ar per category (and overall), one bar per method
 acceptance_by_position.png  accepted_at / drafted_at per draft position, one line per drafting method
-speedup_vs_theory.png       per drafting method: τ(α, k) / (1 + k·c) over α for its k and measured c,
-                            and the measured (α per token, speedup) point
+speedup_vs_theory.png       per drafting method: Σ τ(α, k) / Σ (V(k+1)/V(1) + k·c) over its steps' k, for its
+                            measured c and pass costs, and the measured (α per token, speedup after prefill) point
 tokens_per_second.png       new_tokens / wall_seconds per prompt, one line per method
 
 A plot with nothing to show (no `ar`, no drafting method) is still written, with a note.
@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from matplotlib.ticker import MaxNLocator
 
 from specdraft.analysis.charts import new_figure, note, save, theory_curve
-from specdraft.analysis.theory import pass_ratio_at, token_acceptance
+from specdraft.analysis.theory import mixed_speedup, token_acceptance
 from specdraft.bench.summary import position_counts
 
 SPEEDUP_BY_CATEGORY = "speedup_by_category.png"
@@ -76,33 +76,38 @@ def plot_acceptance_by_position(records: Sequence[Mapping], path: str | Path) ->
 
 def plot_speedup_vs_theory(methods: Mapping[str, Mapping], records: Sequence[Mapping], path: str | Path,
                            costs: Mapping | None = None) -> Path:
-    """Per drafting method with k and c: the theoretical curve and the measured (α per token, speedup) point. With
-    this machine's measured pass costs (`costs`), a step is priced as it costs here: a pass over k + 1 tokens at
-    its measured ratio to a one-token pass, not at one."""
+    """Per drafting method with c: the theoretical curve over α for the k it drafted step by step (its k histogram,
+    plain steps included) and the measured (α per token, speedup after prefill) point. With this machine's measured
+    pass costs (`costs`), a step is priced as it costs here: a pass over k + 1 tokens at its measured ratio to a
+    one-token pass, not at one."""
     pass_seconds = (costs or {}).get("pass_seconds") or {}
     figure = new_figure()
     axes = figure.add_subplot()
     counts = position_counts(records)
     drawn = 0
     for method, figures in methods.items():
-        k, c, speedup = figures.get("k"), figures.get("cost_ratio"), figures.get("speedup_vs_ar")
+        k, c = figures.get("k"), figures.get("cost_ratio")
         if k is None or c is None or method not in counts:
             continue
-        verify_ratio = pass_ratio_at(pass_seconds, k + 1)
-        xs, ys = theory_curve(k, c, verify_ratio)
-        (line,) = axes.plot(xs, ys, label=f"{method}: theory, k = {k}, c = {c:.3f}, V(k+1)/V(1) = {verify_ratio:.2f}")
+        # records that do not list their steps' k: every step drafted k; no prefill times: the whole run's speedup
+        steps = {int(width): n for width, n in (figures.get("k_histogram") or {k: 1}).items()}
+        speedup = figures.get("decode_speedup_vs_ar") or figures.get("speedup_vs_ar")
+        xs, ys = theory_curve(lambda a: mixed_speedup(a, steps, c, pass_seconds))
+        mean_k = sum(k * n for k, n in steps.items()) / sum(steps.values())
+        (line,) = axes.plot(xs, ys, label=f"{method}: theory, its k per step (mean {mean_k:.2f}), c = {c:.3f}")
         alpha = token_acceptance(*counts[method])
         if alpha is not None and speedup is not None:
             axes.plot([alpha], [speedup], marker="o", markersize=8, color=line.get_color(), linestyle="none",
-                      label=f"{method}: measured, α/token = {alpha:.2f}, {speedup:.2f}×")
+                      label=f"{method}: measured, α/token = {alpha:.2f}, {speedup:.2f}× "
+                            f"(theory {mixed_speedup(alpha, steps, c, pass_seconds):.2f}×)")
         drawn += 1
     if not drawn:
         note(axes, "no drafting method with measured times")
     else:
         axes.legend(fontsize="small")
     axes.axhline(1.0, color="black", linewidth=0.8)
-    axes.set(xlim=(0, 1), xlabel="α per token (accepted / tested draft tokens)", ylabel="speedup over ar",
-             title="Measured speedup against τ(α, k) / (V(k+1)/V(1) + k·c)")
+    axes.set(xlim=(0, 1), xlabel="α per token (accepted / tested draft tokens)", ylabel="speedup over ar after prefill",
+             title="Measured speedup against Σ τ(α, k) / Σ (V(k+1)/V(1) + k·c) over the steps")
     axes.grid(alpha=0.3)
     return save(figure, path)
 

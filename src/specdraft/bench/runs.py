@@ -29,7 +29,7 @@ class Models:
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
-    def draft_as(self, quant: str, vocab: int = 0, name: str = "") -> CausalLM:
+    def draft_as(self, quant: str, vocab: int | str = 0, name: str = "") -> CausalLM:
         """The draft (the run's, or the one a method named `name`) with `quant` and `vocab` applied (a copy:
         other methods keep the loaded weights)."""
         key = f"{name}/{quant}/{vocab}"
@@ -47,7 +47,7 @@ class RunParams:
     max_new_tokens: int
     k: int | str | None = None  # draft tokens per step (or "auto"); None: the method's default
     draft_quant: str = "none"  # the draft's weights (see models.loading.prepare_draft)
-    draft_vocab: int = 0  # tokens the draft's head scores (0 = all; see models.draft_head)
+    draft_vocab: int | str = 0  # tokens the draft's head scores (0 = all, or auto; see models.draft_head)
     drafter: str = DEFAULT_DRAFTER  # spec only: the registered drafter (parts joined by +)
     drafter_options: tuple[tuple[str, object], ...] = ()  # spec only: the drafter's options given
     tree_budget: int = 0  # spec only: draft nodes per step (0 = chains)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
@@ -223,15 +224,16 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 DRAFT_QUANTS = ("auto", "int4", "none")
 
 
-def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int = 0) -> CausalLM:
+def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int | str = "auto") -> CausalLM:
     """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it;
-    `vocab` > 0 gives it a head over that many common tokens (see `draft_head`).
+    `vocab` > 0 gives it a head over that many common tokens (see `draft_head`; `auto`: 32,768 on the CPU
+    where token counts exist for its tokenizer, else the whole vocabulary).
 
-    `auto` is int4 on the CPU where the kernel exists, else none. A quantized or narrowed
+    `auto` quant is int4 on the CPU where the kernel exists, else none. A quantized or narrowed
     draft only proposes differently; output stays exact because q_draft is what it sampled
     from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
-    from specdraft.models.draft_head import restrict_draft_vocab
+    from specdraft.models.draft_head import AUTO, draft_vocab_value, resolved_draft_vocab, restrict_draft_vocab
     from specdraft.models.quantize import int4_kernel_available, quantize_int4
     from specdraft.models.token_counts import token_counts_for
 
@@ -239,6 +241,10 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
         raise SpecdraftError(f"Unknown draft quantization {quant!r}; use one of {', '.join(DRAFT_QUANTS)}.")
     if quant == "auto":
         quant = "int4" if draft.device.type == "cpu" and int4_kernel_available() else "none"
+    vocab = draft_vocab_value(vocab)
+    found = token_counts_for(draft.tokenizer) if vocab != 0 and draft.tokenizer is not None else None
+    chosen = vocab
+    vocab = resolved_draft_vocab(vocab, draft, found is not None)
     if quant == "none" and not vocab:
         return draft
     import copy as copying
@@ -248,7 +254,8 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     started = time.perf_counter()
     with compact_heap():
         unpack_linears(model)  # vocabulary narrowing and int4 read plain weights
-        found = token_counts_for(draft.tokenizer) if vocab and draft.tokenizer is not None else None
+        if chosen == AUTO and not isinstance(model.get_output_embeddings(), nn.Linear):
+            vocab = 0  # a head that is not a plain linear layer stays whole unless narrowing was asked for
         scored = restrict_draft_vocab(prepared, vocab, found[0] if found else None)
         swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
         fast_decoder_layers(model)

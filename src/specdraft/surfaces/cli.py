@@ -60,8 +60,9 @@ def generate(
     tree_branch: int = typer.Option(DEFAULT_TREE_BRANCH, "--tree-branch", help="Children per tree node (with --tree-budget)."),
     draft_quant: str = typer.Option("auto", "--draft-quant",
                                     help="Draft weights: int4 (CPU kernel), none, or auto (int4 on CPU). Output stays exact."),
-    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0,
-                                    help="Score only this many common tokens in the draft's LM head (0 = all). Output stays exact."),
+    draft_vocab: str = typer.Option("auto", "--draft-vocab",
+                                    help="Score only this many common tokens in the draft's LM head (0 = all; auto: 32768 "
+                                         "on CPU where token counts exist for the tokenizer). Output stays exact."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off."),

@@ -50,7 +50,7 @@ def drafter_flags(**given) -> dict[str, Any]:
 
 
 def load_models(target: str, draft: str, drafter: str | None, options: dict[str, Any], *, dtype: str, device: str,
-                gguf_weights: str, draft_quant: str, draft_vocab: int):
+                gguf_weights: str, draft_quant: str, draft_vocab: int | str):
     """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one.
 
     The drafter and its options are checked before anything loads, the native kernels are built (where
