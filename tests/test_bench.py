@@ -235,6 +235,32 @@ def test_resumption_skips_finished_pairs(tiny_config, counted_runs):
     assert len([c for c in counted_runs if c[1] == "run"]) == 4
 
 
+def test_repeats_run_round_robin_and_keep_the_median_run(tiny_config, counted_runs, monkeypatch):
+    """--repeats 3: each prompt runs ar, spec, ar, spec, ar, spec; the record kept is the run of median time, with
+    every run's time beside it; single runs keep their old settings id (and records)."""
+    clock = iter([5.0, 1.0, 3.0, 2.0, 4.0, 9.0] * 10)  # per prompt: ar 5, 3, 4 -> 4; spec 1, 2, 9 -> 2
+    for name in ("ar", "spec"):
+        info = METHODS[name]
+
+        def timed(models, ids, params, _run=info.run):
+            output = _run(models, ids, params)
+            return dataclasses.replace(output, wall_seconds=next(clock)) if params.max_new_tokens != 3 else output
+        monkeypatch.setitem(METHODS, name, dataclasses.replace(info, run=timed))
+    result = run_bench(tiny_config(max_prompts=1, repeats=3))
+    prompts = len(result.records) // 2
+    assert [n for n, kind in counted_runs if kind == "run"] == ["ar", "spec"] * 3 * prompts
+    for record in result.records:
+        want = {"ar": ([5.0, 3.0, 4.0], 4.0), "spec:k=2": ([1.0, 2.0, 9.0], 2.0)}[record["method"]]
+        assert (record["repeat_seconds"], record["wall_seconds"]) == want and record["repeats_agree"]
+    assert result.summary["settings"]["repeats"] == 3 and result.summary["repeats_disagree"] == []
+    assert "ran 3 times per method" in (result.out / "report.md").read_text()
+    ids = {r["settings_id"] for r in result.records}
+    single = run_bench(tiny_config(max_prompts=1, out=result.out.parent / "single"))
+    assert {r["settings_id"] for r in single.records}.isdisjoint(ids) and "repeat_seconds" not in single.records[0]
+    with pytest.raises(SpecdraftError, match="--repeats must be >= 1"):
+        run_bench(tiny_config(repeats=0))
+
+
 def test_runner_exits_on_a_planted_mismatch(tiny_config, monkeypatch):
     info = METHODS["spec"]
 

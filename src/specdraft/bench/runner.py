@@ -7,8 +7,10 @@ load the target (and the draft, when a method needs it) once
 skip (prompt, method) pairs OUT/results.jsonl already holds under the same settings
 warm up each method that still has work (a short generation, not recorded)
 for prompt in prompts (and, with --turns 2, each multi-turn question's second turn right after its first):
-    for method in methods:                 # methods interleaved per prompt: drift cancels
-        run, append one record to OUT/results.jsonl, flush
+    for repeat in 1 .. --repeats:
+        for method in methods:             # methods interleaved per prompt: drift cancels
+            run
+    per method: keep the run of median time, append its record to OUT/results.jsonl, flush
 judge greedy divergences from ar with the near-tie rule (needs the target)
 write OUT/summary.json, the PNG plots and OUT/report.md; raise ExactnessError if a greedy output differs
 ```
@@ -72,6 +74,7 @@ class BenchConfig:
     chat: bool | None = None  # None: the chat template when the tokenizer has one
     warmup_tokens: int = 8
     gguf_weights: str = "auto"  # see models.loading.load_model
+    repeats: int = 1  # runs of each prompt and method, round robin; the one of median time is kept
 
 
 @dataclass
@@ -130,7 +133,7 @@ def machine_costs(models: Models) -> dict | None:
     context = min(DEFAULT_CONTEXT, models.target.max_context - max(DEFAULT_WIDTHS))
     if context < 1:
         return None
-    draft = models.draft_as("auto") if models.draft is not None else None
+    draft = models.draft_as("auto", "auto") if models.draft is not None else None
     return measure_costs(models.target, draft, context=context, repeats=COSTS_REPEATS).to_dict()
 
 
@@ -143,7 +146,7 @@ def run_settings(config: BenchConfig, models: Models, prompts_paths: Sequence[Pa
         "turns": config.turns, "threads": torch.get_num_threads(), "chat": config.chat,
         "prompts": ", ".join(str(p) for p in prompts_paths), "categories": list(config.categories or []),
         "max_prompts": config.max_prompts, "methods": [spec.label for spec in methods],
-        "warmup_tokens": config.warmup_tokens,
+        "warmup_tokens": config.warmup_tokens, "repeats": config.repeats,
     }
 
 
@@ -151,6 +154,8 @@ def settings_id(settings: dict, needs_draft: bool) -> str:
     """A short hash of the settings that shape a method's records (the draft only where it drafts)."""
     keys = ["target", "dtype", "device", "max_new_tokens", "temperature", "seed", "turns", "threads", "chat"]
     shaping = {key: settings[key] for key in keys} | ({"draft": settings["draft"]} if needs_draft else {})
+    if settings.get("repeats", 1) != 1:  # (single runs keep the ids they had before repeats existed)
+        shaping["repeats"] = settings["repeats"]
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -236,8 +241,16 @@ def _encode_second_turn(prompt: Prompt, answer_ids: list[int], models: Models, c
     return _check_room(prompt.question_id, encode_messages(tokenizer, messages), models, config)
 
 
-def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput, temperature: float,
+def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], outputs: Sequence[RunOutput], temperature: float,
             sid: str) -> dict:
+    """The record of the run of median time among `outputs` (one per repeat; the lower median of an even count); with
+    repeats it also lists every run's time and whether they all gave the same tokens (they should: a seed fixes
+    sampling, and greedy has no choice)."""
+    output = sorted(outputs, key=lambda o: o.wall_seconds)[(len(outputs) - 1) // 2]
+    repeated = {} if len(outputs) == 1 else {
+        "repeat_seconds": [o.wall_seconds for o in outputs],
+        "repeats_agree": all(o.token_ids == outputs[0].token_ids for o in outputs),
+    }
     return {
         "question_id": prompt.question_id,
         "category": prompt.category,
@@ -259,7 +272,7 @@ def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], output: RunOutput,
         "prompt_tokens": len(ids),
         "temperature": temperature,
         "settings_id": sid,
-    }
+    } | repeated
 
 
 def _progress(console: Console | None) -> Progress:
@@ -307,6 +320,8 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {config.max_new_tokens}.")
     if config.threads is not None and config.threads < 1:
         raise SpecdraftError(f"--threads must be >= 1, got {config.threads}.")
+    if config.repeats < 1:
+        raise SpecdraftError(f"--repeats must be >= 1, got {config.repeats}.")
     params = {spec.label: spec.params(config.max_new_tokens, config.temperature, config.seed) for spec in methods}
     paths = [config.prompts] if isinstance(config.prompts, (str, Path)) else list(config.prompts or [])
     prompts_paths = [Path(p) for p in paths] or [default_prompts_path()]
@@ -350,15 +365,22 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
                 spec.info.run(models, first_ids, dataclasses.replace(params[spec.label], max_new_tokens=warmup))
 
         with _progress(console) as progress:
-            task = progress.add_task("", total=len(todo))
-            for prompt, spec in todo:
-                progress.update(task, description=f"question {prompt.question_id} / {spec.label}")
+            task = progress.add_task("", total=len(todo) * config.repeats)
+            for prompt in dict.fromkeys(p for p, _ in todo):
+                specs = [s for p, s in todo if p == prompt]
                 ids = ids_of(prompt)
-                output = spec.info.run(models, ids, params[spec.label])
-                record = _record(prompt, spec, ids, output, params[spec.label].sampling.temperature, sids[spec.label])
-                append_record(results_path, record)
-                done[(prompt.question_id, spec.label)] = record
-                progress.advance(task)
+                outputs: dict[str, list[RunOutput]] = {s.label: [] for s in specs}
+                for repeat in range(config.repeats):
+                    for spec in specs:
+                        progress.update(task, description=f"question {prompt.question_id} / {spec.label}"
+                                                          + (f" ({repeat + 1}/{config.repeats})" if config.repeats > 1 else ""))
+                        outputs[spec.label].append(spec.info.run(models, ids, params[spec.label]))
+                        progress.advance(task)
+                for spec in specs:
+                    record = _record(prompt, spec, ids, outputs[spec.label], params[spec.label].sampling.temperature,
+                                     sids[spec.label])
+                    append_record(results_path, record)
+                    done[(prompt.question_id, spec.label)] = record
 
         for prompt in asked:  # (a resumed run: second turns whose ids were not needed above)
             ids_of(prompt)
@@ -370,6 +392,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
             "settings": settings,
             "methods": summarize(records, reference, near_ties, [s.label for s in methods], own_numerics),
             "divergences": divergences,
+            "repeats_disagree": [f"{r['question_id']} / {r['method']}" for r in records if r.get("repeats_agree") is False],
         }
         (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         plots = write_plots(summary, records, out)

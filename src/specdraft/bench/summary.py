@@ -396,6 +396,12 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
                   "part from `ar` wherever the top two logits are close; that is not an exactness failure, and "
                   "greedy exact is n/a. agreement: tokens before the first difference from `ar` / tokens of the "
                   "longer output, over the greedy prompts (no near-tie allowance).", ""]
+    repeats = (summary.get("settings") or {}).get("repeats", 1)
+    if repeats > 1:
+        lines += [f"Each prompt ran {repeats} times per method, round robin; every figure is from the run of median time."
+                  + ("" if not summary.get("repeats_disagree") else
+                     f" Repeats gave different tokens for {', '.join(summary['repeats_disagree'])}: a method that is "
+                     "not deterministic (see `repeats_agree` in results.jsonl)."), ""]
     synthetic = [m for m, figures in methods.items() if SYNTHETIC_SOURCE in (figures.get("by_source") or {})]
     if synthetic:
         listed = ", ".join(f"`{m}`" for m in synthetic)

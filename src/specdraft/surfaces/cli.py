@@ -240,6 +240,8 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads",
                                           help="torch threads, and llama-cpp's (default: torch's)."),
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
+    repeats: int = typer.Option(1, "--repeats", help="Run each prompt and method N times, round robin, and keep the "
+                                "run of median time (for machines whose speed drifts)."),
     out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
     """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
@@ -251,6 +253,7 @@ def bench(
             categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
             max_prompts=max_prompts, turns=turns, max_new_tokens=max_new_tokens, temperature=temperature,
             seed=seed, dtype=dtype, device=device, threads=threads, chat=chat, gguf_weights=gguf_weights,
+            repeats=repeats,
         )
         result = run_bench(config, console=err)
     except ExactnessError as error:
