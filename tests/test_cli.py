@@ -73,6 +73,8 @@ def test_streaming_view_prints_text_and_summary(tiny_args):
     (["--top-p", 1.5], "top-p must be in (0, 1]"),
     (["--top-k", -2], "top-k must be >= 0"),
     (["--repetition-penalty", 0], "repetition penalty must be > 0"),
+    (["--draft-vocab", "lots"], "--draft-vocab takes auto or a whole number of tokens"),
+    (["--draft-vocab", -5], "--draft-vocab must be >= 0"),
 ])
 def test_bad_options_are_clear_errors(tiny_args, extra, message):
     result = run("generate", "hello", *tiny_args, *extra)

@@ -59,11 +59,13 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
     """
     from specdraft.drafters import check_drafter, check_not_bench_only, needs_draft_model
     from specdraft.kernels.prebuild import build_all
+    from specdraft.models.draft_head import draft_vocab_value
     from specdraft.models.loading import check_compatible, load_model, prepare_draft
 
     if drafter is not None:
         check_drafter(drafter, options)
         check_not_bench_only(drafter)
+    draft_vocab = draft_vocab_value(draft_vocab)  # a bad value fails before anything loads
     build_all()
     draft_lm = None
     if drafter is not None and needs_draft_model(drafter):
