@@ -15,13 +15,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import seen_tokens_per_row
 from specdraft.tree import TreeLayout
+from seeded import gen
 from test_tree_layout import EXAMPLE_PARENTS
-
-
-def gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
 
 
 # ---------------------------------------------------------------------------------------------

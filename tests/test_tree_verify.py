@@ -23,12 +23,7 @@ from specdraft.exactness import chi_square_pvalue
 from specdraft.sampling import SamplingParams, sample, warp
 from specdraft.tree import TreeLayout
 from specdraft.verify import verify_greedy, verify_sampled, verify_tree
-
-
-def gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+from seeded import gen, transition_logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,14 +184,7 @@ FIRST_ON_PATH = [STAT_LAYOUT.path(i)[0] for i in range(len(STAT_PARENTS))]  # de
 SECOND_ON_PATH = [(STAT_LAYOUT.path(i) + [-1, -1])[1] for i in range(len(STAT_PARENTS))]  # depth-2 node or -1
 
 
-def _transition_logits() -> tuple[torch.Tensor, torch.Tensor]:
-    g = gen(20240611)
-    target = 1.5 * torch.randn(V, V, generator=g)
-    draft = target + 1.5 * torch.randn(V, V, generator=g)  # related to the target, but clearly different
-    return target, draft
-
-
-P_LOGITS, Q_LOGITS = _transition_logits()
+P_LOGITS, Q_LOGITS = transition_logits(20240611, V)
 Q_ORDER = Q_LOGITS.argsort(-1, descending=True)  # [V, V]: the draft's tokens by rank after each token
 
 # How each node is drafted:
@@ -358,22 +346,18 @@ def test_tree_committed_tokens_follow_the_target(case, setting):
     assert p_first > P_PASS and p_joint > P_PASS, f"{case} {setting}: p-values {p_first:.3g}, {p_joint:.3g}"
 
 
-@pytest.mark.parametrize("case", ["deterministic", "iid"])
-def test_negative_control_rejected_siblings_stay_in_p(case):
-    params = SETTINGS["T=1.0"]
-    first, second, _ = _first_two_committed(
-        CASES[case], params, lambda *a: _batched_tree_verifier(*a, chain_residual=False), seed=1)
-    p_first, p_joint = _pvalues(first, second, params)
-    assert p_joint < P_REJECT, f"siblings judged by p went unnoticed: p-values {p_first:.3g}, {p_joint:.3g}"
+# Bugs planted in the copy of the verifier: a keyword it takes, and what the bug does.
+PLANTED_BUGS = {"chain_residual": "siblings judged by p", "recover_from_residual": "recovery from p"}
 
 
-@pytest.mark.parametrize("case", ["deterministic", "iid", "mixed"])
-def test_negative_control_recovered_from_p(case):
+@pytest.mark.parametrize("bug, case", [("chain_residual", c) for c in ("deterministic", "iid")]
+                         + [("recover_from_residual", c) for c in ("deterministic", "iid", "mixed")])
+def test_negative_controls_are_caught(bug, case):
     params = SETTINGS["T=1.0"]
     first, second, _ = _first_two_committed(
-        CASES[case], params, lambda *a: _batched_tree_verifier(*a, recover_from_residual=False), seed=1)
+        CASES[case], params, lambda *a: _batched_tree_verifier(*a, **{bug: False}), seed=1)
     p_first, p_joint = _pvalues(first, second, params)
-    assert p_joint < P_REJECT, f"recovery from p went unnoticed: p-values {p_first:.3g}, {p_joint:.3g}"
+    assert p_joint < P_REJECT, f"{PLANTED_BUGS[bug]} went unnoticed: p-values {p_first:.3g}, {p_joint:.3g}"
 
 
 def test_negative_controls_are_real_bugs_of_the_copy():

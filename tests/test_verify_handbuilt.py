@@ -20,14 +20,9 @@ from specdraft.sampling import (
     warp,
 )
 from specdraft.verify import residual_distribution, verify_greedy, verify_sampled
+from seeded import gen
 
 V = 6
-
-
-def gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
 
 
 def one_hot_logits(argmaxes: list[int], vocab: int = V) -> torch.Tensor:

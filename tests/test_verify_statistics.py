@@ -23,6 +23,7 @@ import specdraft.verify as verify_module
 from specdraft.exactness import chi_square_pvalue
 from specdraft.sampling import SamplingParams, sample, warp
 from specdraft.verify import verify_sampled
+from seeded import gen, transition_logits
 
 V = 7
 K = 3
@@ -32,20 +33,7 @@ P_PASS = 1e-3  # the correct verifier must pass
 P_REJECT = 1e-6  # a wrong verifier must fail
 
 
-def _gen(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
-
-
-def _transition_logits() -> tuple[torch.Tensor, torch.Tensor]:
-    g = _gen(20240607)
-    target = 1.5 * torch.randn(V, V, generator=g)
-    draft = target + 1.5 * torch.randn(V, V, generator=g)  # related to the target, but clearly different
-    return target, draft
-
-
-P_LOGITS, Q_LOGITS = _transition_logits()
+P_LOGITS, Q_LOGITS = transition_logits(20240607, V)
 
 # How the draft is made: sampled from warp(Q) (q_draft given), or the argmax of Q (q_draft=None).
 SAMPLED, ARGMAX = "sampled", "argmax"
@@ -94,7 +82,7 @@ def _speculative_step(
 
 def _first_two_committed(params: SamplingParams, mode: str, seed: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The first two committed tokens (a, b) of B independent speculative generations from X0."""
-    generator = _gen(seed)
+    generator = gen(seed)
     start = torch.full((B,), X0, dtype=torch.long)
     draft, num, nxt = _speculative_step(start, params, mode, generator, **kwargs)
     first = torch.where(num >= 1, draft[:, 0], nxt)
@@ -155,7 +143,7 @@ def test_harness_accepts_plain_target_sampling(setting):
     """Positive control for the harness: (a, b) drawn autoregressively from warp(P) pass."""
     params = SETTINGS[setting]
     p_table = warp(P_LOGITS, params)
-    generator = _gen(5)
+    generator = gen(5)
     first = sample(p_table[torch.full((B,), X0, dtype=torch.long)], generator)
     second = sample(p_table[first], generator)
     pvalue = _chi_square_pvalue(first, second, params)
@@ -166,7 +154,7 @@ def test_harness_rejects_plain_draft_sampling():
     """...and the same harness rejects pairs whose second token comes from the draft, warp(Q)."""
     params = SETTINGS["T=1.0"]  # no truncation: every pair is possible under the target
     p_table, q_table = warp(P_LOGITS, params), warp(Q_LOGITS, params)
-    generator = _gen(5)
+    generator = gen(5)
     first = sample(p_table[torch.full((B,), X0, dtype=torch.long)], generator)
     second = sample(q_table[first], generator)
     pvalue = _chi_square_pvalue(first, second, params)
@@ -235,7 +223,7 @@ def test_negative_control_point_mass_not_removed(monkeypatch):
 def test_sample_draws_each_row_from_its_distribution():
     """`sample` (inverse CDF) follows its rows, unnormalised ones too; the harness rejects a
     neighbouring distribution (negative control), so it can tell."""
-    g = _gen(11)
+    g = gen(11)
     rows = torch.tensor([[0.0, 0.1, 0.0, 0.4, 0.2, 0.3, 0.0],  # zeros first, between and last
                          [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0]])  # unnormalised, mass at both ends
     drawn = sample(rows.repeat_interleave(B, 0), g).view(2, B)  # [2, B]
@@ -257,6 +245,6 @@ def test_sample_never_draws_a_zero_and_reproduces_with_its_seed():
     tiny[2, 500] = 1.0
     tiny[3, ::7] = 1e-3
     for _ in range(200):
-        tokens = sample(tiny, _gen(_))
+        tokens = sample(tiny, gen(_))
         assert (tiny.gather(1, tokens.unsqueeze(1)) > 0).all()
-    assert torch.equal(sample(tiny[3:].repeat(50, 1), _gen(5)), sample(tiny[3:].repeat(50, 1), _gen(5)))
+    assert torch.equal(sample(tiny[3:].repeat(50, 1), gen(5)), sample(tiny[3:].repeat(50, 1), gen(5)))
