@@ -16,13 +16,10 @@
  */
 #include "avx2_tiles.c"
 
-#ifndef Q8_BLOCK
-#define Q8_BLOCK 4  /* tokens whose int16 sums for 16 rows stay in registers */
-#endif
+/* Tokens whose int16 sums for 16 rows stay in registers: as many as the int16 kernels take, so their
+ * `WITH_CONSTANT_TOKENS` dispatch serves here too. */
+#define Q8_BLOCK MAX_TOKENS
 #define Q8_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows */
-
-#define WITH_CONSTANT_Q8_BLOCK(tokens, call) \
-    switch (tokens) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); break; }
 
 /* x [K] bf16 of one token -> â [K] int8, a [K/32], and a·Σâ per 16 inputs [K/16]. */
 static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale, float *sums16) {
@@ -180,13 +177,13 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
                     const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                     const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
 #define INT4_Q8_ROWS(T) int4_rows16_q8(codes, bs, bz, xq, at, st, K, groups, T, out, ldy)
-                    WITH_CONSTANT_Q8_BLOCK(chunk, INT4_Q8_ROWS)
+                    WITH_CONSTANT_TOKENS(chunk, INT4_Q8_ROWS)
 #undef INT4_Q8_ROWS
                 } else {
                     const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
                     const float *bd = (const float *)scale + nb * (K / 256) * 16;
 #define Q6_Q8_ROWS(T) q6_rows16_q8(block, bd, xq, at, st, K, groups, T, out, ldy)
-                    WITH_CONSTANT_Q8_BLOCK(chunk, Q6_Q8_ROWS)
+                    WITH_CONSTANT_TOKENS(chunk, Q6_Q8_ROWS)
 #undef Q6_Q8_ROWS
                 }
             }
