@@ -4,7 +4,8 @@ import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
-from specdraft.policy import ANSWER_FLOOR, AutoK, DEFAULT_SOURCE, FixedK, GPU_MAX_AUTO_K, MAX_AUTO_K, make_policy
+from specdraft.policy import (ANSWER_FLOOR, DEFAULT_SOURCE, GPU_MAX_AUTO_K, MAX_AUTO_K, SPIKE, STALE_STEPS, AutoK, FixedK,
+                              make_policy)
 
 PROMPT = [5, 17, 42, 8, 59, 3]
 
@@ -116,9 +117,33 @@ def test_observe_moves_the_estimates():
     for _ in range(60):
         policy.observe(4, 0, draft_seconds=0.04, verify_seconds=0.1)  # first token rejected
     assert policy.alpha(0) < 0.2
-    policy.observe(3, 1, draft_seconds=0.3, verify_seconds=0.5)
-    assert policy.verify_seconds[4] == pytest.approx(0.1 + policy.smoothing * 0.4)
-    assert policy.estimates().draft_seconds_per_token > 0.01
+    policy.observe(4, 1, draft_seconds=0.06, verify_seconds=0.15)
+    assert policy.verify_seconds[5] == pytest.approx(0.1 + policy.smoothing * 0.05)
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01 + policy.smoothing * 0.005)
+
+
+def test_a_stall_moves_a_cost_only_so_far_and_a_cost_not_timed_again_is_forgotten():
+    """A stalled step counts as at most SPIKE times the estimate; a cost not re-timed within STALE_STEPS steps is
+    forgotten, so a draft model priced out by a stall is guessed at its usual cost, tried, and timed anew (a shared
+    machine's stall once kept the draft model unused for the rest of a 28-prompt run)."""
+    policy = calibrated([50, 55, 60, 65, 70, 75, 80], draft_ms=15, alpha=0.7)
+    policy.last_source = DEFAULT_SOURCE
+    policy.observe(1, 1, draft_seconds=0.5, verify_seconds=2.0)  # a stall: 33x the draft's cost, 36x the pass's
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.015 * (1 + policy.smoothing * (SPIKE - 1)))
+    assert policy.verify_seconds[2] == pytest.approx(0.055 * (1 + policy.smoothing * (SPIKE - 1)))
+    stalled = AutoK(max_k=3)
+    stalled.observe(0, 0, draft_seconds=0.0, verify_seconds=0.05)
+    stalled.last_source = DEFAULT_SOURCE
+    stalled.observe(1, 1, draft_seconds=0.06, verify_seconds=0.12)  # first timings taken in a stall
+    est = stalled.estimates()
+    est.read_seconds_per_token = 0.012
+    est.hits, est.tries = [70.0] * 3, [100.0] * 3
+    assert stalled.choose(3) == 0  # priced at more than a target pass a token: plain
+    for _ in range(STALE_STEPS):
+        stalled.observe(0, 0, draft_seconds=0.0, verify_seconds=0.05)  # plain steps: only one-token passes timed
+    assert est.draft_seconds_per_token is None and est.read_seconds_per_token is None
+    assert stalled.verify_seconds[2] is None and stalled.verify_seconds[1] == pytest.approx(0.05)
+    assert stalled.choose(3, unread=64, remaining=100, generated=64) > 0  # guessed at its usual cost: tried again
 
 
 def test_auto_k_is_exact_and_measures_the_target(tiny_target, drafts, make_lm):

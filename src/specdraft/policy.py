@@ -29,6 +29,13 @@ budget left. A dear read waits until the answer has shown it is long; a cheap on
 A new request keeps the measured costs, a quarter of the acceptance counts and half the wait.
 The choice never affects what is emitted, only how fast.
 
+Timings are noisy one way: a shared machine stalls now and then, and every pass in a stall runs slow.
+A new timing moves an estimate by at most what `SPIKE` times it would (one stalled step cannot price a
+source out), and a cost not measured again within `STALE_STEPS` steps is forgotten: the source is priced
+by the guesses above until it is timed again. Without that, a stall that made a draft model look as dear
+as the target kept it unused for the rest of a run, since a cost is only re-measured when the source drafts
+(measured: a 28-prompt replay where the draft model never drafted again after one stalled answer).
+
 Trees (`tree=True`, a node budget as `max_k`): k counts nodes, E[tokens | k] = 1 + Σ_{i<k} P_i
 with P_i the online estimate that the drafter's i-th node is on the accepted path (drafters
 list likelier nodes first), and the draft is priced per step, not per node (a tree drafter's
@@ -60,6 +67,8 @@ PROBE_READ_SHARE = 0.1  # a probe may spend at most this share of the answer's e
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
 DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
+SPIKE = 2.0  # a new timing counts as at most this many times the estimate it updates (stalls are one-sided)
+STALE_STEPS = 64  # a cost not measured again within this many steps is forgotten (guessed, then re-timed)
 
 
 class FixedK:
@@ -101,6 +110,8 @@ class SourceEstimates:
     tries: list[float] = field(default_factory=list)
     draft_seconds_per_token: float | None = None  # a tree: per step (its passes go by depth, not by node)
     read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
+    draft_timed_at: int = 0  # the policy's step count when each cost was last timed (STALE_STEPS)
+    read_timed_at: int = 0
     plain_streak: int = 0  # steps this source was asked and declined in a row
     probing: bool = False
     # Decayed sums over the tree nodes it drafted with scores: the scores, and the nodes accepted (κ = hits / mass).
@@ -132,6 +143,8 @@ class AutoK:
         self.margin = margin  # speculate only when it promises this much over a plain step (unmodelled costs)
         self.carry_over = carry_over  # share of the acceptance counts a new request starts with
         self.verify_seconds: list[float | None] = [None] * (max_k + 2)  # [t]: a target pass over t tokens
+        self.verify_timed_at: list[int] = [0] * (max_k + 2)  # [t]: the step count when verify_seconds[t] was timed
+        self.steps = 0  # steps observed, over every request
         self.sources: dict[str, SourceEstimates] = {}
         self.last_source: str | None = None  # who drafted the previous step (None: a plain step)
 
@@ -142,6 +155,7 @@ class AutoK:
             return
         extra = max_k - self.max_k
         self.verify_seconds += [None] * extra
+        self.verify_timed_at += [0] * extra
         for est in self.sources.values():
             est.hits += [0.0] * extra
             est.tries += [0.0] * extra
@@ -176,6 +190,8 @@ class AutoK:
         gave any, and what it cost.
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
+        self.steps += 1
+        self._forget_stale()
         self._smooth_verify(k + 1, verify_seconds)
         if source is None:
             self.last_source = None
@@ -194,10 +210,12 @@ class AutoK:
             # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
             per_token = draft_seconds if self.tree else draft_seconds / k
             est.draft_seconds_per_token = self._smoothed(est.draft_seconds_per_token, per_token)
+            est.draft_timed_at = self.steps
         elif unread > 0 and est.draft_seconds_per_token is not None:  # the rest of the time went to reading
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
             per_read = max(0.0, draft_seconds - drafting) / unread
             est.read_seconds_per_token = self._smoothed(est.read_seconds_per_token, per_read)
+            est.read_timed_at = self.steps
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
         if scores is not None:
@@ -210,12 +228,29 @@ class AutoK:
             est.hits[i] += 1.0
 
     def _smoothed(self, old: float | None, new: float) -> float:
-        """An exponentially smoothed estimate: `new` itself when nothing was measured before."""
-        return new if old is None else old + self.smoothing * (new - old)
+        """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
+        timing counts as at most SPIKE times the estimate."""
+        if old is None:
+            return new
+        return old + self.smoothing * ((min(new, SPIKE * old) if old > 0 else new) - old)
 
     def _smooth_verify(self, width: int, seconds: float) -> None:
         if width < len(self.verify_seconds):
             self.verify_seconds[width] = self._smoothed(self.verify_seconds[width], seconds)
+            self.verify_timed_at[width] = self.steps
+
+    def _forget_stale(self) -> None:
+        """Forget every cost not timed within the last STALE_STEPS steps (module doc): a pass width not used
+        since is priced from the others again, a draft source by the guesses, until it is timed anew."""
+        oldest = self.steps - STALE_STEPS
+        for width, timed_at in enumerate(self.verify_timed_at):
+            if timed_at <= oldest:
+                self.verify_seconds[width] = None
+        for est in self.sources.values():
+            if est.draft_timed_at <= oldest:
+                est.draft_seconds_per_token = None
+            if est.read_timed_at <= oldest:
+                est.read_seconds_per_token = None
 
     # ----- choosing ---------------------------------------------------------------------------
     def pooled_alpha(self, source: str = DEFAULT_SOURCE) -> float:
