@@ -4,8 +4,8 @@ import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
-from specdraft.policy import (ANSWER_FLOOR, DEFAULT_SOURCE, GPU_MAX_AUTO_K, MAX_AUTO_K, SPIKE, STALE_STEPS, AutoK, FixedK,
-                              make_policy)
+from specdraft.policy import (ANSWER_FLOOR, DEFAULT_SOURCE, GPU_MAX_AUTO_K, MAX_AUTO_K, READ_SAMPLE_MIN, SPIKE, STALE_STEPS,
+                              AutoK, FixedK, make_policy)
 
 PROMPT = [5, 17, 42, 8, 59, 3]
 
@@ -266,6 +266,8 @@ def test_read_time_is_learnt_from_a_step_that_caught_up():
     policy.observe(2, 2, draft_seconds=0.02 + 0.1, verify_seconds=0.031, unread=50)  # 2 drafted, 50 read
     assert policy.estimates().read_seconds_per_token == pytest.approx(0.002)
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.010)  # not a caught-up step: kept
+    policy.observe(2, 2, draft_seconds=0.02, verify_seconds=0.031, unread=READ_SAMPLE_MIN - 1)  # a few: nearly free
+    assert policy.estimates().read_seconds_per_token == pytest.approx(0.002)  # not a read rate: kept
 
 
 def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_target, drafts, make_lm):

@@ -365,3 +365,49 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(live):
         assert http.get("/health").json()["status"] == "ok"
         assert http.post("/v1/completions", json=TEXT_OK).status_code == 200
     assert 'status="500"' not in httpx.get(f"{live.url}/metrics").text
+
+
+def test_huge_requests_are_refused_while_health_answers_at_once(tiny_model_dirs, monkeypatch):
+    """A body past --max-body-mb gets 413 before it is read (declared or chunked); one under it but past the context
+    is parsed and tokenized off the event loop, so /health keeps answering within 100 ms meanwhile (a 20 MB prompt
+    once froze the server for 35 s)."""
+    import specdraft.server.app as server_app
+
+    app = make_app(tiny_model_dirs, max_body_mb=1.0)
+    slow_prepare = server_app.prepare
+
+    def prepare(*args, **kwargs):  # parsing a long prompt takes a while: make it take a second, off the loop or not
+        time.sleep(1.0)
+        return slow_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(server_app, "prepare", prepare)
+    huge = {**TEXT_OK, "prompt": "word " * (4 << 20)}  # 20 MiB
+    long = {**TEXT_OK, "prompt": "word " * 150_000}  # 0.7 MiB, far past the tiny model's context
+    with Live(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        def chunks():
+            for _ in range(40):
+                yield b"x" * (64 << 10)
+
+        started = time.monotonic()
+        refused = [http.post("/v1/completions", json=huge),
+                   http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})]
+        for response in refused:
+            assert response.status_code == 413, response.text
+            assert response.json()["error"]["code"] == "request_too_large"
+            assert "--max-body-mb" in response.json()["error"]["message"]
+        assert time.monotonic() - started < 5
+
+        answers = []
+        sender = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=long)))
+        sender.start()
+        latencies = []
+        with httpx.Client(base_url=server.url, timeout=5) as probe:
+            while sender.is_alive():
+                began = time.monotonic()
+                assert probe.get("/health").status_code == 200
+                latencies.append(time.monotonic() - began)
+                time.sleep(0.02)
+        sender.join()
+        assert answers[0].status_code == 400 and answers[0].json()["error"]["code"] == "context_length_exceeded"
+        assert len(latencies) >= 20 and max(latencies) < 0.1, max(latencies)
+        assert http.post("/v1/completions", json=TEXT_OK).status_code == 200

@@ -19,7 +19,8 @@ A draft model must first read the committed tokens it has not seen (`unread`: th
 its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
 rest of the request, so a step that drafts k is charged its share over the tokens the answer has
 left, `catch_up · E[tokens | k] / left` (catch-up = unread × the source's measured read time per
-token; before it is timed, a 24th of a plain target step). Where the answer ends is unknown, and
+token, timed on reads of at least `READ_SAMPLE_MIN` tokens; before it is timed, a 24th of a plain
+target step). Where the answer ends is unknown, and
 the budget says little (a two-line answer under a 128-token budget paid a whole prompt read for
 one draft: 0.90x plain decoding on short answers): `left` is as many tokens as the answer has run
 so far (an answer that has run g tokens is as likely to end before 2g as after, under a
@@ -69,6 +70,10 @@ PRIOR_SLOPE = 0.08
 DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
 SPIKE = 2.0  # a new timing counts as at most this many times the estimate it updates (stalls are one-sided)
 STALE_STEPS = 64  # a cost not measured again within this many steps is forgotten (guessed, then re-timed)
+# Reading is timed from catch-ups of at least this many tokens: a few tokens ride in the draft's pass nearly free
+# (it is bound by its weights), and a read rate learnt from them priced a 64-token first read (0.23 s on a 2-core
+# AVX2 CPU) at a few ms, so 14-token answers paid it (extraction 0.92x ar).
+READ_SAMPLE_MIN = 16
 
 
 class FixedK:
@@ -211,7 +216,7 @@ class AutoK:
             per_token = draft_seconds if self.tree else draft_seconds / k
             est.draft_seconds_per_token = self._smoothed(est.draft_seconds_per_token, per_token)
             est.draft_timed_at = self.steps
-        elif unread > 0 and est.draft_seconds_per_token is not None:  # the rest of the time went to reading
+        elif unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest went to reading
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
             per_read = max(0.0, draft_seconds - drafting) / unread
             est.read_seconds_per_token = self._smoothed(est.read_seconds_per_token, per_read)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import random
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft.server.decoders import DecoderPool
@@ -40,6 +41,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
     seed: int = 0  # seeds the seeds of requests that give none
+    max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
 
 
 class ClientGone(Exception):
@@ -65,13 +67,44 @@ class RequestCounter:
         return await self.app(scope, receive, counting_send)
 
 
+class BodyLimit:
+    """ASGI middleware refusing request bodies over `limit` bytes with a 413: at once when Content-Length says
+    so, else as soon as the bytes received pass it (a chunked body), before anything parses them."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"The request body is larger than this server takes ({self.limit} bytes); send a "
+                             "shorter prompt, or start the server with a larger --max-body-mb.",
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self.too_large().response()(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise self.too_large()
+            return message
+
+        return await self.app(scope, counting_receive, send)
+
+
 def _field_path(location) -> str:
     """`messages.0.content` from pydantic's location, without "body" and the union branches it tried (`str`, `int`, ...)."""
     parts = [str(part) for part in location if part != "body"]
     return ".".join(part for part in parts if not (part in ("str", "int", "float", "bool") or "[" in part))
 
 
-def _validation_error(error: RequestValidationError) -> ApiError:
+def _validation_error(error: ValidationError) -> ApiError:
     """A 400 naming the first problem of a body that is not JSON or does not fit the schema."""
     first = error.errors()[0]
     field = _field_path(first.get("loc", ()))
@@ -100,6 +133,7 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker, app.state.metrics, app.state.settings = worker, metrics, settings
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
 
     def check_key(request: Request) -> None:
@@ -114,10 +148,6 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
-        return _validation_error(error).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -189,17 +219,32 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
             job.cancel()
             raise
 
+    preparing = threading.Lock()  # one tokenizer, used by one preparing thread at a time
+
+    def checked(schema: type[ChatCompletionRequest] | type[CompletionRequest], body: bytes) -> Generation:
+        """The request in `body`, parsed, validated and tokenized (ApiError 4xx where it is wrong)."""
+        try:
+            parsed = schema.model_validate_json(body)
+        except ValidationError as error:
+            raise _validation_error(error) from None
+        with preparing:
+            return prepare(parsed, pool, settings.served_model, settings.default_max_tokens, seeds)
+
+    async def answer(schema: type[ChatCompletionRequest] | type[CompletionRequest], request: Request) -> Response:
+        # Parsing and tokenizing a long prompt takes seconds: off the event loop, which keeps answering meanwhile.
+        generation = await asyncio.to_thread(checked, schema, await request.body())
+        return await generate(generation, request)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        """OpenAI chat completions over the model's chat template (streamed as SSE with `stream: true`)."""
-        return await generate(prepare(body, pool, settings.served_model, settings.default_max_tokens, seeds),
-                              request)
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions over the model's chat template (streamed as SSE with `stream: true`);
+        the body is a `ChatCompletionRequest`."""
+        return await answer(ChatCompletionRequest, request)
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        """OpenAI text completions of a raw prompt (text or token ids)."""
-        return await generate(prepare(body, pool, settings.served_model, settings.default_max_tokens, seeds),
-                              request)
+    async def completions(request: Request) -> Response:
+        """OpenAI text completions of a raw prompt (text or token ids); the body is a `CompletionRequest`."""
+        return await answer(CompletionRequest, request)
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:

@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 # The OpenAI error type of each status this server answers with.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "server_unavailable_error", 504: "timeout_error"}
 
 

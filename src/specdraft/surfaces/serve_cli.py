@@ -34,13 +34,16 @@ def serve(
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
                                          help="On shutdown, seconds the running generation may take to finish."),
     seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
+    max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
+                                      help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
+                                           "a larger one gets 413 before it is read."),
     **model_options,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a playground at /."""
     try:
         app = build_app(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
                         request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace,
-                        seed=seed, **model_options)
+                        seed=seed, max_body_mb=max_body_mb, **model_options)
     except SpecdraftError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(2)
@@ -51,8 +54,8 @@ def serve(
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              target, draft, drafter, k, tree_budget, tree_branch, draft_quant, draft_vocab, dtype, device,
-              gguf_weights, **flags):
+              max_body_mb=2.0, target, draft, drafter, k, tree_budget, tree_branch, draft_quant, draft_vocab, dtype,
+              device, gguf_weights, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
     from specdraft.engine import check_tree_options
     from specdraft.policy import make_policy
@@ -68,7 +71,7 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                        tree_branch=tree_branch)
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
-                              shutdown_grace=shutdown_grace, seed=seed)
+                              shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)))
     return create_app(pool, settings)
 
 
