@@ -15,11 +15,11 @@ ROOT = Path(specdraft.__file__).parent
 # Lowest first. A module may import from its own layer and the ones below, never from above.
 LAYERS = [
     {"errors", "paths", "gguf_layout"},
-    {"sampling", "tree", "text", "stats", "policy", "prompts"},
+    {"sampling", "tree", "text", "stats", "policy", "goodput", "prompts"},
     {"kernels"},
     {"models"},
     {"exactness", "verify", "drafters"},
-    {"engine"},
+    {"engine", "batch_engine"},
     {"analysis"},
     {"bench", "training"},
     {"server"},

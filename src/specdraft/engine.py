@@ -98,7 +98,7 @@ def sync_device(device: torch.device) -> None:
 
 
 @dataclass
-class _Run:
+class RunState:
     """One request's state while it generates."""
 
     sequence: torch.Tensor  # [L] committed tokens, the prompt first
@@ -123,6 +123,20 @@ class _Run:
         self.sequence = torch.cat([self.sequence, tokens])
         if self.seen is not None:
             self.seen[tokens] = True
+
+    def emit(self, k: int, accepted_tokens: list[int], next_token: int, bonus: bool, eos_ids: set[int],
+             context: int) -> StepEvent:
+        """Commit a verified step (`k` drafted, `accepted_tokens` kept, then the target's `next_token`: a bonus
+        or a recovery) cut at EOS, a stop string or the budget, and return its event (finish_reason set on the
+        last one)."""
+        kinds = [ACCEPTED] * len(accepted_tokens) + [TARGET if k == 0 else BONUS if bonus else RECOVERED]
+        committed, texts, finish = self.text.cut(self.generated, accepted_tokens + [next_token], eos_ids)
+        self.extend(committed)
+        if finish is None and self.full(context):
+            finish = "length"
+        pieces = [self.text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
+        kept = min(len(accepted_tokens), len(committed))
+        return StepEvent(committed, kinds[: len(committed)], pieces, k, kept, finish)
 
 
 class SpeculativeDecoder:
@@ -216,7 +230,7 @@ class SpeculativeDecoder:
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 
-        run = _Run(sequence, seen, params, generator, max_new_tokens, text, stats, started, logprobs)
+        run = RunState(sequence, seen, params, generator, max_new_tokens, text, stats, started, logprobs)
         try:
             yield from self._steps(run)
         finally:
@@ -239,7 +253,7 @@ class SpeculativeDecoder:
             declined.add(source)
         return None, 0, 0
 
-    def _propose(self, run: "_Run") -> tuple[Draft, str | None, int]:
+    def _propose(self, run: "RunState") -> tuple[Draft, str | None, int]:
         """This step's draft (empty for a plain step), who drafted it, and how many committed tokens it read."""
         remaining = run.max_new_tokens - len(run.generated)
         room = max(0, self.target.max_context - run.sequence.shape[0] - 1)  # draft tokens the context holds
@@ -258,7 +272,7 @@ class SpeculativeDecoder:
             draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
         return draft, source, unread
 
-    def _commit(self, run: "_Run", draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
+    def _commit(self, run: "RunState", draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
         """Both caches keep the accepted path; a feature drafter reads the kept rows' hidden states [1 + a, H]."""
         length = run.sequence.shape[0]
         self.target.keep(length, path)
@@ -267,7 +281,7 @@ class SpeculativeDecoder:
         if draft.k > 0:
             self.drafter.commit(length, path)
 
-    def _steps(self, run: "_Run") -> Iterator[StepEvent]:
+    def _steps(self, run: "RunState") -> Iterator[StepEvent]:
         """propose -> score -> verify -> commit -> emit, until the answer stops."""
         target, drafter = self.target, self.drafter
         wants_features = drafter is not None and drafter.needs_features
@@ -294,24 +308,17 @@ class SpeculativeDecoder:
             t2 = time.perf_counter()
             self._commit(run, draft, path, scored.hidden_states[0] if wants_features else None)  # 4. commit
             bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == k
-            kinds = [ACCEPTED] * num_accepted + [TARGET if k == 0 else BONUS if bonus else RECOVERED]
-            committed, texts, finish = run.text.cut(run.generated, [decided[3 + node] for node in path] + [next_token],
-                                                    target.eos_token_ids)  # 5. emit, cut at EOS or a stop string
-            run.extend(committed)
-            if finish is None and run.full(target.max_context):
-                finish = "length"
-            pieces = [run.text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
+            event = run.emit(k, [decided[3 + node] for node in path], next_token, bonus, target.eos_token_ids,
+                             target.max_context)  # 5. emit, cut at EOS, a stop string or the budget
             if drafter is not None:
                 self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores)
-            kept = min(num_accepted, len(committed))
-            run.stats.record_step(k, kept, source if k > 0 else None, path, tree.height if tree is not None else k,
-                                  t1 - t0, t2 - t1)
+            run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
+                                  tree.height if tree is not None else k, t1 - t0, t2 - t1)
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-            event = StepEvent(committed, kinds[: len(committed)], pieces, k, kept, finish)
             if run.logprobs is not None:  # from the rows that decided the emitted tokens
-                _add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(committed)]], run.logprobs)
+                _add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
             yield event
-            if finish is not None:
+            if event.finish_reason is not None:
                 return
 
     def generate(

@@ -267,6 +267,47 @@ def bench(
         err.print(f"wrote {out}/: results.jsonl, summary.json, report.md and the PNG plots", highlight=False)
 
 
+@app.command()
+def loadtest(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The running `specdraft serve` to load."),
+    concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Comma list of concurrent clients to try."),
+    methods: str = typer.Option("ar,spec", "--methods",
+                                help="Comma list: ar (each request asks for plain decoding), spec (server default)."),
+    prompts: Optional[list[Path]] = typer.Option(
+        None, "--prompts", help="Spec-Bench JSONL (default: the shipped set); repeat to join files."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma list of categories (default: all)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="At most N prompts per category."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Token budget of each request."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1,
+                                           help="Requests per level (default: 2 x the concurrency, and at least "
+                                                "one per prompt at the lowest)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDRAFT_API_KEY", help="The server's key."),
+    out: Path = typer.Option(Path("loadtest_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
+) -> None:
+    """Load a live server with concurrent streaming clients: aggregate tokens/s, TTFT and inter-token latency."""
+    from specdraft.bench.loadtest import parse_concurrency, parse_methods, run_loadtest
+    from specdraft.prompts import load_prompt_files, select_prompts
+
+    try:
+        chosen = select_prompts(load_prompt_files(prompts),
+                                [c.strip() for c in categories.split(",") if c.strip()] if categories else None,
+                                max_prompts)
+        summary = run_loadtest(url, chosen, parse_methods(methods), parse_concurrency(concurrency), out,
+                               max_tokens=max_tokens, requests=requests, api_key=api_key,
+                               progress=lambda text: err.print(text, highlight=False))
+    except SpecdraftError as error:
+        _fail(str(error))
+    table = Table(title="specdraft loadtest")
+    for column in ("method", "clients", "tok/s", "TTFT p95 ms", "ITL p95 ms", "errors"):
+        table.add_column(column, justify="right")
+    for method, levels in summary["methods"].items():
+        for clients, f in levels.items():
+            table.add_row(method, clients, f"{f['tokens_per_second'] or 0:.1f}",
+                          *(f"{(f[key]['p95'] or 0) * 1000:.0f}" for key in ("ttft", "itl")), str(f["errors"]))
+    err.print(table)
+    err.print(f"wrote {out}/: results.jsonl, summary.json, report.md and the PNG plots", highlight=False)
+
+
 def _bench_table(summary: dict) -> Table:
     """The overall figures per method, and the speedup per category when there are few (report.md has all)."""
     def fmt(value, spec=".2f", suffix=""):

@@ -1,0 +1,234 @@
+"""`specdraft loadtest`: many clients at once against a live server, as users of a serving system measure it.
+
+For each method and each concurrency C, `requests` chat requests (default 2·C) go out C at a time through the
+official `openai` client, streamed, greedy, prompts taken in turn from the prompt files. Methods are what each
+request asks of the server: `ar` sends `speculative: {"drafter": "none"}` (plain decoding), `spec` nothing (the
+server's default speculation).
+
+Per request: time to first token (TTFT: from sending to the first chunk with text), time per output token after
+the first (TPOT: (end - first) / (tokens - 1)), and the gaps between chunks (ITL; a speculative step sends
+several tokens in one chunk). Per level: aggregate tokens/s (completion tokens over the wall time from the first
+request sent to the last answer), p50 / p95 of each latency, errors, and whether every greedy answer equals that
+prompt's answer at concurrency 1 (batching must not change outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specdraft.analysis.charts import new_figure, note, save
+from specdraft.errors import SpecdraftError
+from specdraft.prompts import Prompt
+
+# What each method asks of the server in the request body (None: nothing: the server's defaults).
+METHOD_BODIES: dict[str, dict | None] = {"ar": {"speculative": {"drafter": "none"}}, "spec": None}
+RESULTS, SUMMARY, REPORT = "results.jsonl", "summary.json", "report.md"
+THROUGHPUT_PLOT, LATENCY_PLOT = "tokens_per_second.png", "latency.png"
+
+
+@dataclass
+class RequestResult:
+    """One streamed request: its timings (seconds) and answer, or the error it got."""
+
+    method: str
+    concurrency: int
+    question_id: str
+    tokens: int = 0
+    ttft: float | None = None
+    seconds: float = 0.0  # sending to the last chunk
+    chunk_gaps: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first."""
+        if self.ttft is None or self.tokens < 2:
+            return None
+        return (self.seconds - self.ttft) / (self.tokens - 1)
+
+
+def parse_methods(methods: str) -> list[str]:
+    """The comma list of methods, checked."""
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHOD_BODIES]
+    if not names or unknown:
+        raise SpecdraftError(f"--methods takes a comma list of {', '.join(METHOD_BODIES)}; got {methods!r}.")
+    return names
+
+
+def parse_concurrency(levels: str) -> list[int]:
+    """The comma list of concurrency levels (integers >= 1), checked."""
+    try:
+        values = [int(v) for v in levels.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SpecdraftError(f"--concurrency takes a comma list of integers >= 1 (e.g. 1,2,4,8); got {levels!r}.")
+    return values
+
+
+def client_for(url: str, api_key: str | None, timeout: float):
+    """An `openai.OpenAI` client for the server at `url` (the `openai` package is the `loadtest` extra)."""
+    try:
+        import openai
+    except ImportError:
+        raise SpecdraftError("specdraft loadtest drives the server with the openai client: "
+                             "pip install 'specdraft[loadtest]' (or pip install openai).") from None
+    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "unused", timeout=timeout, max_retries=0)
+
+
+def served_model(client) -> str:
+    """The model id the server serves (its /v1/models), or a clear error when nobody answers there."""
+    import openai
+
+    try:
+        return client.models.list().data[0].id
+    except openai.APIConnectionError:
+        raise SpecdraftError(f"No server answers at {client.base_url}; start one with `specdraft serve` "
+                             "(or pass its address with --url).") from None
+    except openai.AuthenticationError:
+        raise SpecdraftError("The server wants an API key: pass --api-key (or set SPECDRAFT_API_KEY).") from None
+
+
+def stream_one(client, model: str, method: str, concurrency: int, prompt: Prompt, max_tokens: int) -> RequestResult:
+    """Send one streamed greedy chat request and time its chunks."""
+    result = RequestResult(method, concurrency, prompt.question_id)
+    started = last = time.perf_counter()
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt.turns[0]}], max_tokens=max_tokens,
+            temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=METHOD_BODIES[method])
+        pieces = []
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                result.tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].delta.content:
+                if result.ttft is None:
+                    result.ttft = now - started
+                else:
+                    result.chunk_gaps.append(now - last)
+                last = now
+                pieces.append(chunk.choices[0].delta.content)
+        result.text = "".join(pieces)
+    except Exception as error:  # any failure is a result of the load test, reported with its level
+        result.error = f"{type(error).__name__}: {error}"
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def run_level(client, model: str, method: str, concurrency: int, prompts: Sequence[Prompt], requests: int,
+              max_tokens: int) -> tuple[list[RequestResult], float]:
+    """`requests` requests, `concurrency` at a time, prompts in turn; the results and the level's wall seconds."""
+    chosen = [prompts[i % len(prompts)] for i in range(requests)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda p: stream_one(client, model, method, concurrency, p, max_tokens), chosen))
+    return results, time.perf_counter() - started
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None}
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
+
+
+def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dict[str, str]) -> dict:
+    """A level's figures; `alone` maps question ids to the answer at concurrency 1 (outputs must not change)."""
+    done = [r for r in results if r.error is None]
+    tokens = sum(r.tokens for r in done)
+    compared = [r for r in done if r.question_id in alone]
+    return {
+        "requests": len(results), "errors": len(results) - len(done), "tokens": tokens, "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        "ttft": _percentiles([r.ttft for r in done if r.ttft is not None]),
+        "tpot": _percentiles([r.tpot for r in done if r.tpot is not None]),
+        "itl": _percentiles([gap for r in done for gap in r.chunk_gaps]),
+        "same_as_alone": (sum(alone[r.question_id] == r.text for r in compared) / len(compared)) if compared else None,
+    }
+
+
+def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], levels: Sequence[int], out: Path,
+                 max_tokens: int = 128, requests: int | None = None, api_key: str | None = None,
+                 timeout: float = 600.0, progress=None) -> dict:
+    """Drive the server at `url` at each concurrency of `levels` for each method; write OUT/ and return the summary.
+
+    `requests` per level (None: 2 x the concurrency, at least one per prompt at concurrency 1); `progress(text)`,
+    if given, hears of each level as it starts."""
+    if not prompts:
+        raise SpecdraftError("No prompts to send; check --prompts and --categories.")
+    if max_tokens < 1 or (requests is not None and requests < 1):
+        raise SpecdraftError("--max-tokens and --requests must be >= 1.")
+    client = client_for(url, api_key, timeout)
+    model = served_model(client)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "methods": {}}
+    with open(out / RESULTS, "w", encoding="utf-8") as records:
+        for method in methods:
+            alone: dict[str, str] = {}
+            figures = summary["methods"][method] = {}
+            for concurrency in sorted(levels):
+                count = requests or max(2 * concurrency, len(prompts) if concurrency == 1 else 0)
+                if progress is not None:
+                    progress(f"{method}: {count} requests, {concurrency} at a time")
+                results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
+                for result in results:
+                    records.write(json.dumps({**asdict(result), "tpot": result.tpot}) + "\n")
+                if concurrency == min(levels):
+                    alone = {r.question_id: r.text for r in results if r.error is None}
+                figures[str(concurrency)] = summarize_level(results, seconds, alone)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    plot_loadtest(summary, out)
+    (out / REPORT).write_text(render_report(summary), encoding="utf-8")
+    return summary
+
+
+def plot_loadtest(summary: dict, out: Path) -> None:
+    """Aggregate tokens/s, and p95 inter-token latency, against concurrency: one line per method."""
+    for name, key, label in ((THROUGHPUT_PLOT, None, "aggregate tokens/s"),
+                             (LATENCY_PLOT, "itl", "p95 gap between streamed chunks (ms)")):
+        figure = new_figure()
+        axes = figure.add_subplot()
+        for method, levels in summary["methods"].items():
+            xs = [int(c) for c in levels]
+            ys = [(f["tokens_per_second"] if key is None else (f[key]["p95"] or 0) * 1000) for f in levels.values()]
+            axes.plot(xs, ys, marker="o", label=f"`{method}`")
+        if not summary["methods"]:
+            note(axes, "no methods")
+        axes.set(xscale="log", xlabel="concurrent clients", ylabel=label, title=f"{label}, {summary['model']}")
+        axes.grid(alpha=0.3)
+        if summary["methods"]:
+            axes.legend()
+        save(figure, out / name)
+
+
+def render_report(summary: dict) -> str:
+    """report.md: one row per method and concurrency."""
+    def ms(value):
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    lines = ["# specdraft loadtest", "",
+             f"Server `{summary['url']}`, model `{summary['model']}`, greedy, {summary['max_tokens']} tokens at most.", "",
+             "| method | clients | requests | errors | tokens/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) "
+             "| ITL p50 / p95 (ms) | same as alone |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for method, levels in summary["methods"].items():
+        for clients, f in levels.items():
+            same = "-" if f["same_as_alone"] is None else f"{f['same_as_alone']:.0%}"
+            rate = "-" if f["tokens_per_second"] is None else f"{f['tokens_per_second']:.1f}"
+            lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} "
+                         f"| {ms(f['ttft']['p50'])} / {ms(f['ttft']['p95'])} | {ms(f['tpot']['p50'])} / "
+                         f"{ms(f['tpot']['p95'])} | {ms(f['itl']['p50'])} / {ms(f['itl']['p95'])} | {same} |")
+    lines += ["", "TTFT: sending to the first streamed text; TPOT: time per output token after the first; ITL: gaps "
+              "between streamed chunks (a speculative step sends several tokens at once); same as alone: share of "
+              "greedy answers equal to that prompt's answer at the lowest concurrency.", "",
+              f"![tokens per second]({THROUGHPUT_PLOT})", f"![latency]({LATENCY_PLOT})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""`specdraft loadtest` against a live tiny server: figures per method and concurrency, outputs unchanged by load."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from live_server import Live, make_app
+from specdraft.bench.loadtest import (LATENCY_PLOT, REPORT, RESULTS, SUMMARY, THROUGHPUT_PLOT, parse_concurrency,
+                                      parse_methods, run_loadtest)
+from specdraft.errors import SpecdraftError
+from specdraft.prompts import Prompt
+
+PROMPTS = [Prompt(f"p{i}", "test", [text]) for i, text in enumerate(
+    ["the quick brown fox", "hello there, how are", "one two three four five", "a b c d e f g"])]
+
+
+def test_loadtest_reports_each_level_and_method_with_outputs_unchanged_by_load(tiny_model_dirs, tmp_path):
+    with Live(make_app(tiny_model_dirs, max_tokens=8)) as server:
+        summary = run_loadtest(server.url, PROMPTS, ["ar", "spec"], [1, 4], tmp_path, max_tokens=8)
+    assert set(summary["methods"]) == {"ar", "spec"}
+    for method, levels in summary["methods"].items():
+        assert list(levels) == ["1", "4"]
+        assert levels["1"]["requests"] == len(PROMPTS) and levels["4"]["requests"] == 8
+        for figures in levels.values():
+            assert figures["errors"] == 0 and figures["tokens"] > 0 and figures["tokens_per_second"] > 0
+            assert 0 < figures["ttft"]["p50"] <= figures["ttft"]["p95"]
+            assert figures["same_as_alone"] == 1.0  # greedy answers do not change with load
+    records = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
+    assert len(records) == 2 * (len(PROMPTS) + 8) and all(r["error"] is None for r in records)
+    answers = {(r["method"], r["question_id"]) for r in records}
+    assert all(r["text"] == next(q["text"] for q in records if (q["method"], q["question_id"]) == ("ar", r["question_id"]))
+               for r in records if (r["method"], r["question_id"]) in answers)  # spec == ar, greedy
+    for name in (SUMMARY, REPORT, THROUGHPUT_PLOT, LATENCY_PLOT):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| `spec` | 4 |" in (tmp_path / REPORT).read_text()
+
+
+def test_loadtest_refuses_bad_options_and_a_missing_server(tmp_path):
+    with pytest.raises(SpecdraftError, match="--methods"):
+        parse_methods("ar,medusa")
+    for bad in ("", "0,2", "two"):
+        with pytest.raises(SpecdraftError, match="--concurrency"):
+            parse_concurrency(bad)
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(SpecdraftError, match="No server answers"):
+        run_loadtest(f"http://127.0.0.1:{port}", PROMPTS, ["ar"], [1], tmp_path)
