@@ -11,12 +11,15 @@ while active:
 ```
 
 The target's KV cache is packed: the committed tokens of every active sequence but its last, in the order
-they were written, each row tagged with its sequence (`row_owner`). A step appends every sequence's block
-[last, d1 .. dk] at its own positions; each token sees its own sequence's rows and the earlier tokens of its
-own block, nothing else (`_step_visibility`). Afterwards `CausalLM.keep` keeps, per sequence, the row of its
-last token and of the accepted drafts; the bonus or recovered token is the new last. A masked key adds an
-exact zero to the attention sums, so a sequence's tokens are those it would get alone, up to the order in
-which a kernel adds them: greedy outputs agree with single runs except at numerical near-ties.
+they were written, each row tagged with its sequence (`row_owner`). A joining prompt is read alone, into a cache
+of its own over the same weights, and its rows are appended (`CausalLM.append_cache`). A step appends every
+sequence's block [last, d1 .. dk] at its own positions; each token sees its own sequence's rows and the earlier
+tokens of its own block, nothing else (`_step_visibility`). Afterwards `CausalLM.keep` keeps, per sequence, the
+row of its last token and of the accepted drafts; the bonus or recovered token is the new last. The CPU's
+attention kernels skip hidden keys and see a sequence's own keys in the order it wrote them, and the matmul
+kernels compute each token's row alone, so there a sequence's tokens are bit for bit those it gets alone;
+elsewhere (PyTorch's attention) kernels may add in another order: greedy outputs then agree with single runs
+except at numerical near-ties.
 
 Each sequence has its own drafter (made by `make_drafter`: a draft model needs its own cache, so the factory
 gives each a `CausalLM` of its own over the shared weights), sampling, generator, budget, stop strings and
@@ -82,6 +85,7 @@ class BatchedDecoder:
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
         self.batch_sizes: list[int] = []  # sequences in each step, for the metrics
         self._next_ident = 0
+        self._reader = CausalLM(target.model, target.tokenizer, name=target.name)  # reads joining prompts alone
         target.reset()
 
     # ----- joining and leaving ----------------------------------------------------------------------
@@ -121,16 +125,15 @@ class BatchedDecoder:
         return ident
 
     def _prefill(self, ident: int, tokens: torch.Tensor) -> None:  # tokens: [L - 1]
-        """Read a joining prompt (but its last token) into the cache, at its own positions, seeing only itself."""
-        length = tokens.shape[0]
-        if length == 0:
+        """Read a joining prompt (but its last token) as it is read alone, into a cache of its own over the same
+        weights, and append those rows to the packed cache: the same states, bit for bit."""
+        if tokens.shape[0] == 0:
             return
-        cached = self.target.cache_len
-        visible = torch.zeros(length, cached + length, dtype=torch.bool, device=tokens.device)  # [T, N + T]
-        visible[:, cached:] = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
-        offsets = torch.arange(length, device=tokens.device) - cached  # positions 0 .. T - 1
-        self.target.forward(tokens.unsqueeze(0), 1, offsets=offsets, visible=visible, prompt=True)
-        self.row_owner += [ident] * length
+        self._reader.reset()
+        self._reader.prefill(tokens.unsqueeze(0))
+        self.target.append_cache(self._reader)
+        self._reader.reset()
+        self.row_owner += [ident] * tokens.shape[0]
 
     def cancel(self, ident: int) -> None:
         """Stop sequence `ident` now (its rows leave the cache); unknown ids are ignored."""
@@ -157,12 +160,19 @@ class BatchedDecoder:
         run = seq.run
         return DraftContext(run.sequence, run.params, run.generator, run.seen, tree_branch=1, max_depth=limit)
 
-    def _choose(self, sources: list[str | None], limits: list[int]) -> list[int]:
+    def _stepping(self) -> list[_Sequence]:
+        """The sequences this step advances: all, but at most one whose next token sits at position 0 (a one-token
+        prompt), and that one first: a sequence's first token runs on the 16-bit kernels where every other pass runs
+        on int8 activations (`kernels.prompt_pass`), and a pass keeps only its leading rows so. The others wait."""
+        first = [seq for seq in self.active if seq.run.sequence.shape[0] == 1]
+        return first[:1] + [seq for seq in self.active if seq.run.sequence.shape[0] > 1]
+
+    def _choose(self, stepping: list[_Sequence], sources: list[str | None], limits: list[int]) -> list[int]:
         """Each sequence's k: the goodput rule over measured pass costs (FIRST_K before any is measured)."""
         if self.pass_costs.verify_estimate(1) is None:
             return [min(FIRST_K, limit) if source else 0 for source, limit in zip(sources, limits)]
         curves, costs = [], []
-        for seq, source, limit in zip(self.active, sources, limits):
+        for seq, source, limit in zip(stepping, sources, limits):
             if source is None:
                 curves.append([1.0])
                 costs.append(0.0)
@@ -189,26 +199,27 @@ class BatchedDecoder:
         if not self.active:
             return []
         target = self.target
-        self.batch_sizes.append(len(self.active))
+        stepping = self._stepping()
+        self.batch_sizes.append(len(stepping))
         t0 = time.perf_counter()
-        limits = [self._limit(seq) for seq in self.active]
-        contexts = [self._context(seq, limit) for seq, limit in zip(self.active, limits)]
+        limits = [self._limit(seq) for seq in stepping]
+        contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
         sources = [seq.drafter.source(ctx) if seq.drafter is not None and limit > 0 else None
-                   for seq, ctx, limit in zip(self.active, contexts, limits)]
-        ks = self._choose(sources, limits)
+                   for seq, ctx, limit in zip(stepping, contexts, limits)]
+        ks = self._choose(stepping, sources, limits)
         drafts, draft_seconds, unread = [], [], []
-        for seq, ctx, source, k in zip(self.active, contexts, sources, ks):  # 2. each sequence drafts alone
+        for seq, ctx, source, k in zip(stepping, contexts, sources, ks):  # 2. each sequence drafts alone
             began = time.perf_counter()
             unread.append(seq.drafter.unread(ctx) if k > 0 else 0)
             draft = seq.drafter.propose(ctx, k) if k > 0 else Draft.chain(ctx.sequence.new_empty(0))
             drafts.append(draft)
             draft_seconds.append(time.perf_counter() - began)
         # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions
-        blocks = [torch.cat([seq.run.sequence[-1:], draft.tokens]) for seq, draft in zip(self.active, drafts)]
-        owners = [seq.ident for seq, block in zip(self.active, blocks) for _ in range(block.shape[0])]
+        blocks = [torch.cat([seq.run.sequence[-1:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
+        owners = [seq.ident for seq, block in zip(stepping, blocks) for _ in range(block.shape[0])]
         which = [i for i, block in enumerate(blocks) for _ in range(block.shape[0])]
         positions = torch.cat([seq.run.sequence.shape[0] - 1 + torch.arange(block.shape[0], device=block.device)
-                               for seq, block in zip(self.active, blocks)])  # [T]
+                               for seq, block in zip(stepping, blocks)])  # [T]
         tokens = torch.cat(blocks)  # [T]
         cached = target.cache_len
         sync_device(target.device)
@@ -217,7 +228,7 @@ class BatchedDecoder:
                                 visible=self._step_visibility(owners, which)).logits[0]  # [T, V]
         events, kept_rows, start = [], [], 0
         verdicts = []
-        for seq, draft, block in zip(self.active, drafts, blocks):  # 4. verify each sequence as alone
+        for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width = block.shape[0]
             run = seq.run
             p_target = target_rows(logits[start : start + width], run.params, run.seen, block)  # [k + 1, V]
@@ -230,10 +241,10 @@ class BatchedDecoder:
         self.pass_costs.observe(tokens.shape[0] - 1, 0, 0.0, pass_seconds, source=None)
         owners_before = self.row_owner
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner = owners_before + [seq.ident for seq, (a, _) in zip(self.active, verdicts) for _ in range(1 + a)]
+        self.row_owner = owners_before + [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []
         for seq, draft, source, (num_accepted, next_token), k, seconds, read in zip(
-                self.active, drafts, sources, verdicts, ks, draft_seconds, unread):
+                stepping, drafts, sources, verdicts, ks, draft_seconds, unread):
             run = seq.run
             prev_len = run.sequence.shape[0]
             path = list(range(num_accepted))
@@ -245,7 +256,7 @@ class BatchedDecoder:
             event = run.emit(k, draft.tokens[:num_accepted].tolist(), next_token, num_accepted == k,
                              target.eos_token_ids, target.max_context)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path, k, seconds,
-                                  pass_seconds + (t1 - t0) / len(self.active))
+                                  pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
             events.append((seq.ident, event))
             if event.finish_reason is not None:

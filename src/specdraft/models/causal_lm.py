@@ -133,6 +133,22 @@ class CausalLM:
                 self._cache.crop(-excess)
             self.cache_len = length
 
+    def append_cache(self, other: "CausalLM") -> None:
+        """Append `other`'s cached tokens (the same model's: e.g. a prompt read alone into a cache of its own)
+        after this cache's, as they are: how a packed batch takes in a joining sequence exactly as it would have
+        read it alone (`batch_engine`). The growing cache only (not a GPU's static one)."""
+        if self._static is not None or other._static is not None:
+            raise SpecdraftError("A packed batch runs on the growing KV cache; the static (GPU) one is not supported.")
+        for mine, theirs in zip(self._cache.layers, other._cache.layers):
+            if theirs.keys is None or theirs.keys.numel() == 0:
+                continue
+            added = theirs.keys.shape[-2]
+            length = mine.reserve(theirs.keys, theirs.values, added)
+            mine.key_buffer[..., length : length + added, :] = theirs.keys
+            mine.value_buffer[..., length : length + added, :] = theirs.values
+            mine.advance(length + added)
+        self.cache_len += other.cache_len
+
     # ----- running it ----------------------------------------------------------------------
     @torch.inference_mode()
     def keep(self, start: int, rows: list[int]) -> None:
@@ -203,7 +219,8 @@ class CausalLM:
         every pass runs so (`kernels/prompt_pass`: the default on the AVX2 kernels).
         """
         if self._static is None and (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
-            with prompt_pass.prompt_pass(starts_sequence=self.cache_len == 0):
+            first_position = self.cache_len + (int(offsets[0]) if offsets is not None else 0)
+            with prompt_pass.prompt_pass(starts_sequence=first_position == 0):  # a packed batch's sequence too
                 return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
