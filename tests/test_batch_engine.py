@@ -3,6 +3,7 @@ join and leave mid-generation, a cancelled one frees its slot and its cache rows
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
@@ -77,3 +78,89 @@ def test_bad_requests_are_refused_before_they_join(tiny_target, make_lm):
     assert not batch.active and batch.target.cache_len == 0
     with pytest.raises(SpecdraftError, match="at least one sequence"):
         BatchedDecoder(make_lm(tiny_target), max_batch=0)
+
+
+# ---- sampled verification in a batch: the target's exact distribution, per sequence ------------------------------
+
+STAT_V = 8
+STAT_PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes from the first step
+STAT_SAMPLES = 1200  # sequences, 4 to a batch
+
+
+class MixedK(BatchedDecoder):
+    """The batch's sequences draft 3, 0, 2 and 1 tokens in one pass (where their drafter has something)."""
+
+    def _choose(self, stepping, sources, limits):
+        return [min((3, 0, 2, 1)[i % 4], limit) if source else 0
+                for i, (source, limit) in enumerate(zip(sources, limits))]
+
+
+def batched_pairs(target_model, make_drafter, decoder_class=MixedK):
+    """[V * V] counts of each sequence's first two tokens, over STAT_SAMPLES sequences sampled 4 to a batch."""
+    from specdraft.models.causal_lm import CausalLM
+
+    counts = [0] * (STAT_V * STAT_V)
+    batch = decoder_class(CausalLM(target_model), make_drafter, max_batch=4)
+    drafted = 0
+    for first in range(0, STAT_SAMPLES, 4):
+        done = batch.generate_all([BatchRequest(STAT_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
+                                   for seed in range(first, first + 4)])
+        for completion in done:
+            a, b = completion.token_ids[:2]
+            counts[a * STAT_V + b] += 1
+            drafted += completion.stats.drafted
+    return np.array(counts, dtype=float), drafted
+
+
+@pytest.fixture(scope="module")
+def stat_target():
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(tiny_config(vocab_size=STAT_V, layers=2)).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_batched_sampling_with_a_different_k_per_sequence_follows_the_target(stat_target, drafter):
+    from conftest import perturbed
+    from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+    from specdraft.models.causal_lm import CausalLM
+
+    draft = perturbed(stat_target, noise=0.5, seed=3)
+    makers = {"ngram": lambda: NgramDrafter(), "model": lambda: ModelDrafter(CausalLM(draft), min_confidence=0.0)}
+    counts, drafted = batched_pairs(stat_target, makers[drafter])
+    assert drafted > STAT_SAMPLES // 2
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(stat_target, STAT_PROMPT).ravel() * STAT_SAMPLES)
+    assert pvalue > 1e-3, f"batched {drafter}: p-value {pvalue:.3g}"
+
+
+def test_verifying_a_sequence_against_its_neighbours_rows_is_caught(stat_target):
+    """Negative control: each sequence verified against the pass's rows one token off (a neighbour's at the edges)."""
+    import torch
+
+    from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+
+    class OffByOne(MixedK):
+        def step(self):
+            forward = self.target.forward
+
+            def shifted(*args, **kwargs):
+                out = forward(*args, **kwargs)
+                out.logits = torch.roll(out.logits, 1, dims=1)
+                return out
+
+            self.target.forward = shifted
+            try:
+                return super().step()
+            finally:
+                del self.target.forward
+
+    counts, _ = batched_pairs(stat_target, lambda: NgramDrafter(), OffByOne)
+    pvalue = chi_square_pvalue(counts, exact_two_tokens(stat_target, STAT_PROMPT).ravel() * STAT_SAMPLES)
+    assert pvalue < 1e-6, f"rows off by one went unnoticed: p-value {pvalue:.3g}"
