@@ -21,10 +21,11 @@ kernels compute each token's row alone, so there a sequence's tokens are bit for
 elsewhere (PyTorch's attention) kernels may add in another order: greedy outputs then agree with single runs
 except at numerical near-ties.
 
-Each sequence has its own drafter (made by `make_drafter`: a draft model needs its own cache, so the factory
-gives each a `CausalLM` of its own over the shared weights), sampling, generator, budget, stop strings and
-acceptance estimates (an `AutoK`'s); the pass cost by width is shared (`pass_costs`). Chains only for now:
-trees, logprobs and a batched draft model pass are the single-request engine's (`engine.SpeculativeDecoder`).
+Each sequence has its own drafter (made by `make_drafter`, or its request's own factory: a draft model needs its
+own cache, so the factory gives each a `CausalLM` of its own over the shared weights), sampling, generator,
+budget, stop strings, log-probabilities and acceptance estimates (an `AutoK`'s); the pass cost by width is shared
+(`pass_costs`). Chains only for now: trees, feature drafters and a batched draft model pass are the
+single-request engine's (`engine.SpeculativeDecoder`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.engine import Completion, RunState, StepEvent, sync_device
+from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs, sync_device
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import choose_batch_k
 from specdraft.models.causal_lm import CausalLM
@@ -50,14 +51,22 @@ DEFAULT_MAX_BATCH = 8
 MARGIN = 1.05  # speculation must promise this much over the batch's plain step (unmodelled costs), as in AutoK
 
 
+DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
+
+
 @dataclass
 class BatchRequest:
-    """One request for the batch: prompt token ids, sampling, budget and stop strings."""
+    """One request for the batch: prompt token ids, sampling, budget, stop strings, and optionally its own
+    drafter factory (None: plain decoding), a fixed k (None: the goodput rule chooses each step; a fixed k keeps a
+    seeded sampled answer reproducible whatever else is in the batch) and log-probabilities (as `engine.stream`)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 128
     stop: Sequence[str] = ()
+    make_drafter: Callable[[], Drafter] | None | str = DEFAULT_DRAFTER
+    k: int | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -68,6 +77,7 @@ class _Sequence:
     run: RunState
     drafter: Drafter | None
     policy: AutoK
+    k: int | None  # fixed, or None: chosen by the goodput rule
 
 
 class BatchedDecoder:
@@ -98,6 +108,8 @@ class BatchedDecoder:
             raise SpecdraftError(f"A prompt needs at least one token, each in [0, {target.vocab_size}).")
         if request.max_new_tokens < 1:
             raise SpecdraftError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}.")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise SpecdraftError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}.")
         if len(ids) >= target.max_context:
             raise SpecdraftError(f"The prompt has {len(ids)} tokens, but {target.name} holds {target.max_context}.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
@@ -112,7 +124,8 @@ class BatchedDecoder:
         started = time.perf_counter()
         self._prefill(ident, sequence[:-1])
         stats.prefill_seconds = time.perf_counter() - started
-        drafter = self.make_drafter() if self.make_drafter is not None else None
+        maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
+        drafter = maker() if maker is not None else None
         if drafter is not None:
             if drafter.needs_features:
                 raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
@@ -120,8 +133,10 @@ class BatchedDecoder:
             drafter.begin(sequence)
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
-                       stats, started, None)
-        self.active.append(_Sequence(ident, run, drafter, AutoK(max_k=self.max_k)))
+                       stats, started, request.logprobs)
+        if request.k is not None and request.k < 1:
+            raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
+        self.active.append(_Sequence(ident, run, drafter, AutoK(max_k=self.max_k), request.k))
         return ident
 
     def _prefill(self, ident: int, tokens: torch.Tensor) -> None:  # tokens: [L - 1]
@@ -154,7 +169,7 @@ class BatchedDecoder:
         """The most draft tokens this sequence may take: its budget, the context, max_k."""
         run = seq.run
         room = self.target.max_context - run.sequence.shape[0] - 1
-        return max(0, min(run.max_new_tokens - len(run.generated) - 1, room, self.max_k))
+        return max(0, min(run.max_new_tokens - len(run.generated) - 1, room, seq.k or self.max_k))
 
     def _context(self, seq: _Sequence, limit: int) -> DraftContext:
         run = seq.run
@@ -169,18 +184,22 @@ class BatchedDecoder:
 
     def _choose(self, stepping: list[_Sequence], sources: list[str | None], limits: list[int]) -> list[int]:
         """Each sequence's k: the goodput rule over measured pass costs (FIRST_K before any is measured)."""
+        fixed = [limit if source and seq.k is not None else 0 for seq, source, limit in zip(stepping, sources, limits)]
+        chosen = [seq.k is None and source is not None for seq, source in zip(stepping, sources)]
         if self.pass_costs.verify_estimate(1) is None:
-            return [min(FIRST_K, limit) if source else 0 for source, limit in zip(sources, limits)]
+            return [min(FIRST_K, limit) if auto else k for auto, limit, k in zip(chosen, limits, fixed)]
         curves, costs = [], []
-        for seq, source, limit in zip(stepping, sources, limits):
-            if source is None:
+        for seq, source, limit, auto in zip(stepping, sources, limits, chosen):
+            if not auto:  # plain, or a fixed k: priced as a width already in the pass
                 curves.append([1.0])
                 costs.append(0.0)
                 continue
             curves.append(seq.policy.expected_token_curve(limit, source))
             per_token = seq.policy.estimates(source).draft_seconds_per_token
             costs.append(self.pass_costs.verify_estimate(1) / 3 if per_token is None else per_token)
-        return choose_batch_k(curves, costs, self.pass_costs.verify_estimate, margin=MARGIN)
+        extra = sum(fixed)
+        ks = choose_batch_k(curves, costs, lambda width: self.pass_costs.verify_estimate(width + extra), margin=MARGIN)
+        return [k if auto else f for k, f, auto in zip(ks, fixed, chosen)]
 
     def _step_visibility(self, owners: list[int], blocks: list[int]) -> torch.Tensor:
         """[T, N + T] bool: block token j (of sequence owners[j]) sees its sequence's cache rows and the earlier
@@ -227,11 +246,12 @@ class BatchedDecoder:
         logits = target.forward(tokens.unsqueeze(0), tokens.shape[0], offsets=positions - cached,
                                 visible=self._step_visibility(owners, which)).logits[0]  # [T, V]
         events, kept_rows, start = [], [], 0
-        verdicts = []
+        verdicts, rows_of = [], []
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width = block.shape[0]
             run = seq.run
-            p_target = target_rows(logits[start : start + width], run.params, run.seen, block)  # [k + 1, V]
+            rows_of.append(logits[start : start + width])  # [k + 1, V]
+            p_target = target_rows(rows_of[-1], run.params, run.seen, block)  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
             num_accepted, next_token = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1]]).tolist()
             verdicts.append((num_accepted, next_token))
@@ -243,8 +263,8 @@ class BatchedDecoder:
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner = owners_before + [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []
-        for seq, draft, source, (num_accepted, next_token), k, seconds, read in zip(
-                stepping, drafts, sources, verdicts, ks, draft_seconds, unread):
+        for seq, draft, source, (num_accepted, next_token), k, seconds, read, rows in zip(
+                stepping, drafts, sources, verdicts, ks, draft_seconds, unread, rows_of):
             run = seq.run
             prev_len = run.sequence.shape[0]
             path = list(range(num_accepted))
@@ -258,6 +278,8 @@ class BatchedDecoder:
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path, k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+            if run.logprobs is not None:  # the rows that decided the emitted tokens: a chain's first ones
+                add_logprobs(event, rows[: len(event.token_ids)], run.logprobs)
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)

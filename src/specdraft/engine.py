@@ -82,7 +82,7 @@ def check_tree_options(tree_budget: int, tree_branch: int) -> None:
             raise SpecdraftError(f"--{name} must be an integer >= {least}, got {value!r}.")
 
 
-def _add_logprobs(event: StepEvent, logits: torch.Tensor, top: int) -> None:
+def add_logprobs(event: StepEvent, logits: torch.Tensor, top: int) -> None:
     """Fill `event`'s log-probabilities from the target's logits that decided its tokens. logits: [n, V]."""
     log_p = logits.float().log_softmax(-1)  # [n, V]
     chosen = torch.tensor(event.token_ids, device=log_p.device).unsqueeze(-1)  # [n, 1]
@@ -316,7 +316,7 @@ class SpeculativeDecoder:
                                   tree.height if tree is not None else k, t1 - t0, t2 - t1)
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
             if run.logprobs is not None:  # from the rows that decided the emitted tokens
-                _add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
+                add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
             yield event
             if event.finish_reason is not None:
                 return

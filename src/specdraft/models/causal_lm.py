@@ -225,9 +225,11 @@ class CausalLM:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
         length = tokens.shape[1]
-        if self.cache_len + length > self.max_context:
+        # the furthest position fed (a packed batch's cache holds several sequences: its length is no position)
+        reach = self.cache_len + (int(offsets.max()) + 1 if offsets is not None else length)
+        if reach > self.max_context:
             raise SpecdraftError(
-                f"The sequence would reach {self.cache_len + length} tokens, past {self.name}'s context of "
+                f"The sequence would reach {reach} tokens, past {self.name}'s context of "
                 f"{self.max_context}. Shorten the prompt or lower --max-new-tokens."
             )
         if self._static is not None:

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdraft.server.batch_worker import BatchWorker
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
 from specdraft.server.metrics import Metrics
@@ -42,6 +43,7 @@ class ServerSettings:
     shutdown_grace: float = 10.0
     seed: int = 0  # seeds the seeds of requests that give none
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
+    max_batch: int = 1  # sequences generating together (continuous batching); 1: one request at a time
 
 
 class ClientGone(Exception):
@@ -119,11 +121,16 @@ def _validation_error(error: ValidationError) -> ApiError:
 
 
 def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
-    """The server over `pool`'s models: one engine thread, a queue of `settings.max_queue` in front of it."""
+    """The server over `pool`'s models: one engine thread (batching up to `settings.max_batch` sequences), a queue
+    of `settings.max_queue` in front of it."""
     seeds = random.Random(settings.seed)
     started = int(time.time())
     metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running)
-    worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
+    if settings.max_batch > 1:
+        worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
+                             max_batch=settings.max_batch)
+    else:
+        worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

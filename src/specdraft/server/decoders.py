@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_not_bench_only, drafter_options, needs_draft_model
+from specdraft.drafters import (DEFAULT_DRAFTER, DRAFTERS, Drafter, check_not_bench_only, drafter_options, make_drafter,
+                                needs_draft_model)
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder, build_decoder, check_tree_options
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -61,6 +62,21 @@ class DecoderPool:
                                  "uses the draft model (--drafter model).")
         policy = make_policy(k, self.tree_budget)  # k < 1 or not a number fails here
         return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
+
+    def drafter_factory(self, key: DecoderKey) -> Callable[[], Drafter] | None:
+        """What makes a fresh drafter for one sequence of a batch under `key` (None: plain decoding); a draft
+        model gets a cache of its own over the loaded weights each time (engine thread only)."""
+        if key.drafter == PLAIN:
+            return None
+        known = drafter_options(key.drafter)
+        options = {name: value for name, value in self.options.items() if name in known}
+        draft = self.draft
+
+        def make() -> Drafter:
+            own = None if draft is None else CausalLM(draft.model, draft.tokenizer, name=draft.name)
+            return make_drafter(key.drafter, options, draft_model=own, target_model=self.target)
+
+        return make
 
     def decoder(self, key: DecoderKey) -> SpeculativeDecoder:
         """The decoder for `key`, built on first use (engine thread only: drafters hold model state)."""

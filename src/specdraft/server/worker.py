@@ -154,10 +154,14 @@ class Worker:
         if not self._thread.is_alive():
             return
         self._thread.join(grace)
+        self._cancel_running()
+        self._thread.join()
+
+    def _cancel_running(self) -> None:
+        """Ask what the engine runs now to stop at its next step (shutdown, past the grace period)."""
         running = self._running
         if running is not None:
             running.cancel()
-        self._thread.join()
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:

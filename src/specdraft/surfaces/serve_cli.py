@@ -34,6 +34,9 @@ def serve(
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
                                          help="On shutdown, seconds the running generation may take to finish."),
     seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
+    max_batch: int = typer.Option(1, "--max-batch", min=1,
+                                  help="Sequences that generate together, each step one target pass over all "
+                                       "(continuous batching; chains only). 1: one request at a time."),
     max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
                                       help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
                                            "a larger one gets 413 before it is read."),
@@ -43,7 +46,8 @@ def serve(
     try:
         app = build_app(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
                         request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace,
-                        seed=seed, max_body_mb=max_body_mb, **model_options)
+                        seed=seed, max_body_mb=max_body_mb, max_batch=max_batch,
+                        **model_options)
     except SpecdraftError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(2)
@@ -54,8 +58,8 @@ def serve(
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, target, draft, drafter, k, tree_budget, tree_branch, draft_quant, draft_vocab, dtype,
-              device, gguf_weights, **flags):
+              max_body_mb=2.0, max_batch=1, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
+              draft_vocab, dtype, device, gguf_weights, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
     from specdraft.engine import check_tree_options
     from specdraft.policy import make_policy
@@ -63,6 +67,9 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
     from specdraft.surfaces.model_setup import drafter_flags, load_models
 
     check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
+    if max_batch > 1 and tree_budget:
+        raise SpecdraftError("Batched serving (--max-batch > 1) drafts chains only; drop --tree-budget or serve "
+                             "with --max-batch 1.")
     make_policy(k, tree_budget)
     options = drafter_flags(**flags)
     target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
@@ -71,7 +78,8 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                        tree_branch=tree_branch)
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
-                              shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)))
+                              shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
+                              max_batch=max_batch)
     return create_app(pool, settings)
 
 

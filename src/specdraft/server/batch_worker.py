@@ -1,0 +1,151 @@
+"""The engine thread with continuous batching: queued requests step together on a `BatchedDecoder`.
+
+Between steps, queued jobs join while the batch has room (each choice of `n` is a sequence of its own), and
+sequences whose client went away or whose request ran past its timeout leave; a finished sequence leaves by
+itself. Each step's events go back to their jobs as `Step`s, and a job whose choices have all finished gets its
+`Finished`. The queue in front, its 429s, shutdown and the result channel are `Worker`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+from functools import reduce
+
+from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft.errors import SpecdraftError
+from specdraft.server.decoders import DecoderPool
+from specdraft.server.errors import ApiError
+from specdraft.server.metrics import Metrics
+from specdraft.server.worker import Failed, Finished, Job, Step, Worker, timeout_error
+from specdraft.stats import GenerationStats
+
+log = logging.getLogger("specdraft.server")
+
+
+@dataclass
+class _Admitted:
+    """A job in the batch: its sequence ids by choice, and the statistics each choice fills in."""
+
+    job: Job
+    idents: list[int]
+    stats: list[GenerationStats]
+    left: set[int] = field(default_factory=set)  # sequence ids still generating
+
+
+class BatchWorker(Worker):
+    """Runs queued jobs together, up to `max_batch` sequences at a time (module doc)."""
+
+    def __init__(self, pool: DecoderPool, metrics: Metrics | None = None, max_queue: int = 64,
+                 timeout: float = 600.0, max_batch: int = 8) -> None:
+        super().__init__(pool, metrics, max_queue=max_queue, timeout=timeout)
+        self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch)
+        self._admitted: dict[int, _Admitted] = {}  # by sequence id
+        self._waiting: Job | None = None  # taken from the queue, waiting for room in the batch
+
+    @property
+    def running(self) -> int:
+        """Sequences generating now."""
+        return len(self.batch.active)
+
+    def _cancel_running(self) -> None:
+        for admitted in list(self._admitted.values()):
+            admitted.job.cancel()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while True:
+            stopping = self._admit_waiting(stopping)
+            if stopping and self._waiting is not None:  # it will not get room now
+                self._waiting.put(Failed(ApiError(503, "The server shut down before this request ran; retry later.",
+                                                  code="shutting_down")))
+                self._waiting = None
+            if not self.batch.active:
+                if stopping:
+                    return
+                continue
+            try:
+                events = self.batch.step()
+            except Exception:  # a bug: fail what runs, keep serving, keep the traceback in the log
+                log.exception("batched step failed")
+                for admitted in {id(a): a for a in self._admitted.values()}.values():
+                    self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
+                                                             "please report it.", code="internal_error")))
+                continue
+            for ident, event in events:
+                admitted = self._admitted[ident]
+                admitted.job.put(Step(admitted.idents.index(ident), event, event.drafted))
+                if event.finish_reason is not None:
+                    admitted.left.discard(ident)
+                    if not admitted.left:
+                        self._end(admitted, Finished(reduce(GenerationStats.merge, admitted.stats)))
+            for admitted in {id(a): a for a in self._admitted.values()}.values():
+                if admitted.job.cancelled:
+                    self._end(admitted, None)
+                elif admitted.job.expired:
+                    self._end(admitted, Failed(timeout_error(admitted.job.timeout)))
+
+    def _admit_waiting(self, stopping: bool) -> bool:
+        """Let queued jobs join while they fit (blocking for one when the batch is idle); returns whether the
+        queue has said to stop."""
+        while not stopping:
+            job = self._waiting
+            if job is None:
+                try:
+                    job = self._queue.get(block=not self.batch.active)
+                except queue.Empty:
+                    return stopping
+                if job is None:
+                    return True
+            if job.cancelled:
+                self._waiting = None
+                continue
+            if job.expired:
+                job.put(Failed(timeout_error(job.timeout)))
+                self._waiting = None
+                continue
+            choices = len(job.generation.samplings)
+            if choices > self.batch.max_batch:
+                job.put(Failed(ApiError(400, f"n={choices} asks for more sequences than the server batches "
+                                             f"({self.batch.max_batch}); ask for fewer.", param="n")))
+                self._waiting = None
+                continue
+            if len(self.batch.active) + choices > self.batch.max_batch:
+                self._waiting = job  # the next step frees room
+                return stopping
+            self._waiting = None
+            self._start(job)
+        return stopping
+
+    def _start(self, job: Job) -> None:
+        generation = job.generation
+        key = generation.decoder
+        admitted = _Admitted(job, [], [])
+        try:
+            make = self.pool.drafter_factory(key)
+            for sampling in generation.samplings:
+                ident = self.batch.add(BatchRequest(generation.prompt_ids, sampling, generation.max_tokens,
+                                                    generation.stop, make_drafter=make,
+                                                    k=key.k if isinstance(key.k, int) and key.k > 0 else None,
+                                                    logprobs=generation.logprobs))
+                admitted.idents.append(ident)
+                admitted.left.add(ident)
+                admitted.stats.append(self.batch.stats(ident))
+                self._admitted[ident] = admitted
+        except SpecdraftError as error:  # e.g. a drafter the batch cannot run
+            self._end(admitted, Failed(ApiError(400, str(error), param="speculative")))
+
+    def _end(self, admitted: _Admitted, result: Finished | Failed | None) -> None:
+        """A job leaves the batch (its sequences still running stop) with `result` (None: cancelled, nobody
+        listens); its statistics go to the metrics."""
+        for ident in admitted.idents:
+            self.batch.cancel(ident)
+            self._admitted.pop(ident, None)
+        if result is not None:
+            admitted.job.put(result)
+        if self.metrics is not None and admitted.stats:
+            self.metrics.record_generation(reduce(GenerationStats.merge, admitted.stats))
+            if result is None or isinstance(result, Failed):
+                self.metrics.record_cancelled()
