@@ -36,7 +36,7 @@ def test_each_request_of_a_batch_gets_its_greedy_output_alone(tiny_target, draft
     batch = BatchedDecoder(make_lm(tiny_target), makers[drafter], max_batch=3)
     completions = batch.generate_all(requests())
     assert [c.token_ids for c in completions] == expected
-    assert max(batch.batch_sizes) == 3 and not batch.active and batch.target.cache_len == 0 and not batch.row_owner
+    assert batch.largest_batch == 3 and not batch.active and batch.target.cache_len == 0 and not batch.row_owner
     if drafter != "none":
         assert sum(c.stats.drafted for c in completions) > 0 and sum(c.stats.accepted for c in completions) > 0
         assert all(c.stats.steps < len(c.token_ids) for c in completions if c.stats.accepted > len(c.token_ids) // 2)

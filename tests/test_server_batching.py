@@ -43,6 +43,10 @@ def test_concurrent_clients_get_their_one_at_a_time_answers(tiny_model_dirs, one
             assert answer == one_at_a_time[(prompt, drafter)], (prompt, drafter)
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'status="500"' not in metrics
+        sizes = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("specdraft_batch_size_bucket")}
+        assert sizes['le="1"'] < sizes['le="4"'] == sizes['le="+Inf"'] > 0  # steps of several sequences, none above 4
+        assert "specdraft_batch_draft_tokens_count" in metrics and "specdraft_batch_goodput_tokens_per_second_sum" in metrics
         server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
 
 

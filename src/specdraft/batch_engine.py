@@ -70,6 +70,16 @@ class BatchRequest:
 
 
 @dataclass
+class BatchStep:
+    """What one step did: sequences in the pass, draft tokens in all, tokens committed, seconds."""
+
+    sequences: int
+    drafted: int
+    committed: int
+    seconds: float
+
+
+@dataclass
 class _Sequence:
     """An active sequence: its run state, drafter and acceptance estimates."""
 
@@ -93,7 +103,8 @@ class BatchedDecoder:
         self.pass_costs = AutoK(max_k=max_batch * (max_k + 1))  # only its pass timings by width are used
         self.active: list[_Sequence] = []
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
-        self.batch_sizes: list[int] = []  # sequences in each step, for the metrics
+        self.last_step: BatchStep | None = None  # for the metrics
+        self.largest_batch = 0
         self._next_ident = 0
         self._reader = CausalLM(target.model, target.tokenizer, name=target.name)  # reads joining prompts alone
         target.reset()
@@ -219,7 +230,7 @@ class BatchedDecoder:
             return []
         target = self.target
         stepping = self._stepping()
-        self.batch_sizes.append(len(stepping))
+        self.largest_batch = max(self.largest_batch, len(stepping))
         t0 = time.perf_counter()
         limits = [self._limit(seq) for seq in stepping]
         contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
@@ -285,6 +296,8 @@ class BatchedDecoder:
                 finished.append(seq)
         for seq in finished:
             self._leave(seq)
+        self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
+                                   time.perf_counter() - t0)
         return events
 
     def stats(self, ident: int) -> GenerationStats | None:

@@ -74,6 +74,9 @@ class BatchWorker(Worker):
                     self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
                                                              "please report it.", code="internal_error")))
                 continue
+            step = self.batch.last_step
+            if self.metrics is not None and step is not None:
+                self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds)
             for ident, event in events:
                 admitted = self._admitted[ident]
                 admitted.job.put(Step(admitted.idents.index(ident), event, event.drafted))

@@ -8,8 +8,30 @@ from typing import Callable
 
 from specdraft.stats import GenerationStats
 
-# Upper bounds (seconds) of the time-per-output-token histogram's buckets.
+# Upper bounds of the histograms' buckets: time per output token (s), and per batched step: sequences, draft
+# tokens chosen in all (the goodput rule's k summed; 0: speculation stepped aside), committed tokens per second.
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_DRAFT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+GOODPUT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds, self.counts = bounds, [0] * len(bounds)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.bounds):
+            self.counts[i] += value <= bound
+
+    def samples(self) -> list[tuple[str, float]]:
+        return [*((f'_bucket{{le="{bound}"}}', n) for bound, n in zip(self.bounds, self.counts)),
+                ('_bucket{le="+Inf"}', self.count), ("_sum", self.sum), ("_count", self.count)]
 
 
 def _number(value: float) -> str:
@@ -29,8 +51,9 @@ class Metrics:
         self.steps = self.drafted = self.accepted = 0
         self.accepted_at: list[int] = []
         self.drafted_at: list[int] = []
-        self.tpot_buckets = [0] * len(TPOT_BUCKETS)
-        self.tpot_sum, self.tpot_count = 0.0, 0
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.batch_size, self.batch_drafted = Histogram(BATCH_SIZE_BUCKETS), Histogram(BATCH_DRAFT_BUCKETS)
+        self.batch_goodput = Histogram(GOODPUT_BUCKETS)
 
     def record_request(self, endpoint: str, status: int) -> None:
         """One answered request (any status)."""
@@ -55,11 +78,15 @@ class Metrics:
                 for i, count in enumerate(theirs):
                     mine[i] += count
             if stats.new_tokens:
-                tpot = stats.wall_seconds / stats.new_tokens
-                self.tpot_sum += tpot
-                self.tpot_count += 1
-                for i, bound in enumerate(TPOT_BUCKETS):
-                    self.tpot_buckets[i] += tpot <= bound
+                self.tpot.observe(stats.wall_seconds / stats.new_tokens)
+
+    def record_batch_step(self, sequences: int, drafted: int, committed: int, seconds: float) -> None:
+        """One step of the batched engine: how many sequences, draft tokens in all, tokens committed, its time."""
+        with self._lock:
+            self.batch_size.observe(sequences)
+            self.batch_drafted.observe(drafted)
+            if seconds > 0:
+                self.batch_goodput.observe(committed / seconds)
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
@@ -92,11 +119,15 @@ class Metrics:
             metric("specdraft_position_acceptance_rate", "gauge", "Acceptance at draft position p.",
                    [(f'{{position="{i + 1}"}}', a / d if d else 0.0)
                     for i, (a, d) in enumerate(zip(self.accepted_at, self.drafted_at))])
-            buckets = [(f'_bucket{{le="{bound}"}}', n) for bound, n in zip(TPOT_BUCKETS, self.tpot_buckets)]
             metric("specdraft_time_per_output_token_seconds", "histogram",
-                   "Per request: wall time from prefill to last token / tokens generated.",
-                   [*buckets, ('_bucket{le="+Inf"}', self.tpot_count), ("_sum", self.tpot_sum),
-                    ("_count", self.tpot_count)])
+                   "Per request: wall time from prefill to last token / tokens generated.", self.tpot.samples())
+            metric("specdraft_batch_size", "histogram", "Per batched step: sequences in the target's pass.",
+                   self.batch_size.samples())
+            metric("specdraft_batch_draft_tokens", "histogram",
+                   "Per batched step: draft tokens chosen in all (0: speculation stepped aside).",
+                   self.batch_drafted.samples())
+            metric("specdraft_batch_goodput_tokens_per_second", "histogram",
+                   "Per batched step: tokens committed / its time.", self.batch_goodput.samples())
             metric("specdraft_queue_depth", "gauge", "Requests waiting for the engine.", [("", self._queue_depth())])
             metric("specdraft_requests_running", "gauge", "Requests the engine is generating now.",
                    [("", self._in_flight())])
