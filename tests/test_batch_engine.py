@@ -164,3 +164,44 @@ def test_verifying_a_sequence_against_its_neighbours_rows_is_caught(stat_target)
     counts, _ = batched_pairs(stat_target, lambda: NgramDrafter(), OffByOne)
     pvalue = chi_square_pvalue(counts, exact_two_tokens(stat_target, STAT_PROMPT).ravel() * STAT_SAMPLES)
     assert pvalue < 1e-6, f"rows off by one went unnoticed: p-value {pvalue:.3g}"
+
+
+def test_a_request_joins_after_the_packed_cache_grew_during_the_steps(tiny_target, make_lm):
+    """Three long answers grow the packed cache past its first buffer inside the passes (inference tensors); a
+    fourth request joining then appends its prompt's rows there (once failed: in-place update outside inference
+    mode, which wedged the server's engine thread)."""
+    prompts, budgets = PROMPTS[:4], [100, 100, 120, 20]
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, b) for p, b in zip(prompts, budgets)]
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=3)
+    got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b) for p, b in zip(prompts, budgets)])
+    assert [c.token_ids for c in got] == expected
+
+
+def test_rows_append_to_a_cache_the_passes_made(tiny_target, make_lm):
+    """The cache's buffers come from passes (inference tensors); appending a prompt read alone writes into them
+    (this once failed outside inference mode, and wedged the server's engine thread)."""
+    import torch
+
+    target, reader = make_lm(tiny_target), make_lm(tiny_target)
+    target.prefill(torch.tensor([[5, 17, 42]]))
+    reader.prefill(torch.tensor([[7, 7]]))
+    target.append_cache(reader)
+    assert target.cache_len == 5
+
+
+def test_a_request_that_fails_to_join_leaves_the_cache_as_it_was(tiny_target, make_lm, monkeypatch):
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=3)
+    first = batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 8))
+    batch.step()
+    before = (batch.target.cache_len, list(batch.row_owner))
+    append = batch.target.append_cache
+
+    def half_then_fail(other):
+        append(other)
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(batch.target, "append_cache", half_then_fail)
+    with pytest.raises(RuntimeError, match="planted"):
+        batch.add(BatchRequest(PROMPTS[2], SamplingParams(temperature=0.0), 8))
+    assert (batch.target.cache_len, batch.row_owner) == before and [s.ident for s in batch.active] == [first]

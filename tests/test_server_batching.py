@@ -70,3 +70,24 @@ def test_n_logprobs_and_a_disconnect_in_a_batch(tiny_model_dirs):
         assert ask(server, "the quick brown fox", True)
         time.sleep(0.1)
         assert server.health()["running"] == 0
+
+
+def test_a_request_that_fails_to_join_gets_500_and_the_engine_goes_on(tiny_model_dirs, monkeypatch):
+    from specdraft.batch_engine import BatchedDecoder
+
+    prefill = BatchedDecoder._prefill
+    calls = []
+
+    def fails_once(self, ident, tokens):
+        calls.append(ident)
+        if len(calls) == 1:
+            raise RuntimeError("planted")
+        return prefill(self, ident, tokens)
+
+    monkeypatch.setattr(BatchedDecoder, "_prefill", fails_once)
+    with Live(make_app(tiny_model_dirs, max_batch=2)) as server:
+        broken = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                            json={"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 4})
+        assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error"
+        assert ask(server, "the quick brown fox", True)
+        assert server.health() == {"status": "ok", "queue_depth": 0, "running": 0}

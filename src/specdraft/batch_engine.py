@@ -133,14 +133,20 @@ class BatchedDecoder:
         stats = GenerationStats()
         stats.prompt_tokens = len(ids)
         started = time.perf_counter()
-        self._prefill(ident, sequence[:-1])
-        stats.prefill_seconds = time.perf_counter() - started
-        maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
-        drafter = maker() if maker is not None else None
-        if drafter is not None:
-            if drafter.needs_features:
+        cached, owners = target.cache_len, len(self.row_owner)
+        try:
+            self._prefill(ident, sequence[:-1])
+            maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
+            drafter = maker() if maker is not None else None
+            if drafter is not None and drafter.needs_features:
                 raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
                                      "engine does not hand out yet; choose model, ngram or suffix.")
+        except BaseException:  # the others' cache stays as it was
+            target.truncate(cached)
+            del self.row_owner[owners:]
+            raise
+        stats.prefill_seconds = time.perf_counter() - started
+        if drafter is not None:
             drafter.begin(sequence)
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),

@@ -133,6 +133,7 @@ class CausalLM:
                 self._cache.crop(-excess)
             self.cache_len = length
 
+    @torch.inference_mode()
     def append_cache(self, other: "CausalLM") -> None:
         """Append `other`'s cached tokens (the same model's: e.g. a prompt read alone into a cache of its own)
         after this cache's, as they are: how a packed batch takes in a joining sequence exactly as it would have

@@ -139,6 +139,10 @@ class BatchWorker(Worker):
                 self._admitted[ident] = admitted
         except SpecdraftError as error:  # e.g. a drafter the batch cannot run
             self._end(admitted, Failed(ApiError(400, str(error), param="speculative")))
+        except Exception:  # a bug: this request fails, the others and the engine thread go on
+            log.exception("joining the batch failed")
+            self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this is a bug, "
+                                                     "please report it.", code="internal_error")))
 
     def _end(self, admitted: _Admitted, result: Finished | Failed | None) -> None:
         """A job leaves the batch (its sequences still running stop) with `result` (None: cancelled, nobody
