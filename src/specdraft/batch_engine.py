@@ -41,14 +41,13 @@ from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, 
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import choose_batch_k
 from specdraft.models.causal_lm import CausalLM
-from specdraft.policy import FIRST_K, MAX_AUTO_K, AutoK
+from specdraft.policy import FIRST_K, MARGIN, MAX_AUTO_K, AutoK
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText
 from specdraft.verify import verify
 
 DEFAULT_MAX_BATCH = 8
-MARGIN = 1.05  # speculation must promise this much over the batch's plain step (unmodelled costs), as in AutoK
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
@@ -169,15 +168,18 @@ class BatchedDecoder:
 
     def cancel(self, ident: int) -> None:
         """Stop sequence `ident` now (its rows leave the cache); unknown ids are ignored."""
-        for seq in list(self.active):
-            if seq.ident == ident:
-                self._leave(seq)
+        self._leave([seq for seq in self.active if seq.ident == ident])
 
-    def _leave(self, seq: _Sequence) -> None:
-        self.active.remove(seq)
-        if seq.drafter is not None:
-            seq.drafter.end(seq.run.sequence)
-        kept = [row for row, owner in enumerate(self.row_owner) if owner != seq.ident]
+    def _leave(self, leaving: list[_Sequence]) -> None:
+        """These sequences leave: their drafters end, and their rows go in one pass over the cache."""
+        if not leaving:
+            return
+        for seq in leaving:
+            self.active.remove(seq)
+            if seq.drafter is not None:
+                seq.drafter.end(seq.run.sequence)
+        gone = {seq.ident for seq in leaving}
+        kept = [row for row, owner in enumerate(self.row_owner) if owner not in gone]
         self.target.keep(0, kept)
         self.row_owner = [self.row_owner[row] for row in kept]
 
@@ -212,8 +214,7 @@ class BatchedDecoder:
                 costs.append(0.0)
                 continue
             curves.append(seq.policy.expected_token_curve(limit, source))
-            per_token = seq.policy.estimates(source).draft_seconds_per_token
-            costs.append(self.pass_costs.verify_estimate(1) / 3 if per_token is None else per_token)
+            costs.append(seq.policy.draft_seconds(source, plain=self.pass_costs.verify_estimate(1)))
         extra = sum(fixed)
         ks = choose_batch_k(curves, costs, lambda width: self.pass_costs.verify_estimate(width + extra), margin=MARGIN)
         return [k if auto else f for k, f, auto in zip(ks, fixed, chosen)]
@@ -276,9 +277,8 @@ class BatchedDecoder:
             start += width
         pass_seconds = time.perf_counter() - t1
         self.pass_costs.observe(tokens.shape[0] - 1, 0, 0.0, pass_seconds, source=None)
-        owners_before = self.row_owner
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner = owners_before + [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
+        self.row_owner += [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []
         for seq, draft, source, (num_accepted, next_token), k, seconds, read, rows in zip(
                 stepping, drafts, sources, verdicts, ks, draft_seconds, unread, rows_of):
@@ -300,8 +300,7 @@ class BatchedDecoder:
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)
-        for seq in finished:
-            self._leave(seq)
+        self._leave(finished)
         self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
                                    time.perf_counter() - t0)
         return events
@@ -314,21 +313,18 @@ class BatchedDecoder:
         """Run `requests` to the end, at most max_batch at a time (the next joins as one leaves), in order."""
         pending = list(enumerate(requests))
         results: dict[int, Completion] = {}
-        running: dict[int, tuple[int, list[int], list[str], list[str], list[StepEvent]]] = {}
-        runs: dict[int, _Sequence] = {}
+        running: dict[int, tuple[int, RunState, list[int], list[str], list[str]]] = {}  # by sequence id
         while pending or self.active:
             while pending and len(self.active) < self.max_batch:
                 index, request = pending.pop(0)
                 ident = self.add(request)
-                runs[ident] = self.active[-1]
-                running[ident] = (index, [], [], [], [])
+                running[ident] = (index, self.active[-1].run, [], [], [])
             for ident, event in self.step():
-                index, token_ids, kinds, pieces, _ = running[ident]
+                index, run, token_ids, kinds, pieces = running[ident]
                 token_ids += event.token_ids
                 kinds += event.kinds
                 pieces.append(event.text)
                 if event.finish_reason is not None:
-                    run = runs.pop(ident).run
                     results[index] = Completion(run.sequence[: run.stats.prompt_tokens].tolist(), token_ids,
                                                 "".join(pieces), event.finish_reason, run.stats, kinds)
                     del running[ident]

@@ -68,6 +68,7 @@ PROBE_READ_SHARE = 0.1  # a probe may spend at most this share of the answer's e
 # a width that turns out dearer is measured when tried and then priced as it is).
 PRIOR_SLOPE = 0.08
 DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
+MARGIN = 1.05  # speculate only when it promises this much over a plain step (unmodelled costs)
 SPIKE = 2.0  # a new timing counts as at most this many times the estimate it updates (stalls are one-sided)
 STALE_STEPS = 64  # a cost not measured again within this many steps is forgotten (guessed, then re-timed)
 # Reading is timed from catch-ups of at least this many tokens: a few tokens ride in the draft's pass nearly free
@@ -138,7 +139,7 @@ class AutoK:
 
     def __init__(self, max_k: int = MAX_AUTO_K, prior_alpha: float = 0.6, prior_weight: float = 2.0,
                  decay: float = 0.97, probe_every: int = 8, max_probe_every: int = 64, smoothing: float = 0.2,
-                 margin: float = 1.05, carry_over: float = 0.25, tree: bool = False) -> None:
+                 margin: float = MARGIN, carry_over: float = 0.25, tree: bool = False) -> None:
         self.max_k = max_k  # a tree: the node budget
         self.tree = tree
         self.max_depth = MAX_AUTO_K
@@ -351,10 +352,15 @@ class AutoK:
         verify = self.verify_estimate(k + 1)
         if verify is None:
             return None
+        return self.draft_seconds(source) * (min(k, 1) if self.tree else k) + verify
+
+    def draft_seconds(self, source: str = DEFAULT_SOURCE, plain: float | None = None) -> float:
+        """`source`'s draft time per token (a tree: per step): measured, or before its first caught-up draft a third
+        of a plain target step (`plain`, default this policy's estimate of one; a batch passes its own)."""
         draft = self.estimates(source).draft_seconds_per_token
-        if draft is None:  # before the first caught-up draft: guess a third of a plain target step per token
-            draft = self.verify_estimate(1) / 3
-        return draft * (min(k, 1) if self.tree else k) + verify
+        if draft is not None:
+            return draft
+        return (self.verify_estimate(1) if plain is None else plain) / 3
 
     def expected_left(self, generated: int | None, remaining: int | None) -> float | None:
         """Tokens the answer is expected to run on (module doc): max(generated, ANSWER_FLOOR), at most

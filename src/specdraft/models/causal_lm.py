@@ -226,8 +226,10 @@ class CausalLM:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
         length = tokens.shape[1]
-        # the furthest position fed (a packed batch's cache holds several sequences: its length is no position)
-        reach = self.cache_len + (int(offsets.max()) + 1 if offsets is not None else length)
+        # The furthest position fed. A packed batch's growing cache holds several sequences, so its length is no
+        # position there; the static (GPU) cache holds one, and reading the offsets would cost a device sync.
+        packed = offsets is not None and self._static is None
+        reach = self.cache_len + (int(offsets.max()) + 1 if packed else length)
         if reach > self.max_context:
             raise SpecdraftError(
                 f"The sequence would reach {reach} tokens, past {self.name}'s context of "

@@ -49,8 +49,12 @@ class BatchWorker(Worker):
         """Sequences generating now."""
         return len(self.batch.active)
 
+    def _jobs(self) -> list[_Admitted]:
+        """The jobs in the batch, each once (a job of n choices holds n sequence ids)."""
+        return list({id(admitted): admitted for admitted in self._admitted.values()}.values())
+
     def _cancel_running(self) -> None:
-        for admitted in list(self._admitted.values()):
+        for admitted in self._jobs():
             admitted.job.cancel()
 
     # ---- the engine thread ----------------------------------------------------------------------
@@ -70,7 +74,7 @@ class BatchWorker(Worker):
                 events = self.batch.step()
             except Exception:  # a bug: fail what runs, keep serving, keep the traceback in the log
                 log.exception("batched step failed")
-                for admitted in {id(a): a for a in self._admitted.values()}.values():
+                for admitted in self._jobs():
                     self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
                                                              "please report it.", code="internal_error")))
                 continue
@@ -84,7 +88,7 @@ class BatchWorker(Worker):
                     admitted.left.discard(ident)
                     if not admitted.left:
                         self._end(admitted, Finished(reduce(GenerationStats.merge, admitted.stats)))
-            for admitted in {id(a): a for a in self._admitted.values()}.values():
+            for admitted in self._jobs():
                 if admitted.job.cancelled:
                     self._end(admitted, None)
                 elif admitted.job.expired:

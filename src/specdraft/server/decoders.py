@@ -63,13 +63,17 @@ class DecoderPool:
         policy = make_policy(k, self.tree_budget)  # k < 1 or not a number fails here
         return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
 
+    def _options_for(self, drafter: str) -> dict[str, Any]:
+        """The server's drafter options that `drafter` takes (they serve several drafters)."""
+        known = drafter_options(drafter)
+        return {name: value for name, value in self.options.items() if name in known}
+
     def drafter_factory(self, key: DecoderKey) -> Callable[[], Drafter] | None:
         """What makes a fresh drafter for one sequence of a batch under `key` (None: plain decoding); a draft
         model gets a cache of its own over the loaded weights each time (engine thread only)."""
         if key.drafter == PLAIN:
             return None
-        known = drafter_options(key.drafter)
-        options = {name: value for name, value in self.options.items() if name in known}
+        options = self._options_for(key.drafter)
         draft = self.draft
 
         def make() -> Drafter:
@@ -83,9 +87,7 @@ class DecoderPool:
         decoder = self._decoders.get(key)
         if decoder is None:
             drafter = None if key.drafter == PLAIN else key.drafter
-            known = drafter_options(key.drafter) if drafter else {}  # the server's options serve several drafters
-            decoder = build_decoder(self.target, drafter, {name: value for name, value in self.options.items()
-                                                           if name in known},
+            decoder = build_decoder(self.target, drafter, self._options_for(drafter) if drafter else {},
                                     draft_model=self.draft, k=key.k, tree_budget=self.tree_budget,
                                     tree_branch=self.tree_branch)
             self._decoders[key] = decoder
