@@ -90,9 +90,13 @@ STAT_SAMPLES = 1200  # sequences, 4 to a batch
 class MixedK(BatchedDecoder):
     """The batch's sequences draft 3, 0, 2 and 1 tokens in one pass (where their drafter has something)."""
 
-    def _choose(self, stepping, sources, limits):
-        return [min((3, 0, 2, 1)[i % 4], limit) if source else 0
-                for i, (source, limit) in enumerate(zip(sources, limits))]
+    def _plan(self, seq, ctx, limit):
+        source = seq.drafter.source(ctx) if seq.drafter is not None and limit > 0 else None
+        k = min((3, 0, 2, 1)[seq.ident % 4], limit) if source is not None else 0
+        return (source, k, seq.drafter.unread(ctx)) if k else (None, 0, 0)
+
+    def _choose(self, stepping, plans):
+        return [k for _, k, _ in plans]
 
 
 def batched_pairs(target_model, make_drafter, decoder_class=MixedK):
@@ -194,7 +198,6 @@ def test_a_request_that_fails_to_join_leaves_the_cache_as_it_was(tiny_target, ma
     batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=3)
     first = batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 8))
     batch.step()
-    before = (batch.target.cache_len, list(batch.row_owner))
     append = batch.target.append_cache
 
     def half_then_fail(other):
@@ -202,6 +205,58 @@ def test_a_request_that_fails_to_join_leaves_the_cache_as_it_was(tiny_target, ma
         raise RuntimeError("planted")
 
     monkeypatch.setattr(batch.target, "append_cache", half_then_fail)
-    with pytest.raises(RuntimeError, match="planted"):
-        batch.add(BatchRequest(PROMPTS[2], SamplingParams(temperature=0.0), 8))
-    assert (batch.target.cache_len, batch.row_owner) == before and [s.ident for s in batch.active] == [first]
+    broken = batch.add(BatchRequest(PROMPTS[2], SamplingParams(temperature=0.0), 8))
+    batch.step()  # reads the new prompt, fails to append it, steps the first
+    assert [(ident, str(error)) for ident, error in batch.take_failed()] == [(broken, "planted")]
+    assert batch.take_failed() == [] and [s.ident for s in batch.active] == [first] and not batch.joining
+    assert batch.target.cache_len == len(batch.row_owner) == batch.active[0].run.sequence.shape[0] - 1
+    assert set(batch.row_owner) == {first} and batch.stats(broken) is None
+
+
+def test_a_long_prompt_is_read_a_chunk_between_steps_and_answers_as_alone(tiny_target, make_lm, monkeypatch):
+    """A prompt longer than a chunk joins over several steps while the others go on generating, and gets what it
+    gets alone (whose prefill reads the same chunks)."""
+    from specdraft.models import causal_lm
+
+    monkeypatch.setattr(causal_lm, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr("specdraft.batch_engine.PREFILL_CHUNK", 8)
+    long_prompt = [(7 * i + 3) % 60 for i in range(30)]
+    expected = [alone(make_lm(tiny_target), p, b) for p, b in ((PROMPTS[0], 20), (long_prompt, 10))]
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=2)
+    first = batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 20))
+    tokens = {first: [t for _, event in batch.step() for t in event.token_ids]}
+    second = batch.add(BatchRequest(long_prompt, SamplingParams(temperature=0.0), 10))
+    tokens[second] = []
+    stepped = []  # who stepped, each step while the long prompt is read
+    while batch.joining:
+        events = batch.step()
+        stepped.append([ident for ident, _ in events])
+        for ident, event in events:
+            tokens[ident] += event.token_ids
+    # 29 prompt tokens before its last, 8 a step: the first goes on meanwhile, the second steps once all are read
+    assert stepped == [[first]] * 3 + [[first, second]]
+    while batch.active:
+        for ident, event in batch.step():
+            tokens[ident] += event.token_ids
+    assert [tokens[first], tokens[second]] == expected
+    assert batch.stats(second) is None and batch.target.cache_len == 0
+
+
+def test_a_sequence_joins_only_while_one_more_raises_the_batch_tokens_per_second(tiny_target, make_lm):
+    from specdraft.batch_engine import PLAIN_STALE_STEPS
+
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=8)
+    assert batch.worth_joining(8) and not batch.worth_joining(9)  # an idle batch: up to max_batch
+    for prompt in PROMPTS[:4]:
+        batch.add(BatchRequest(prompt, SamplingParams(temperature=0.0), 8))
+    assert batch.worth_joining()  # sizes never timed are let in (and so timed)
+    batch.step()
+    assert batch.plain_seconds[4][1] == batch.steps  # a plain step of 4 sequences was timed
+    batch.plain_seconds = {4: (0.084, batch.steps), 5: (0.112, batch.steps)}  # a 2-core CPU's plain steps
+    assert not batch.worth_joining()  # 5 / 112 ms < 4 / 84 ms: a fifth would only slow the others
+    batch.plain_seconds[5] = (0.102, batch.steps)  # 5 / 102 ms is 3% above 4 / 84 ms: under JOIN_GAIN
+    assert not batch.worth_joining()
+    batch.plain_seconds[5] = (0.090, batch.steps - PLAIN_STALE_STEPS - 1)  # timed long ago: timed anew
+    assert batch.worth_joining()
+    batch.plain_seconds[5] = (0.070, batch.steps)
+    assert batch.worth_joining() and batch.worth_joining(4) and not batch.worth_joining(5)  # max_batch still holds

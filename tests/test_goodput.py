@@ -12,6 +12,11 @@ from specdraft.goodput import batch_rate, choose_batch_k
 from specdraft.policy import AutoK
 
 
+def per_token(seconds: float, curve: list[float]) -> list[float]:
+    """The cost curve of a source that costs `seconds` a draft token and reads nothing first."""
+    return [seconds * k for k in range(len(curve))]
+
+
 def chain_curve(alphas: list[float]) -> list[float]:
     """E[tokens | k] for k = 0..len(alphas): 1 + Σ_{j≤k} Π_{i≤j} α_i."""
     curve, survive = [1.0], 1.0
@@ -35,10 +40,10 @@ def test_the_choice_is_the_best_of_every_combination(data):
     def verify_seconds(width: int) -> float:  # any non-decreasing pass cost
         return base + sum(steps[: width - 1])
 
-    chosen = choose_batch_k(curves, draft_costs, verify_seconds)
-    best = max(batch_rate(ks, curves, draft_costs, verify_seconds)
-               for ks in itertools.product(range(max_k + 1), repeat=batch))
-    assert batch_rate(chosen, curves, draft_costs, verify_seconds) == pytest.approx(best, rel=1e-9)
+    beside = [per_token(c, curve) for c, curve in zip(draft_costs, curves)]
+    chosen = choose_batch_k(curves, beside, verify_seconds)
+    best = max(batch_rate(ks, curves, beside, verify_seconds) for ks in itertools.product(range(max_k + 1), repeat=batch))
+    assert batch_rate(chosen, curves, beside, verify_seconds) == pytest.approx(best, rel=1e-9)
 
 
 @pytest.mark.parametrize("alpha, draft_ms, verify_ms", [
@@ -54,7 +59,21 @@ def test_a_batch_of_one_chooses_what_the_single_sequence_policy_does(alpha, draf
     est.draft_seconds_per_token = draft_ms / 1000
     est.hits, est.tries = [alpha * 100] * 8, [100.0] * 8
     curve = policy.expected_token_curve(8)
-    assert choose_batch_k([curve], [draft_ms / 1000], lambda w: verify_ms[w - 1] / 1000) == [policy.choose(8)]
+    assert choose_batch_k([curve], [per_token(draft_ms / 1000, curve)], lambda w: verify_ms[w - 1] / 1000) == [policy.choose(8)]
+
+
+@pytest.mark.parametrize("unread, generated, read_ms", [(300, 0, 2.0), (300, 40, 2.0), (40, 5, 0.5), (0, 10, 2.0)])
+def test_a_batch_of_one_prices_a_catch_up_as_the_single_sequence_policy_does(unread, generated, read_ms):
+    policy = AutoK(max_k=8)
+    policy.verify_seconds = [None] + [ms / 1000 for ms in (50, 53, 60, 68, 85, 116, 131, 148, 165)]
+    est = policy.estimates()
+    est.draft_seconds_per_token, est.read_seconds_per_token = 0.012, read_ms / 1000
+    est.hits, est.tries = [85.0] * 8, [100.0] * 8
+    left = policy.expected_left(generated, 100)
+    curve = policy.expected_token_curve(8)
+    beside = policy.draft_cost_curve(8, unread=unread, left=left, curve=curve)
+    alone = policy.choose(8, unread=unread, remaining=100, generated=generated)
+    assert choose_batch_k([curve], [beside], policy.verify_estimate, margin=policy.margin) == [alone]
 
 
 def cpu_pass(width: int) -> float:
@@ -64,9 +83,11 @@ def cpu_pass(width: int) -> float:
 
 def test_speculation_steps_aside_as_the_batch_grows_where_a_wider_pass_costs_compute():
     for batch, drafting in ((1, True), (2, True), (4, False), (8, False), (16, False)):
-        ks = choose_batch_k([chain_curve([0.8] * 8)] * batch, [0.015] * batch, cpu_pass, margin=1.05)
+        curve = chain_curve([0.8] * 8)
+        ks = choose_batch_k([curve] * batch, [per_token(0.015, curve)] * batch, cpu_pass, margin=1.05)
         assert any(ks) == drafting, (batch, ks)
-    free = choose_batch_k([chain_curve([0.5] * 8)] * 16, [0.0] * 16, cpu_pass)  # prompt lookup, α 0.5: no
+    curve = chain_curve([0.5] * 8)
+    free = choose_batch_k([curve] * 16, [per_token(0.0, curve)] * 16, cpu_pass)  # prompt lookup, α 0.5: no
     assert free == [0] * 16
 
 
@@ -75,12 +96,14 @@ def test_where_a_pass_costs_nearly_the_same_for_any_width_every_good_sequence_dr
         return 0.003 + 0.00002 * width
 
     curves = [chain_curve([0.9] * 8)] * 12 + [chain_curve([0.05] * 8)] * 4  # four sequences the drafter fails on
-    ks = choose_batch_k(curves, [0.0] * 16, gpu_pass)  # prompt lookup: free drafts
+    ks = choose_batch_k(curves, [per_token(0.0, curve) for curve in curves], gpu_pass)  # prompt lookup: free drafts
     assert all(k >= 6 for k in ks[:12]) and all(k <= 1 for k in ks[12:])
 
 
 def test_a_batch_with_nothing_to_gain_steps_plain_and_sizes_must_match():
     assert choose_batch_k([], [], cpu_pass) == []
-    assert choose_batch_k([[1.0]] * 3, [0.0] * 3, cpu_pass) == [0, 0, 0]  # no drafter: nothing to choose
-    with pytest.raises(ValueError, match="one draft cost per sequence"):
+    assert choose_batch_k([[1.0]] * 3, [[0.0]] * 3, cpu_pass) == [0, 0, 0]  # no drafter: nothing to choose
+    with pytest.raises(ValueError, match="one cost curve per sequence"):
         choose_batch_k([[1.0, 1.5]], [], cpu_pass)
+    with pytest.raises(ValueError, match="as long as its token curve"):
+        choose_batch_k([[1.0, 1.5]], [[0.0]], cpu_pass)

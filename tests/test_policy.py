@@ -178,7 +178,7 @@ def test_unmeasured_widths_get_an_optimistic_prior():
     from specdraft.policy import FIRST_K, PRIOR_SLOPE
 
     policy = AutoK(max_k=6)
-    assert policy.step_seconds(0) is None and policy.choose(10) == FIRST_K
+    assert policy.verify_estimate(1) is None and policy.choose(10) == FIRST_K
     policy.observe(FIRST_K, FIRST_K, draft_seconds=0.03 * FIRST_K, verify_seconds=0.13)
     scale = 0.13 / (1 + PRIOR_SLOPE * FIRST_K)
     assert policy.verify_estimate(FIRST_K + 1) == pytest.approx(0.13)

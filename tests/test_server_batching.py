@@ -50,6 +50,19 @@ def test_concurrent_clients_get_their_one_at_a_time_answers(tiny_model_dirs, one
         server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
 
 
+def test_64_concurrent_streams_three_times_over_get_their_answers_without_an_error(tiny_model_dirs, one_at_a_time):
+    """The bounded load test: 64 streaming clients at once, three rounds, against a batch of 8 and a queue of 64:
+    every request is answered (no 429, no 5xx), each with its one-at-a-time answer, and the server ends idle."""
+    with Live(make_app(tiny_model_dirs, max_batch=8, max_queue=64)) as server:
+        for _ in range(3):
+            with ThreadPoolExecutor(64) as pool:
+                answers = list(pool.map(lambda i: ask(server, PROMPTS[i % len(PROMPTS)], True), range(64)))
+            assert answers == [one_at_a_time[(PROMPTS[i % len(PROMPTS)], None)] for i in range(64)]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'status="429"' not in metrics and 'status="500"' not in metrics
+        server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
+
+
 def test_n_logprobs_and_a_disconnect_in_a_batch(tiny_model_dirs):
     with Live(make_app(tiny_model_dirs, max_batch=3, max_tokens=24)) as server:
         client = server.client()
@@ -75,16 +88,16 @@ def test_n_logprobs_and_a_disconnect_in_a_batch(tiny_model_dirs):
 def test_a_request_that_fails_to_join_gets_500_and_the_engine_goes_on(tiny_model_dirs, monkeypatch):
     from specdraft.batch_engine import BatchedDecoder
 
-    prefill = BatchedDecoder._prefill
+    read = BatchedDecoder._read_chunk
     calls = []
 
-    def fails_once(self, ident, tokens):
-        calls.append(ident)
+    def fails_once(self, chunk):
+        calls.append(chunk)
         if len(calls) == 1:
             raise RuntimeError("planted")
-        return prefill(self, ident, tokens)
+        return read(self, chunk)
 
-    monkeypatch.setattr(BatchedDecoder, "_prefill", fails_once)
+    monkeypatch.setattr(BatchedDecoder, "_read_chunk", fails_once)
     with Live(make_app(tiny_model_dirs, max_batch=2)) as server:
         broken = httpx.post(f"{server.url}/v1/completions", timeout=10,
                             json={"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 4})

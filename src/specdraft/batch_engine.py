@@ -1,7 +1,7 @@
 """Continuous batching: many requests step together, one target pass over all their blocks per step.
 
 ```
-add(request)        # joins between steps: its prompt is read into the packed cache, seeing only itself
+add(request)        # queued to join: the next steps read its prompt a chunk at a time, then it steps
 while active:
     ks      = choose_batch_k(...)            # 1. each sequence's k for the batch's goodput (0 = plain)
     drafts  = [drafter_i.propose(ctx_i, k_i)] # 2. each sequence drafts with its own drafter
@@ -12,7 +12,8 @@ while active:
 
 The target's KV cache is packed: the committed tokens of every active sequence but its last, in the order
 they were written, each row tagged with its sequence (`row_owner`). A joining prompt is read alone, into a cache
-of its own over the same weights, and its rows are appended (`CausalLM.append_cache`). A step appends every
+of its own over the same weights, at most `PREFILL_CHUNK` tokens between two steps (the chunks a single request's
+prefill reads), and its rows are appended once it is read (`CausalLM.append_cache`). A step appends every
 sequence's block [last, d1 .. dk] at its own positions; each token sees its own sequence's rows and the earlier
 tokens of its own block, nothing else (`_step_visibility`). Afterwards `CausalLM.keep` keeps, per sequence, the
 row of its last token and of the accepted drafts; the bonus or recovered token is the new last. The CPU's
@@ -23,8 +24,12 @@ except at numerical near-ties.
 
 Each sequence has its own drafter (made by `make_drafter`, or its request's own factory: a draft model needs its
 own cache, so the factory gives each a `CausalLM` of its own over the shared weights), sampling, generator,
-budget, stop strings, log-probabilities and acceptance estimates (an `AutoK`'s); the pass cost by width is shared
-(`pass_costs`). Chains only for now: trees, feature drafters and a batched draft model pass are the
+budget, stop strings, log-probabilities and acceptance estimates (an `AutoK`'s, carried over from the last
+sequence to leave as a single request's policy carries them from the last request); what passes and drafts cost
+belongs to the machine and is shared (`costs`: passes timed by their total width). Each step a sequence's own
+policy first picks its source and k as if it ran alone (`engine.choose_source`: probes included), then the
+goodput rule sets the k of those it chose to draft for the batch as a whole, so a batch of one steps as a single
+request does. Chains only for now: trees, feature drafters and a batched draft model pass are the
 single-request engine's (`engine.SpeculativeDecoder`).
 """
 
@@ -37,17 +42,21 @@ from typing import Callable, Sequence
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs, sync_device
+from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs, choose_source, sync_device
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import choose_batch_k
-from specdraft.models.causal_lm import CausalLM
-from specdraft.policy import FIRST_K, MARGIN, MAX_AUTO_K, AutoK
+from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
+from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText
 from specdraft.verify import verify
 
 DEFAULT_MAX_BATCH = 8
+# A sequence joins a running batch only while one more raises its plain tokens per second by this share
+# (`worth_joining`); where passes are bound by compute, a wider batch past that adds latency, not throughput.
+JOIN_GAIN = 0.05
+PLAIN_STALE_STEPS = 256  # a batch size's plain step time not timed again within this many steps is timed anew
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
@@ -89,6 +98,14 @@ class _Sequence:
     k: int | None  # fixed, or None: chosen by the goodput rule
 
 
+@dataclass
+class _Joining:
+    """A sequence whose prompt (but its last token) is being read, a chunk at a time, before it steps."""
+
+    sequence: _Sequence
+    read: int = 0  # prompt tokens read so far
+
+
 class BatchedDecoder:
     """Generates many requests at once over `target` (module doc); `make_drafter()` gives each sequence its
     drafter (None: plain batched decoding). Not thread-safe: one caller steps it."""
@@ -99,9 +116,14 @@ class BatchedDecoder:
             raise SpecdraftError(f"The batch must hold at least one sequence, got max_batch={max_batch}.")
         self.target, self.make_drafter = target, make_drafter
         self.max_batch, self.max_k = max_batch, max_k
-        self.pass_costs = AutoK(max_k=max_batch * (max_k + 1))  # only its pass timings by width are used
+        self.costs = StepCosts(max_batch * (max_k + 1) + 1)  # passes by total width; each source's draft and read
+        self._policy = AutoK(max_k=max_k, costs=self.costs)  # the last to leave: a joining sequence carries it over
         self.active: list[_Sequence] = []
+        self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
+        self.failed: list[tuple[int, Exception]] = []  # sequences whose prompt failed to read: the caller takes them
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
+        self.plain_seconds: dict[int, tuple[float, int]] = {}  # batch size -> (smoothed plain step seconds, step)
+        self.steps = 0
         self.last_step: BatchStep | None = None  # for the metrics
         self.largest_batch = 0
         self._next_ident = 0
@@ -110,8 +132,9 @@ class BatchedDecoder:
 
     # ----- joining and leaving ----------------------------------------------------------------------
     def add(self, request: BatchRequest) -> int:
-        """Start `request` (its prompt is read into the cache now); returns its id for the events."""
-        if len(self.active) >= self.max_batch:
+        """Queue `request` to join (its prompt is read by the next steps, `_read_joining`); returns its id for the
+        events. A request refused here leaves everything as it was."""
+        if self.size >= self.max_batch:
             raise SpecdraftError(f"The batch is full ({self.max_batch} sequences); wait for one to finish.")
         target, ids = self.target, [int(t) for t in request.prompt_ids]
         if not ids or min(ids) < 0 or max(ids) >= target.vocab_size:
@@ -122,6 +145,13 @@ class BatchedDecoder:
             raise SpecdraftError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}.")
         if len(ids) >= target.max_context:
             raise SpecdraftError(f"The prompt has {len(ids)} tokens, but {target.name} holds {target.max_context}.")
+        if request.k is not None and request.k < 1:
+            raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
+        maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
+        drafter = maker() if maker is not None else None
+        if drafter is not None and drafter.needs_features:
+            raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
+                                 "engine does not hand out yet; choose model, ngram or suffix.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
         device = target.device
         sequence = torch.tensor(ids, dtype=torch.long, device=device)  # [L]
@@ -131,43 +161,94 @@ class BatchedDecoder:
             seen[sequence] = True
         stats = GenerationStats()
         stats.prompt_tokens = len(ids)
-        started = time.perf_counter()
-        cached, owners = target.cache_len, len(self.row_owner)
-        try:
-            self._prefill(ident, sequence[:-1])
-            maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
-            drafter = maker() if maker is not None else None
-            if drafter is not None and drafter.needs_features:
-                raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
-                                     "engine does not hand out yet; choose model, ngram or suffix.")
-        except BaseException:  # the others' cache stays as it was
-            target.truncate(cached)
-            del self.row_owner[owners:]
-            raise
-        stats.prefill_seconds = time.perf_counter() - started
-        if drafter is not None:
-            drafter.begin(sequence)
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
-                       stats, started, request.logprobs)
-        if request.k is not None and request.k < 1:
-            raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
-        self.active.append(_Sequence(ident, run, drafter, AutoK(max_k=self.max_k), request.k))
+                       stats, time.perf_counter(), request.logprobs)
+        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k)))
         return ident
 
-    def _prefill(self, ident: int, tokens: torch.Tensor) -> None:  # tokens: [L - 1]
-        """Read a joining prompt (but its last token) as it is read alone, into a cache of its own over the same
-        weights, and append those rows to the packed cache: the same states, bit for bit."""
-        if tokens.shape[0] == 0:
-            return
+    @property
+    def size(self) -> int:
+        """Sequences in the batch: stepping, or reading their prompt to join."""
+        return len(self.active) + len(self.joining)
+
+    def worth_joining(self, sequences: int = 1) -> bool:
+        """Whether `sequences` more may join now: room under max_batch, and (once the batch runs) the plain step
+        times measured at this size and the next raise the batch's tokens per second, B / V(B), by JOIN_GAIN. On a
+        2-core CPU a plain step of 4 / 5 / 8 sequences took 84 / 112 / 167 ms: past 4, more sequences only slow
+        everyone's tokens (inter-token latency), so the next request waits in the queue. A size not timed (or not
+        for PLAIN_STALE_STEPS steps) is let in, and so timed."""
+        size = self.size
+        if size + sequences > self.max_batch:
+            return False
+        if size == 0:
+            return True
+        now, more = self._plain_step(size), self._plain_step(size + 1)
+        return now is None or more is None or (size + 1) / more >= (1 + JOIN_GAIN) * size / now
+
+    def _plain_step(self, size: int) -> float | None:
+        timed = self.plain_seconds.get(size)
+        return timed[0] if timed is not None and self.steps - timed[1] <= PLAIN_STALE_STEPS else None
+
+    def _read_joining(self) -> None:
+        """Read joining prompts (but their last token), first come first served, a chunk of `PREFILL_CHUNK` tokens
+        at a time at the offsets a single request's prefill reads them, until PREFILL_CHUNK tokens were read this
+        step: into a cache of their own over the same weights (`_reader`), whose rows join the packed cache once the
+        whole prompt is read. So a sequence holds the very states it holds alone, bit for bit, and a long prompt
+        stalls the running answers a chunk's time at a step. A prompt that fails to read leaves (`failed`)."""
+        budget = PREFILL_CHUNK
+        while self.joining and budget > 0:
+            joining = self.joining[0]
+            seq = joining.sequence
+            prompt = seq.run.sequence[:-1]  # [L - 1]
+            try:
+                started = time.perf_counter()
+                if joining.read < prompt.shape[0]:
+                    chunk = prompt[joining.read : joining.read + PREFILL_CHUNK]
+                    self._read_chunk(chunk)
+                    joining.read += chunk.shape[0]
+                    budget -= chunk.shape[0]
+                seq.run.stats.prefill_seconds += time.perf_counter() - started
+                if joining.read == prompt.shape[0]:
+                    self._join(seq, prompt.shape[0])
+            except Exception as error:  # this request fails; the packed cache and the others go on as they were
+                self.joining.pop(0)
+                self._reader.reset()
+                self.failed.append((seq.ident, error))
+
+    def _read_chunk(self, chunk: torch.Tensor) -> None:  # chunk: [n]
+        self._reader.prefill(chunk.unsqueeze(0))
+
+    def _join(self, seq: _Sequence, rows: int) -> None:
+        """The read prompt's `rows` join the packed cache and the sequence steps from now on."""
+        target, cached = self.target, self.target.cache_len
+        try:
+            if rows:
+                target.append_cache(self._reader)
+        except BaseException:
+            target.truncate(cached)
+            raise
         self._reader.reset()
-        self._reader.prefill(tokens.unsqueeze(0))
-        self.target.append_cache(self._reader)
-        self._reader.reset()
-        self.row_owner += [ident] * tokens.shape[0]
+        self.row_owner += [seq.ident] * rows
+        self.joining.pop(0)
+        if seq.drafter is not None:
+            seq.drafter.begin(seq.run.sequence)
+        self.active.append(seq)
+
+    def take_failed(self) -> list[tuple[int, Exception]]:
+        """The sequences that failed to join since the last call, with why (each is out of the batch)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def cancel(self, ident: int) -> None:
-        """Stop sequence `ident` now (its rows leave the cache); unknown ids are ignored."""
+        """Stop sequence `ident` now (its rows leave the cache, or its prompt stops being read); unknown ids are
+        ignored."""
+        for index, joining in enumerate(self.joining):
+            if joining.sequence.ident == ident:
+                if index == 0:
+                    self._reader.reset()
+                del self.joining[index]
+                return
         self._leave([seq for seq in self.active if seq.ident == ident])
 
     def _leave(self, leaving: list[_Sequence]) -> None:
@@ -178,6 +259,7 @@ class BatchedDecoder:
             self.active.remove(seq)
             if seq.drafter is not None:
                 seq.drafter.end(seq.run.sequence)
+                self._policy = seq.policy
         gone = {seq.ident for seq in leaving}
         kept = [row for row, owner in enumerate(self.row_owner) if owner not in gone]
         self.target.keep(0, kept)
@@ -201,23 +283,50 @@ class BatchedDecoder:
         first = [seq for seq in self.active if seq.run.sequence.shape[0] == 1]
         return first[:1] + [seq for seq in self.active if seq.run.sequence.shape[0] > 1]
 
-    def _choose(self, stepping: list[_Sequence], sources: list[str | None], limits: list[int]) -> list[int]:
-        """Each sequence's k: the goodput rule over measured pass costs (FIRST_K before any is measured)."""
-        fixed = [limit if source and seq.k is not None else 0 for seq, source, limit in zip(stepping, sources, limits)]
-        chosen = [seq.k is None and source is not None for seq, source in zip(stepping, sources)]
-        if self.pass_costs.verify_estimate(1) is None:
-            return [min(FIRST_K, limit) if auto else k for auto, limit, k in zip(chosen, limits, fixed)]
-        curves, costs = [], []
-        for seq, source, limit, auto in zip(stepping, sources, limits, chosen):
-            if not auto:  # plain, or a fixed k: priced as a width already in the pass
-                curves.append([1.0])
-                costs.append(0.0)
-                continue
-            curves.append(seq.policy.expected_token_curve(limit, source))
-            costs.append(seq.policy.draft_seconds(source, plain=self.pass_costs.verify_estimate(1)))
-        extra = sum(fixed)
-        ks = choose_batch_k(curves, costs, lambda width: self.pass_costs.verify_estimate(width + extra), margin=MARGIN)
-        return [k if auto else f for k, f, auto in zip(ks, fixed, chosen)]
+    def _plan(self, seq: _Sequence, ctx: DraftContext, limit: int) -> tuple[str | None, int, int]:
+        """(source, k, unread) for this sequence as if it ran alone: its policy's choice (a fixed k: the drafter's
+        first source, all of k); (None, 0, 0) = plain."""
+        if seq.drafter is None or limit <= 0:
+            return None, 0, 0
+        if seq.k is not None:
+            source = seq.drafter.source(ctx)
+            return (source, limit, seq.drafter.unread(ctx)) if source is not None else (None, 0, 0)
+        run = seq.run
+        source, k, unread = choose_source(seq.drafter, seq.policy, ctx, limit, run.max_new_tokens - len(run.generated),
+                                          len(run.generated))
+        if k > 0 and unread > 0 and len(self.active) > 1 and seq.policy.estimates(source).probing:
+            # A probe that must first catch up stalls the whole batch, where drafting pays least: it waits until
+            # the sequence runs alone (measured: batches of 4 at 0.95x plain batching with such probes).
+            seq.policy.estimates(source).probing = False
+            return None, 0, 0
+        return source, k, unread
+
+    def _choose(self, stepping: list[_Sequence], plans: list[tuple[str | None, int, int]]) -> list[int]:
+        """Each sequence's k: the goodput rule over the sequences whose policy chose to draft (not a probe, not a
+        fixed k), each at most the k it chose alone, the others' blocks priced in the pass as they are (module doc).
+        The cap: the alone choice already weighed each token against the pass it widens, and beside other blocks
+        a token costs no less where passes are bound by compute, while the estimate of a width not yet timed is
+        optimistic (measured: a sequence whose policy chose 1 drafted 6 into a 9-token pass that cost 2.9x a
+        3-token one)."""
+        ks = [k for _, k, _ in plans]
+        if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft
+            return ks
+        joint = [i for i, (seq, (source, k, _)) in enumerate(zip(stepping, plans))
+                 if k > 0 and seq.k is None and not seq.policy.estimates(source).probing]
+        if not joint:
+            return ks
+        extra = sum(k + 1 for i, k in enumerate(ks) if i not in joint)  # the others' blocks in the pass
+        curves, beside = [], []
+        for i in joint:  # at most the k it chose alone: beside other blocks a draft token costs no less
+            seq, (source, top, unread) = stepping[i], plans[i]
+            run, policy = seq.run, seq.policy
+            left = policy.expected_left(len(run.generated), run.max_new_tokens - len(run.generated))
+            curves.append(policy.expected_token_curve(top, source))
+            beside.append(policy.draft_cost_curve(top, source, unread, left, curves[-1]))
+        chosen = choose_batch_k(curves, beside, lambda width: self.costs.verify_estimate(width + extra), margin=MARGIN)
+        for i, k in zip(joint, chosen):
+            ks[i] = k
+        return ks
 
     def _step_visibility(self, owners: list[int], blocks: list[int]) -> torch.Tensor:
         """[T, N + T] bool: block token j (of sequence owners[j]) sees its sequence's cache rows and the earlier
@@ -231,8 +340,10 @@ class BatchedDecoder:
         return torch.cat([mine[:, None] == rows[None, :], in_block], dim=1)
 
     def step(self) -> list[tuple[int, StepEvent]]:
-        """One step of every active sequence: (id, event) each; a finished sequence's event has its
-        finish_reason and the sequence has left."""
+        """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
+        finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
+        are in `take_failed()`."""
+        self._read_joining()
         if not self.active:
             return []
         target = self.target
@@ -241,13 +352,11 @@ class BatchedDecoder:
         t0 = time.perf_counter()
         limits = [self._limit(seq) for seq in stepping]
         contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
-        sources = [seq.drafter.source(ctx) if seq.drafter is not None and limit > 0 else None
-                   for seq, ctx, limit in zip(stepping, contexts, limits)]
-        ks = self._choose(stepping, sources, limits)
-        drafts, draft_seconds, unread = [], [], []
-        for seq, ctx, source, k in zip(stepping, contexts, sources, ks):  # 2. each sequence drafts alone
+        plans = [self._plan(seq, ctx, limit) for seq, ctx, limit in zip(stepping, contexts, limits)]
+        ks = self._choose(stepping, plans)
+        drafts, draft_seconds = [], []
+        for seq, ctx, k in zip(stepping, contexts, ks):  # 2. each sequence drafts alone (its source chosen above)
             began = time.perf_counter()
-            unread.append(seq.drafter.unread(ctx) if k > 0 else 0)
             draft = seq.drafter.propose(ctx, k) if k > 0 else Draft.chain(ctx.sequence.new_empty(0))
             drafts.append(draft)
             draft_seconds.append(time.perf_counter() - began)
@@ -276,20 +385,23 @@ class BatchedDecoder:
             kept_rows += list(range(start, start + 1 + num_accepted))  # in the block: its last and accepted rows
             start += width
         pass_seconds = time.perf_counter() - t1
-        self.pass_costs.observe(tokens.shape[0] - 1, 0, 0.0, pass_seconds, source=None)
+        self.costs.time_pass(tokens.shape[0], pass_seconds)
+        self.steps += 1
+        if not any(ks):
+            size = len(stepping)
+            self.plain_seconds[size] = (self.costs.smoothed(self._plain_step(size), pass_seconds), self.steps)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []
-        for seq, draft, source, (num_accepted, next_token), k, seconds, read, rows in zip(
-                stepping, drafts, sources, verdicts, ks, draft_seconds, unread, rows_of):
+        for seq, draft, (source, _, read), (num_accepted, next_token), k, seconds, rows in zip(
+                stepping, drafts, plans, verdicts, ks, draft_seconds, rows_of):
             run = seq.run
             prev_len = run.sequence.shape[0]
             path = list(range(num_accepted))
             if k > 0:
                 seq.drafter.commit(prev_len, path)
-                seq.policy.observe(k, num_accepted, seconds, pass_seconds, source, path, read, draft.scores)
-            elif seq.drafter is not None:
-                seq.policy.observe(0, 0, 0.0, pass_seconds, source)
+            if seq.drafter is not None:  # the pass was timed above, by its total width
+                seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores)
             event = run.emit(k, draft.tokens[:num_accepted].tolist(), next_token, num_accepted == k,
                              target.eos_token_ids, target.max_context)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path, k, seconds,
@@ -306,20 +418,25 @@ class BatchedDecoder:
         return events
 
     def stats(self, ident: int) -> GenerationStats | None:
-        """The statistics of active sequence `ident` (None once it has left)."""
-        return next((seq.run.stats for seq in self.active if seq.ident == ident), None)
+        """The statistics of sequence `ident`, stepping or joining (None once it has left)."""
+        sequences = self.active + [joining.sequence for joining in self.joining]
+        return next((seq.run.stats for seq in sequences if seq.ident == ident), None)
 
     def generate_all(self, requests: Sequence[BatchRequest]) -> list[Completion]:
-        """Run `requests` to the end, at most max_batch at a time (the next joins as one leaves), in order."""
+        """Run `requests` to the end, at most max_batch at a time (the next joins as one leaves), in order; a
+        request that fails to join raises its error."""
         pending = list(enumerate(requests))
         results: dict[int, Completion] = {}
         running: dict[int, tuple[int, RunState, list[int], list[str], list[str]]] = {}  # by sequence id
-        while pending or self.active:
-            while pending and len(self.active) < self.max_batch:
+        while pending or self.size:
+            while pending and self.size < self.max_batch:
                 index, request = pending.pop(0)
                 ident = self.add(request)
-                running[ident] = (index, self.active[-1].run, [], [], [])
-            for ident, event in self.step():
+                running[ident] = (index, self.joining[-1].sequence.run, [], [], [])
+            events = self.step()
+            for _, error in self.take_failed():
+                raise error
+            for ident, event in events:
                 index, run, token_ids, kinds, pieces = running[ident]
                 token_ids += event.token_ids
                 kinds += event.kinds

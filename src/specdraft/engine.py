@@ -139,6 +139,24 @@ class RunState:
         return StepEvent(committed, kinds[: len(committed)], pieces, k, kept, finish)
 
 
+def choose_source(drafter: Drafter, policy: FixedK | AutoK, ctx: DraftContext, limit: int, remaining: int,
+                  generated: int) -> tuple[str | None, int, int]:
+    """Who drafts this step, how many tokens, and how many committed tokens it must read first: the first source
+    the drafter offers that the policy finds worth a draft (a composed drafter offers its parts in order);
+    (None, 0, 0) = plain. `remaining`: the budget left; `generated`: the answer's tokens so far."""
+    declined: set[str] = set()
+    while limit > 0:
+        source = drafter.source(ctx, frozenset(declined))
+        if source is None or source in declined:
+            break
+        unread = drafter.unread(ctx)
+        k = policy.choose(limit, source, unread=unread, remaining=remaining, generated=generated)
+        if k > 0:
+            return source, k, unread
+        declined.add(source)
+    return None, 0, 0
+
+
 class SpeculativeDecoder:
     """Generates with `target`, drafting with `drafter` (None = plain autoregressive decoding).
 
@@ -237,22 +255,6 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter.end(sequence.new_tensor(prompt_ids + run.generated))
 
-    def _choose_draft(self, ctx: DraftContext, limit: int, remaining: int, generated: int) -> tuple[str | None, int, int]:
-        """Who drafts this step, how many tokens, and how many committed tokens it must read first:
-        the first source the drafter offers that the policy finds worth a draft (a composed drafter
-        offers its parts in order); (None, 0, 0) = plain."""
-        declined: set[str] = set()
-        while limit > 0:
-            source = self.drafter.source(ctx, frozenset(declined))
-            if source is None or source in declined:
-                break
-            unread = self.drafter.unread(ctx)
-            k = self.policy.choose(limit, source, unread=unread, remaining=remaining, generated=generated)
-            if k > 0:
-                return source, k, unread
-            declined.add(source)
-        return None, 0, 0
-
     def _propose(self, run: "RunState") -> tuple[Draft, str | None, int]:
         """This step's draft (empty for a plain step), who drafted it, and how many committed tokens it read."""
         remaining = run.max_new_tokens - len(run.generated)
@@ -264,7 +266,7 @@ class SpeculativeDecoder:
         ctx = DraftContext(run.sequence, run.params, run.generator, run.seen,
                            tree_branch=self.tree_branch if self.tree_budget else 1,
                            max_depth=min(depth, self.policy.max_depth))
-        source, k, unread = self._choose_draft(ctx, limit, remaining, len(run.generated))
+        source, k, unread = choose_source(self.drafter, self.policy, ctx, limit, remaining, len(run.generated))
         if k == 0:
             return Draft.chain(run.sequence.new_empty(0)), None, 0
         draft = self.drafter.propose(ctx, k)

@@ -4,20 +4,25 @@ A batched step verifies every active sequence in one target pass over the ragged
 their blocks ([last, d1 .. dk] per sequence), so sequence i drafting k_i tokens widens the pass to
 W = Σ (k_i + 1) tokens. The step's goodput is the committed tokens of the whole batch per second:
 
-    rate(k) = Σ_i E_i(k_i) / (V(W) + Σ_i c_i · k_i)
+    rate(k) = Σ_i E_i(k_i) / (V(W) + Σ_i C_i(k_i))
 
 with E_i(k) the expected tokens committed by sequence i when it drafts k (1 + Σ_{j≤k} Π α: its own
 acceptance estimates, `AutoK.expected_token_curve`), V(W) the measured time of a target pass over W
-tokens, and c_i the draft time per token of sequence i's source (0 for prompt lookup). Where a pass
+tokens, and C_i(k) what sequence i's drafting costs beside the pass: its source's draft time per token
+times k (next to nothing for prompt lookup), plus a draft model's catch-up share where it must first read
+tokens it missed (`AutoK.draft_cost_curve`, the single-request policy's own costs). Where a pass
 costs little more for more tokens (a GPU, or a CPU at small batches) every sequence drafts; where it
 is bound by compute (a CPU past a few tokens), each extra token of W costs what it would earn and
 speculation turns itself off as the batch grows (vLLM's per-batch-size k, SGLang's adaptive
 speculation, SmartSpec's goodput rule).
 
-`choose_batch_k` maximises the ratio exactly for concave E_i (each further draft token earns no more
-than the one before, as a product of α ≤ 1 does): Dinkelbach's method turns the ratio into
-max Σ E_i(k_i) − λ · cost(k), whose best k for a fixed total S = Σ k_i is a greedy allocation of the
-S tokens by marginal gain; λ is then the best rate found, until it no longer rises.
+`choose_batch_k` maximises the ratio exactly for concave E_i and convex C_i (each further draft token earns
+no more than the one before, as a product of α ≤ 1 does, and costs no less): Dinkelbach's method turns the
+ratio into max Σ E_i(k_i) − λ · cost(k), whose best k for a fixed total S = Σ k_i is a greedy allocation of
+the S tokens by marginal gain; λ is then the best rate found, until it no longer rises. A catch-up makes a
+sequence's first token dearer than the next (C_i not convex): the greedy allocation may then miss the optimum
+of a batch, never of one sequence alone, where it tries every k, so a batch of one chooses what
+`AutoK.choose` does.
 """
 
 from __future__ import annotations
@@ -28,22 +33,26 @@ from typing import Callable, Sequence
 DINKELBACH_ROUNDS = 32  # far more than it takes: λ stops rising after a few rounds
 
 
-def batch_rate(ks: Sequence[int], curves: Sequence[Sequence[float]], draft_costs: Sequence[float],
+def batch_rate(ks: Sequence[int], curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
                verify_seconds: Callable[[int], float]) -> float:
     """Expected committed tokens per second of a step where sequence i drafts ks[i]."""
     width = sum(k + 1 for k in ks)
-    seconds = verify_seconds(width) + sum(c * k for c, k in zip(draft_costs, ks))
+    seconds = verify_seconds(width) + sum(cost[k] for cost, k in zip(beside, ks))
     return sum(curve[k] for curve, k in zip(curves, ks)) / seconds
 
 
-def _best_for(lam: float, curves: Sequence[Sequence[float]], draft_costs: Sequence[float],
+def _gain(lam: float, curve: Sequence[float], cost: Sequence[float], k: int) -> float:
+    """What sequence drafting its (k + 1)-th token adds to Σ E − λ·Σ C."""
+    return curve[k + 1] - curve[k] - lam * (cost[k + 1] - cost[k])
+
+
+def _best_for(lam: float, curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
               verify_seconds: Callable[[int], float]) -> list[int]:
-    """argmax over k of Σ E_i(k_i) − λ·(V(B + S) + Σ c_i k_i): for each total S, the S tokens go greedily to the
-    largest marginal gains E_i(k+1) − E_i(k) − λ·c_i (non-increasing in k: exact); then the best S."""
+    """argmax over k of Σ E_i(k_i) − λ·(V(B + S) + Σ C_i(k_i)): for each total S, the S tokens go greedily to the
+    largest marginal gains E_i(k+1) − E_i(k) − λ·(C_i(k+1) − C_i(k)) (non-increasing in k: exact); then the best S."""
     batch = len(curves)
     ks = [0] * batch
-    heap = [(-(curve[1] - curve[0] - lam * cost), i) for i, (curve, cost) in enumerate(zip(curves, draft_costs))
-            if len(curve) > 1]
+    heap = [(-_gain(lam, curve, cost, 0), i) for i, (curve, cost) in enumerate(zip(curves, beside)) if len(curve) > 1]
     heapq.heapify(heap)
     gained = sum(curve[0] for curve in curves)
     best_value, best_ks = gained - lam * verify_seconds(batch), list(ks)
@@ -58,31 +67,32 @@ def _best_for(lam: float, curves: Sequence[Sequence[float]], draft_costs: Sequen
             best_value, best_ks = value, list(ks)
         curve = curves[i]
         if ks[i] + 1 < len(curve):
-            heapq.heappush(heap, (-(curve[ks[i] + 1] - curve[ks[i]] - lam * draft_costs[i]), i))
+            heapq.heappush(heap, (-_gain(lam, curve, beside[i], ks[i]), i))
     return best_ks
 
 
-def choose_batch_k(curves: Sequence[Sequence[float]], draft_costs: Sequence[float],
+def choose_batch_k(curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
                    verify_seconds: Callable[[int], float], margin: float = 1.0) -> list[int]:
     """The draft length of each sequence that maximises the batch's committed tokens per second (module doc).
 
     curves[i][k]: expected tokens sequence i commits drafting k (curves[i][0] = 1; its length bounds k);
-    draft_costs[i]: seconds a draft token of sequence i costs; verify_seconds(W): a target pass over W tokens.
-    Speculation must beat the plain step (every k = 0) by `margin`, else every sequence steps plain."""
-    if len(curves) != len(draft_costs):
-        raise ValueError("one draft cost per sequence")
+    beside[i][k]: seconds sequence i's drafting of k tokens costs beside the pass (beside[i][0] = 0, as long as
+    curves[i]); verify_seconds(W): a target pass over W tokens. Speculation must beat the plain step (every k = 0)
+    by `margin`, else every sequence steps plain."""
+    if len(curves) != len(beside) or any(len(c) != len(b) for c, b in zip(curves, beside)):
+        raise ValueError("one cost curve per sequence, as long as its token curve")
     plain = [0] * len(curves)
     if not curves:
         return plain
     best = plain
-    best_rate = batch_rate(best, curves, draft_costs, verify_seconds)
+    best_rate = batch_rate(best, curves, beside, verify_seconds)
     lam = best_rate
     for _ in range(DINKELBACH_ROUNDS):
-        ks = _best_for(lam, curves, draft_costs, verify_seconds)
-        rate = batch_rate(ks, curves, draft_costs, verify_seconds)
+        ks = _best_for(lam, curves, beside, verify_seconds)
+        rate = batch_rate(ks, curves, beside, verify_seconds)
         if rate <= best_rate * (1 + 1e-12):
             break
         best, best_rate, lam = ks, rate, rate
-    if best_rate < margin * batch_rate(plain, curves, draft_costs, verify_seconds):
+    if best_rate < margin * batch_rate(plain, curves, beside, verify_seconds):
         return plain
     return best

@@ -105,19 +105,138 @@ class FixedK:
 
 
 @dataclass
+class SourceCosts:
+    """What one draft source costs on this machine: per draft token (a tree: per step) and per committed token
+    it reads to catch up, each with the step count when it was last timed (STALE_STEPS)."""
+
+    draft_seconds_per_token: float | None = None  # a tree: per step (its passes go by depth, not by node)
+    read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
+    draft_timed_at: int = 0
+    read_timed_at: int = 0
+
+
+class StepCosts:
+    """The measured costs of steps on one target: a pass by width, and each draft source's `SourceCosts`.
+
+    They belong to the machine, not to a text: one `AutoK` owns them, or the policies of a batch's sequences
+    share them (the batch times its passes by their total width; each sequence times its own drafts)."""
+
+    def __init__(self, widths: int, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.verify_seconds: list[float | None] = [None] * widths  # [t]: a target pass over t tokens
+        self.verify_timed_at: list[int] = [0] * widths  # [t]: the step count when verify_seconds[t] was timed
+        self.steps = 0  # passes timed
+        self.sources: dict[str, SourceCosts] = {}
+
+    def source(self, name: str) -> SourceCosts:
+        """The costs of draft source `name` (created on first use)."""
+        return self.sources.setdefault(name, SourceCosts())
+
+    def widen(self, widths: int) -> None:
+        """Price passes up to `widths` - 1 tokens wide (what was timed is kept)."""
+        extra = widths - len(self.verify_seconds)
+        if extra > 0:
+            self.verify_seconds += [None] * extra
+            self.verify_timed_at += [0] * extra
+
+    def smoothed(self, old: float | None, new: float) -> float:
+        """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
+        timing counts as at most SPIKE times the estimate."""
+        if old is None:
+            return new
+        return old + self.smoothing * ((min(new, SPIKE * old) if old > 0 else new) - old)
+
+    def time_pass(self, width: int, seconds: float) -> None:
+        """A step's target pass over `width` tokens took `seconds` (costs not timed for STALE_STEPS are forgotten)."""
+        self.steps += 1
+        self._forget_stale()
+        if width < len(self.verify_seconds):
+            self.verify_seconds[width] = self.smoothed(self.verify_seconds[width], seconds)
+            self.verify_timed_at[width] = self.steps
+
+    def time_draft(self, source: str, per_token: float) -> None:
+        """A caught-up draft by `source` took `per_token` seconds a token (a tree: a step)."""
+        costs = self.source(source)
+        costs.draft_seconds_per_token = self.smoothed(costs.draft_seconds_per_token, per_token)
+        costs.draft_timed_at = self.steps
+
+    def time_read(self, source: str, per_token: float) -> None:
+        """Catching up, `source` read committed tokens at `per_token` seconds each."""
+        costs = self.source(source)
+        costs.read_seconds_per_token = self.smoothed(costs.read_seconds_per_token, per_token)
+        costs.read_timed_at = self.steps
+
+    def _forget_stale(self) -> None:
+        """Forget every cost not timed within the last STALE_STEPS steps (module doc): a pass width not used
+        since is priced from the others again, a draft source by the guesses, until it is timed anew."""
+        oldest = self.steps - STALE_STEPS
+        for width, timed_at in enumerate(self.verify_timed_at):
+            if timed_at <= oldest:
+                self.verify_seconds[width] = None
+        for costs in self.sources.values():
+            if costs.draft_timed_at <= oldest:
+                costs.draft_seconds_per_token = None
+            if costs.read_timed_at <= oldest:
+                costs.read_seconds_per_token = None
+
+    def verify_estimate(self, width: int) -> float | None:
+        """Seconds of a target pass over `width` tokens: measured, or else V(1) · (1 + s · (width − 1)) scaled
+        from the measured widths (None before any), with s the slope the narrowest and widest measured passes
+        show, at least the optimistic PRIOR_SLOPE (on a CPU where each token of a pass costs a third of a
+        one-token pass, the flat prior priced a 9-token pass at half its time); never more than a measured
+        wider pass (a slow first pass of a rarely used width would otherwise keep that width unused, its
+        estimate never corrected)."""
+        measured = [(w, v) for w, v in enumerate(self.verify_seconds) if v is not None]
+        if not measured:
+            return None
+        if width < len(self.verify_seconds) and self.verify_seconds[width] is not None:
+            estimate = self.verify_seconds[width]
+        else:
+            slope = self.measured_slope(measured)
+            estimate = min(v / (1 + slope * (w - 1)) for w, v in measured) * (1 + slope * (width - 1))
+        return min([estimate] + [v for w, v in measured if w > width])
+
+    @staticmethod
+    def measured_slope(measured: list[tuple[int, float]]) -> float:
+        """s with V(b) / V(a) = (1 + s(b − 1)) / (1 + s(a − 1)) for the narrowest and widest measured widths
+        a < b, at least PRIOR_SLOPE (which it is with fewer than two widths, or a wider pass measured cheaper)."""
+        (a, v_a), (b, v_b) = measured[0], measured[-1]
+        ratio = v_b / v_a if v_a > 0 else 1.0
+        denominator = (b - 1) - ratio * (a - 1)
+        if b <= a or ratio <= 1.0 or denominator <= 0:
+            return PRIOR_SLOPE
+        return max(PRIOR_SLOPE, (ratio - 1.0) / denominator)
+
+    def draft_seconds(self, source: str, plain: float | None = None) -> float:
+        """`source`'s draft time per token (a tree: per step): measured, or before its first caught-up draft a third
+        of a plain target step (`plain`, default the estimate of a one-token pass)."""
+        draft = self.source(source).draft_seconds_per_token
+        if draft is not None:
+            return draft
+        return (self.verify_estimate(1) if plain is None else plain) / 3
+
+    def catch_up_seconds(self, unread: int, source: str) -> float:
+        """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is
+        measured): the measured read rate, or before it is timed a READ_GUESS-th of a one-token pass a token."""
+        plain = self.verify_estimate(1)
+        if unread <= 0 or plain is None:
+            return 0.0
+        per_read = self.source(source).read_seconds_per_token
+        return unread * (plain / READ_GUESS if per_read is None else per_read)
+
+
+@dataclass
 class SourceEstimates:
-    """What AutoK has learnt about one draft source (a drafter, or one part of a composed one)."""
+    """What AutoK has learnt about one draft source (a drafter, or one part of a composed one): its acceptance on
+    this text and its probing state, and (shared by every policy over the same `StepCosts`) what it costs."""
 
     max_k: int
     probe_interval: int  # plain steps before the next probe; doubles after each failed one
+    costs: SourceCosts = field(default_factory=SourceCosts)
     # Decayed counts per draft position i (a tree: per node i in the drafter's order): acceptances, and
     # times it was verified (a chain position after a rejection is not; every tree node is).
     hits: list[float] = field(default_factory=list)
     tries: list[float] = field(default_factory=list)
-    draft_seconds_per_token: float | None = None  # a tree: per step (its passes go by depth, not by node)
-    read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
-    draft_timed_at: int = 0  # the policy's step count when each cost was last timed (STALE_STEPS)
-    read_timed_at: int = 0
     plain_streak: int = 0  # steps this source was asked and declined in a row
     probing: bool = False
     # Decayed sums over the tree nodes it drafted with scores: the scores, and the nodes accepted (κ = hits / mass).
@@ -127,6 +246,22 @@ class SourceEstimates:
     def __post_init__(self) -> None:
         self.hits = self.hits or [0.0] * self.max_k
         self.tries = self.tries or [0.0] * self.max_k
+
+    @property
+    def draft_seconds_per_token(self) -> float | None:
+        return self.costs.draft_seconds_per_token
+
+    @draft_seconds_per_token.setter
+    def draft_seconds_per_token(self, seconds: float | None) -> None:
+        self.costs.draft_seconds_per_token = seconds
+
+    @property
+    def read_seconds_per_token(self) -> float | None:
+        return self.costs.read_seconds_per_token
+
+    @read_seconds_per_token.setter
+    def read_seconds_per_token(self, seconds: float | None) -> None:
+        self.costs.read_seconds_per_token = seconds
 
 
 class AutoK:
@@ -139,7 +274,8 @@ class AutoK:
 
     def __init__(self, max_k: int = MAX_AUTO_K, prior_alpha: float = 0.6, prior_weight: float = 2.0,
                  decay: float = 0.97, probe_every: int = 8, max_probe_every: int = 64, smoothing: float = 0.2,
-                 margin: float = MARGIN, carry_over: float = 0.25, tree: bool = False) -> None:
+                 margin: float = MARGIN, carry_over: float = 0.25, tree: bool = False,
+                 costs: StepCosts | None = None) -> None:
         self.max_k = max_k  # a tree: the node budget
         self.tree = tree
         self.max_depth = MAX_AUTO_K
@@ -148,11 +284,20 @@ class AutoK:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.margin = margin  # speculate only when it promises this much over a plain step (unmodelled costs)
         self.carry_over = carry_over  # share of the acceptance counts a new request starts with
-        self.verify_seconds: list[float | None] = [None] * (max_k + 2)  # [t]: a target pass over t tokens
-        self.verify_timed_at: list[int] = [0] * (max_k + 2)  # [t]: the step count when verify_seconds[t] was timed
-        self.steps = 0  # steps observed, over every request
+        self.costs = StepCosts(max_k + 2, smoothing) if costs is None else costs  # a batch's are shared
+        self.costs.widen(max_k + 2)
         self.sources: dict[str, SourceEstimates] = {}
         self.last_source: str | None = None  # who drafted the previous step (None: a plain step)
+
+    @property
+    def verify_seconds(self) -> list[float | None]:
+        """[t]: the smoothed time of a target pass over t tokens (None: not timed, or forgotten)."""
+        return self.costs.verify_seconds
+
+    @verify_seconds.setter
+    def verify_seconds(self, seconds: list[float | None]) -> None:
+        self.costs.verify_seconds = list(seconds)
+        self.costs.verify_timed_at = [self.costs.steps] * len(seconds)
 
     def widen(self, max_k: int) -> None:
         """Let chains run up to `max_k` draft tokens (a GPU, where a wide pass costs little more than one token);
@@ -160,8 +305,7 @@ class AutoK:
         if self.tree or max_k <= self.max_k:
             return
         extra = max_k - self.max_k
-        self.verify_seconds += [None] * extra
-        self.verify_timed_at += [0] * extra
+        self.costs.widen(max_k + 2)
         for est in self.sources.values():
             est.hits += [0.0] * extra
             est.tries += [0.0] * extra
@@ -171,7 +315,7 @@ class AutoK:
     def estimates(self, source: str = DEFAULT_SOURCE) -> SourceEstimates:
         """The estimates of `source` (created on first use)."""
         if source not in self.sources:
-            self.sources[source] = SourceEstimates(self.max_k, self.probe_every)
+            self.sources[source] = SourceEstimates(self.max_k, self.probe_every, self.costs.source(source))
         return self.sources[source]
 
     # ----- measuring --------------------------------------------------------------------------
@@ -188,17 +332,29 @@ class AutoK:
             est.probe_interval = max(self.probe_every, est.probe_interval // 2)
         self.last_source = None
 
-    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+    def successor(self) -> "AutoK":
+        """The policy of a request that starts beside this one (a batch's joining sequence): the same settings and
+        shared costs, and what `begin_request` carries over of this one's acceptance."""
+        after = AutoK(self.max_k, self.prior_alpha, self.prior_weight, self.decay, self.probe_every,
+                      self.max_probe_every, self.smoothing, self.margin, self.carry_over, self.tree, self.costs)
+        after.max_depth = self.max_depth
+        for name, est in self.sources.items():
+            after.sources[name] = SourceEstimates(est.max_k, est.probe_interval, est.costs, list(est.hits),
+                                                  list(est.tries), score_mass=est.score_mass, score_hits=est.score_hits)
+        after.begin_request()
+        return after
+
+    def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float | None,
                 source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
                 scores: list[float] | None = None) -> None:
         """Learn from one step: `k` tokens drafted by `source` after reading `unread` committed tokens,
         `accepted` of them kept (a tree: the nodes at `path`), the drafter's `scores` for them where it
-        gave any, and what it cost.
+        gave any, and what it cost (`verify_seconds` None: whoever ran the pass timed it, as a batch does).
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
-        self.steps += 1
-        self._forget_stale()
-        self._smooth_verify(k + 1, verify_seconds)
+        costs = self.costs
+        if verify_seconds is not None:
+            costs.time_pass(k + 1, verify_seconds)
         if source is None:
             self.last_source = None
             return
@@ -214,14 +370,10 @@ class AutoK:
         if caught_up:
             # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
             # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
-            per_token = draft_seconds if self.tree else draft_seconds / k
-            est.draft_seconds_per_token = self._smoothed(est.draft_seconds_per_token, per_token)
-            est.draft_timed_at = self.steps
+            costs.time_draft(source, draft_seconds if self.tree else draft_seconds / k)
         elif unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest went to reading
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
-            per_read = max(0.0, draft_seconds - drafting) / unread
-            est.read_seconds_per_token = self._smoothed(est.read_seconds_per_token, per_read)
-            est.read_timed_at = self.steps
+            costs.time_read(source, max(0.0, draft_seconds - drafting) / unread)
         est.hits = [h * self.decay for h in est.hits]
         est.tries = [t * self.decay for t in est.tries]
         if scores is not None:
@@ -232,31 +384,6 @@ class AutoK:
             est.tries[i] += 1.0
         for i in path if path is not None else range(accepted):
             est.hits[i] += 1.0
-
-    def _smoothed(self, old: float | None, new: float) -> float:
-        """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
-        timing counts as at most SPIKE times the estimate."""
-        if old is None:
-            return new
-        return old + self.smoothing * ((min(new, SPIKE * old) if old > 0 else new) - old)
-
-    def _smooth_verify(self, width: int, seconds: float) -> None:
-        if width < len(self.verify_seconds):
-            self.verify_seconds[width] = self._smoothed(self.verify_seconds[width], seconds)
-            self.verify_timed_at[width] = self.steps
-
-    def _forget_stale(self) -> None:
-        """Forget every cost not timed within the last STALE_STEPS steps (module doc): a pass width not used
-        since is priced from the others again, a draft source by the guesses, until it is timed anew."""
-        oldest = self.steps - STALE_STEPS
-        for width, timed_at in enumerate(self.verify_timed_at):
-            if timed_at <= oldest:
-                self.verify_seconds[width] = None
-        for est in self.sources.values():
-            if est.draft_timed_at <= oldest:
-                est.draft_seconds_per_token = None
-            if est.read_timed_at <= oldest:
-                est.read_seconds_per_token = None
 
     # ----- choosing ---------------------------------------------------------------------------
     def pooled_alpha(self, source: str = DEFAULT_SOURCE) -> float:
@@ -313,54 +440,16 @@ class AutoK:
         return self.expected_token_curve(k, source)[k]
 
     def verify_estimate(self, width: int) -> float | None:
-        """Seconds of a target pass over `width` tokens: measured, or else V(1) · (1 + s · (width − 1)) scaled
-        from the measured widths (None before any), with s the slope the narrowest and widest measured passes
-        show, at least the optimistic PRIOR_SLOPE (on a CPU where each token of a pass costs a third of a
-        one-token pass, the flat prior priced a 9-token pass at half its time); never more than a measured
-        wider pass (a slow first pass of a rarely used width would otherwise keep that width unused, its
-        estimate never corrected)."""
-        measured = [(w, v) for w, v in enumerate(self.verify_seconds) if v is not None]
-        if not measured:
-            return None
-        if self.verify_seconds[width] is not None:
-            estimate = self.verify_seconds[width]
-        else:
-            slope = self.measured_slope(measured)
-            estimate = min(v / (1 + slope * (w - 1)) for w, v in measured) * (1 + slope * (width - 1))
-        return min([estimate] + [v for w, v in measured if w > width])
-
-    @staticmethod
-    def measured_slope(measured: list[tuple[int, float]]) -> float:
-        """s with V(b) / V(a) = (1 + s(b − 1)) / (1 + s(a − 1)) for the narrowest and widest measured widths
-        a < b, at least PRIOR_SLOPE (which it is with fewer than two widths, or a wider pass measured cheaper)."""
-        (a, v_a), (b, v_b) = measured[0], measured[-1]
-        ratio = v_b / v_a if v_a > 0 else 1.0
-        denominator = (b - 1) - ratio * (a - 1)
-        if b <= a or ratio <= 1.0 or denominator <= 0:
-            return PRIOR_SLOPE
-        return max(PRIOR_SLOPE, (ratio - 1.0) / denominator)
+        """Seconds of a target pass over `width` tokens (`StepCosts.verify_estimate`; None before any is timed)."""
+        return self.costs.verify_estimate(width)
 
     def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
-        """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is measured)."""
-        if unread <= 0 or self.verify_estimate(1) is None:
-            return 0.0
-        per_read = self.estimates(source).read_seconds_per_token
-        return unread * (self.verify_estimate(1) / READ_GUESS if per_read is None else per_read)
-
-    def step_seconds(self, k: int, source: str = DEFAULT_SOURCE) -> float | None:
-        """Estimated seconds of a step that drafts k (its catch-up aside), or None before anything is measured."""
-        verify = self.verify_estimate(k + 1)
-        if verify is None:
-            return None
-        return self.draft_seconds(source) * (min(k, 1) if self.tree else k) + verify
+        """Estimated seconds for `source` to read `unread` committed tokens first (`StepCosts.catch_up_seconds`)."""
+        return self.costs.catch_up_seconds(unread, source)
 
     def draft_seconds(self, source: str = DEFAULT_SOURCE, plain: float | None = None) -> float:
-        """`source`'s draft time per token (a tree: per step): measured, or before its first caught-up draft a third
-        of a plain target step (`plain`, default this policy's estimate of one; a batch passes its own)."""
-        draft = self.estimates(source).draft_seconds_per_token
-        if draft is not None:
-            return draft
-        return (self.verify_estimate(1) if plain is None else plain) / 3
+        """`source`'s draft time per token (a tree: per step): measured, or guessed (`StepCosts.draft_seconds`)."""
+        return self.costs.draft_seconds(source, plain)
 
     def expected_left(self, generated: int | None, remaining: int | None) -> float | None:
         """Tokens the answer is expected to run on (module doc): max(generated, ANSWER_FLOOR), at most
@@ -370,38 +459,57 @@ class AutoK:
         left = max(generated, ANSWER_FLOOR)
         return left if remaining is None else min(left, remaining)
 
+    def draft_cost_curve(self, n: int, source: str = DEFAULT_SOURCE, unread: int = 0, left: float | None = None,
+                         curve: list[float] | None = None) -> list[float]:
+        """Seconds a step drafting k = 0..n spends beside its target pass: k draft tokens (a tree: one draft
+        step), and the catch-up's share over the tokens the answer has `left`, E[tokens | k] / left of it
+        (module doc); `curve`: `expected_token_curve(n, source)` where the caller has it."""
+        curve = self.expected_token_curve(n, source) if curve is None else curve
+        draft, catch_up = self.draft_seconds(source), self.catch_up_seconds(unread, source)
+        costs = [0.0]
+        for k in range(1, n + 1):
+            seconds = draft * (min(k, 1) if self.tree else k)
+            if catch_up and left:
+                seconds += catch_up * min(1.0, curve[k] / left)
+            costs.append(seconds)
+        return costs
+
     def choose(self, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0, remaining: int | None = None,
                generated: int | None = None) -> int:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`, which must
         first read `unread` committed tokens, with `remaining` tokens of budget left (None: many) and
         `generated` tokens of the answer so far (None: unknown, the budget alone prices the catch-up)."""
-        if self.step_seconds(0) is None:  # nothing measured yet: a moderate first draft
+        plain = self.verify_estimate(1)
+        if plain is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
-        est = self.estimates(source)
-        best_k, best_rate = 0, self.margin / self.step_seconds(0)
         top = min(limit, self.max_k)
-        curve = self.expected_token_curve(top, source)
-        catch_up = self.catch_up_seconds(unread, source)
         left = self.expected_left(generated, remaining)
+        curve = self.expected_token_curve(top, source)
+        beside = self.draft_cost_curve(top, source, unread, left, curve)
+        best_k, best_rate = 0, self.margin / plain
         for k in range(1, top + 1):
-            seconds = self.step_seconds(k, source)
-            if seconds is None:
-                continue
-            if catch_up and left:  # the catch-up serves the tokens left: this step's share
-                seconds += catch_up * min(1.0, curve[k] / left)
+            seconds = beside[k] + self.verify_estimate(k + 1)
             if seconds > 0 and curve[k] / seconds > best_rate:
                 best_k, best_rate = k, curve[k] / seconds
-        if best_k == 0 and limit > 0:
-            est.plain_streak += 1
-            # A short draft now and then, to notice a recovery; not while its catch-up would cost more than a
-            # PROBE_READ_SHARE of the time the answer is expected to have left (it could never pay back).
-            affordable = not left or catch_up <= PROBE_READ_SHARE * left * self.step_seconds(0)
-            if est.plain_streak > est.probe_interval and affordable:
-                est.plain_streak, est.probing = 0, True
-                best_k = min(PROBE_K, limit)
-        else:
+        return self.probe_or(best_k, limit, source, unread, left)
+
+    def probe_or(self, k: int, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0,
+                 left: float | None = None) -> int:
+        """`k` as the cost model chose it, or a probe: after `probe_interval` plain choices in a row a short draft,
+        to notice a recovery; not while its catch-up would cost more than a PROBE_READ_SHARE of the time the answer
+        is expected to have left (`left` tokens; it could never pay back)."""
+        est = self.estimates(source)
+        if k > 0 or limit <= 0:
             est.plain_streak = 0
-        return best_k
+            return k
+        est.plain_streak += 1
+        plain = self.verify_estimate(1)
+        affordable = (not left or plain is None
+                      or self.catch_up_seconds(unread, source) <= PROBE_READ_SHARE * left * plain)
+        if est.plain_streak > est.probe_interval and affordable:
+            est.plain_streak, est.probing = 0, True
+            return min(PROBE_K, limit)
+        return 0
 
 
 def make_policy(k: int | str, tree_budget: int = 0) -> FixedK | AutoK:

@@ -21,6 +21,10 @@ from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.graph_decoder import StaticDecoder, static_obstacle
 from specdraft.models.kv_cache import growing_cache
 
+# Prompt tokens one prefill pass reads at most. A batch reads a joining prompt this much between its steps, so a
+# long prompt stalls the running answers for one chunk's time at a step, not for the whole prompt's.
+PREFILL_CHUNK = 128
+
 
 @dataclass
 class ForwardOutput:
@@ -276,8 +280,15 @@ class CausalLM:
         With `hidden`, returns their final hidden states. # [T, H]
 
         A prompt pass (see `forward`): plain and speculative decoding prefill alike, and no pass
-        that scores a draft runs this way, so speculation stays exact against plain decoding."""
+        that scores a draft runs this way, so speculation stays exact against plain decoding. It reads
+        PREFILL_CHUNK tokens a pass, so a batch can read a joining prompt a chunk between its steps and hold
+        the very states a request read alone holds."""
         if tokens.shape[1] == 0:
             return tokens.new_zeros(0, self.config.hidden_size, dtype=self.dtype) if hidden else None
-        out = self.forward(tokens, logits_to_keep=1, hidden_to_keep=tokens.shape[1] if hidden else 0, prompt=True)
-        return out.hidden_states[0] if hidden else None
+        states = []
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            chunk = tokens[:, start : start + PREFILL_CHUNK]
+            out = self.forward(chunk, logits_to_keep=1, hidden_to_keep=chunk.shape[1] if hidden else 0, prompt=True)
+            if hidden:
+                states.append(out.hidden_states[0])
+        return torch.cat(states) if hidden else None

@@ -1,6 +1,7 @@
 """The engine thread with continuous batching: queued requests step together on a `BatchedDecoder`.
 
-Between steps, queued jobs join while the batch has room (each choice of `n` is a sequence of its own), and
+Between steps, queued jobs join while the batch has room and one more sequence still raises its tokens per second
+(`BatchedDecoder.worth_joining`; each choice of `n` is a sequence of its own), and
 sequences whose client went away or whose request ran past its timeout leave; a finished sequence leaves by
 itself. Each step's events go back to their jobs as `Step`s, and a job whose choices have all finished gets its
 `Finished`. The queue in front, its 429s, shutdown and the result channel are `Worker`'s.
@@ -46,8 +47,8 @@ class BatchWorker(Worker):
 
     @property
     def running(self) -> int:
-        """Sequences generating now."""
-        return len(self.batch.active)
+        """Sequences generating now (or reading their prompt to)."""
+        return self.batch.size
 
     def _jobs(self) -> list[_Admitted]:
         """The jobs in the batch, each once (a job of n choices holds n sequence ids)."""
@@ -66,7 +67,7 @@ class BatchWorker(Worker):
                 self._waiting.put(Failed(ApiError(503, "The server shut down before this request ran; retry later.",
                                                   code="shutting_down")))
                 self._waiting = None
-            if not self.batch.active:
+            if not self.batch.size:
                 if stopping:
                     return
                 continue
@@ -78,6 +79,16 @@ class BatchWorker(Worker):
                     self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
                                                              "please report it.", code="internal_error")))
                 continue
+            for ident, error in self.batch.take_failed():
+                admitted = self._admitted.get(ident)
+                if admitted is None:
+                    continue
+                if isinstance(error, SpecdraftError):  # e.g. the prompt's context runs out
+                    self._end(admitted, Failed(ApiError(400, str(error))))
+                else:  # a bug: this request fails, the others and the engine thread go on
+                    log.error("reading a joining prompt failed", exc_info=error)
+                    self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this "
+                                                             "is a bug, please report it.", code="internal_error")))
             step = self.batch.last_step
             if self.metrics is not None and step is not None:
                 self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds)
@@ -101,7 +112,7 @@ class BatchWorker(Worker):
             job = self._waiting
             if job is None:
                 try:
-                    job = self._queue.get(block=not self.batch.active)
+                    job = self._queue.get(block=not self.batch.size)
                 except queue.Empty:
                     return stopping
                 if job is None:
@@ -119,8 +130,8 @@ class BatchWorker(Worker):
                                              f"({self.batch.max_batch}); ask for fewer.", param="n")))
                 self._waiting = None
                 continue
-            if len(self.batch.active) + choices > self.batch.max_batch:
-                self._waiting = job  # the next step frees room
+            if not self.batch.worth_joining(choices):
+                self._waiting = job  # a later step frees room (or makes the batch worth widening)
                 return stopping
             self._waiting = None
             self._start(job)
