@@ -243,20 +243,23 @@ def test_a_long_prompt_is_read_a_chunk_between_steps_and_answers_as_alone(tiny_t
 
 
 def test_a_sequence_joins_only_while_one_more_raises_the_batch_tokens_per_second(tiny_target, make_lm):
-    from specdraft.batch_engine import PLAIN_STALE_STEPS
+    from specdraft.batch_engine import PASS_STALE_STEPS
 
     batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=8)
     assert batch.worth_joining(8) and not batch.worth_joining(9)  # an idle batch: up to max_batch
-    for prompt in PROMPTS[:4]:
+    batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 8))
+    assert not batch.worth_joining()  # widths not timed: one more a step, each width timed before the next
+    for prompt in PROMPTS[1:4]:
+        batch.step()
+        assert batch.worth_joining() and not batch.worth_joining(2)
         batch.add(BatchRequest(prompt, SamplingParams(temperature=0.0), 8))
-    assert batch.worth_joining()  # sizes never timed are let in (and so timed)
     batch.step()
-    assert batch.plain_seconds[4][1] == batch.steps  # a plain step of 4 sequences was timed
-    batch.plain_seconds = {4: (0.084, batch.steps), 5: (0.112, batch.steps)}  # a 2-core CPU's plain steps
+    assert batch.pass_seconds[4][1] == batch.steps  # a pass of 4 sequences' tokens was timed
+    batch.pass_seconds = {4: (0.084, batch.steps), 5: (0.112, batch.steps)}  # a 2-core CPU's passes
     assert not batch.worth_joining()  # 5 / 112 ms < 4 / 84 ms: a fifth would only slow the others
-    batch.plain_seconds[5] = (0.102, batch.steps)  # 5 / 102 ms is 3% above 4 / 84 ms: under JOIN_GAIN
+    batch.pass_seconds[5] = (0.102, batch.steps)  # 5 / 102 ms is 3% above 4 / 84 ms: under JOIN_GAIN
     assert not batch.worth_joining()
-    batch.plain_seconds[5] = (0.090, batch.steps - PLAIN_STALE_STEPS - 1)  # timed long ago: timed anew
+    batch.pass_seconds[5] = (0.090, batch.steps - PASS_STALE_STEPS - 1)  # timed long ago: timed anew
     assert batch.worth_joining()
-    batch.plain_seconds[5] = (0.070, batch.steps)
+    batch.pass_seconds[5] = (0.070, batch.steps)
     assert batch.worth_joining() and batch.worth_joining(4) and not batch.worth_joining(5)  # max_batch still holds

@@ -56,7 +56,7 @@ DEFAULT_MAX_BATCH = 8
 # A sequence joins a running batch only while one more raises its plain tokens per second by this share
 # (`worth_joining`); where passes are bound by compute, a wider batch past that adds latency, not throughput.
 JOIN_GAIN = 0.05
-PLAIN_STALE_STEPS = 256  # a batch size's plain step time not timed again within this many steps is timed anew
+PASS_STALE_STEPS = 256  # a pass width not timed again within this many steps is timed anew (`worth_joining`)
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
@@ -122,8 +122,9 @@ class BatchedDecoder:
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
         self.failed: list[tuple[int, Exception]] = []  # sequences whose prompt failed to read: the caller takes them
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
-        self.plain_seconds: dict[int, tuple[float, int]] = {}  # batch size -> (smoothed plain step seconds, step)
+        self.pass_seconds: dict[int, tuple[float, int]] = {}  # width -> (smoothed pass seconds, step last timed)
         self.steps = 0
+        self._joined_at = -1  # the step count when a sequence last joined
         self.last_step: BatchStep | None = None  # for the metrics
         self.largest_batch = 0
         self._next_ident = 0
@@ -153,6 +154,9 @@ class BatchedDecoder:
             raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
                                  "engine does not hand out yet; choose model, ngram or suffix.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
+        self._joined_at = self.steps
+        if not self.size and target.cache_len != len(self.row_owner):  # someone else ran the target meanwhile
+            target.reset()
         device = target.device
         sequence = torch.tensor(ids, dtype=torch.long, device=device)  # [L]
         seen = None
@@ -173,22 +177,25 @@ class BatchedDecoder:
         return len(self.active) + len(self.joining)
 
     def worth_joining(self, sequences: int = 1) -> bool:
-        """Whether `sequences` more may join now: room under max_batch, and (once the batch runs) the plain step
-        times measured at this size and the next raise the batch's tokens per second, B / V(B), by JOIN_GAIN. On a
-        2-core CPU a plain step of 4 / 5 / 8 sequences took 84 / 112 / 167 ms: past 4, more sequences only slow
-        everyone's tokens (inter-token latency), so the next request waits in the queue. A size not timed (or not
-        for PLAIN_STALE_STEPS steps) is let in, and so timed."""
+        """Whether `sequences` more may join now: room under max_batch, and (once the batch runs) one more sequence
+        raises its plain tokens per second, B / V(B), by JOIN_GAIN, with V(B) the measured pass over B tokens (any
+        step's pass of that width times it). On a 2-core CPU a pass of 4 / 5 / 8 tokens took 85 / 116 / 168 ms:
+        past 4 sequences more only slow everyone's tokens (inter-token latency), so the next request waits in the
+        queue. Where the next width is not timed (or not for PASS_STALE_STEPS steps) the batch grows by one
+        sequence a step, each width timed before the next is tried."""
         size = self.size
         if size + sequences > self.max_batch:
             return False
         if size == 0:
             return True
-        now, more = self._plain_step(size), self._plain_step(size + 1)
-        return now is None or more is None or (size + 1) / more >= (1 + JOIN_GAIN) * size / now
+        now, more = self._pass_seconds(size), self._pass_seconds(size + 1)
+        if now is None or more is None:
+            return sequences == 1 and self._joined_at < self.steps
+        return (size + 1) / more >= (1 + JOIN_GAIN) * size / now
 
-    def _plain_step(self, size: int) -> float | None:
-        timed = self.plain_seconds.get(size)
-        return timed[0] if timed is not None and self.steps - timed[1] <= PLAIN_STALE_STEPS else None
+    def _pass_seconds(self, width: int) -> float | None:
+        timed = self.pass_seconds.get(width)
+        return timed[0] if timed is not None and self.steps - timed[1] <= PASS_STALE_STEPS else None
 
     def _read_joining(self) -> None:
         """Read joining prompts (but their last token), first come first served, a chunk of `PREFILL_CHUNK` tokens
@@ -387,9 +394,8 @@ class BatchedDecoder:
         pass_seconds = time.perf_counter() - t1
         self.costs.time_pass(tokens.shape[0], pass_seconds)
         self.steps += 1
-        if not any(ks):
-            size = len(stepping)
-            self.plain_seconds[size] = (self.costs.smoothed(self._plain_step(size), pass_seconds), self.steps)
+        width = tokens.shape[0]
+        self.pass_seconds[width] = (self.costs.smoothed(self._pass_seconds(width), pass_seconds), self.steps)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []
