@@ -255,11 +255,20 @@ def test_a_sequence_joins_only_while_one_more_raises_the_batch_tokens_per_second
         batch.add(BatchRequest(prompt, SamplingParams(temperature=0.0), 8))
     batch.step()
     assert batch.pass_seconds[4][1] == batch.steps  # a pass of 4 sequences' tokens was timed
-    batch.pass_seconds = {4: (0.084, batch.steps), 5: (0.112, batch.steps)}  # a 2-core CPU's passes
-    assert not batch.worth_joining()  # 5 / 112 ms < 4 / 84 ms: a fifth would only slow the others
-    batch.pass_seconds[5] = (0.102, batch.steps)  # 5 / 102 ms is 3% above 4 / 84 ms: under JOIN_GAIN
-    assert not batch.worth_joining()
-    batch.pass_seconds[5] = (0.090, batch.steps - PASS_STALE_STEPS - 1)  # timed long ago: timed anew
-    assert batch.worth_joining()
-    batch.pass_seconds[5] = (0.070, batch.steps)
-    assert batch.worth_joining() and batch.worth_joining(4) and not batch.worth_joining(5)  # max_batch still holds
+    steps = batch.steps
+    batch.pass_seconds = {w: (ms / 1000, steps) for w, ms in ((1, 42), (2, 50), (3, 59), (4, 75), (5, 95))}  # a 2-core CPU
+    assert not batch.worth_joining()  # 5 / 95 ms < 4 / 75 ms: a fifth would only slow the others
+    batch.pass_seconds[5] = (0.075, steps)
+    assert batch.worth_joining()  # 5 / 75 ms: the curve still rises
+    batch.pass_seconds[5] = (0.095, steps)
+    batch.cancel(batch.active[0].ident)  # down to 3: the knee is the smallest size within JOIN_GAIN of the best
+    assert not batch.worth_joining()  # 3 / 59 ms is within 5% of 4 / 75 ms
+    batch.pass_seconds[3] = (0.064, steps)
+    assert batch.worth_joining() and not batch.worth_joining(2)  # 3 / 64 ms is not: back up to 4, no further
+    del batch.pass_seconds[5]
+    batch.pass_seconds[4] = (0.070, steps)
+    assert batch.worth_joining(1) and not batch.worth_joining(2)  # 4 is the knee; 5, not timed, waits
+    batch.pass_seconds[4] = (0.070, steps - PASS_STALE_STEPS - 1)  # timed long ago: 4 is tried anew
+    assert batch.worth_joining(1)
+    batch.pass_seconds[3] = (0.090, steps)  # the widest timed (3) is not the best (2 / 50 ms): nothing to try
+    assert not batch.worth_joining(1)

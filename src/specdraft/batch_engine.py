@@ -177,21 +177,26 @@ class BatchedDecoder:
         return len(self.active) + len(self.joining)
 
     def worth_joining(self, sequences: int = 1) -> bool:
-        """Whether `sequences` more may join now: room under max_batch, and (once the batch runs) one more sequence
-        raises its plain tokens per second, B / V(B), by JOIN_GAIN, with V(B) the measured pass over B tokens (any
-        step's pass of that width times it). On a 2-core CPU a pass of 4 / 5 / 8 tokens took 85 / 116 / 168 ms:
-        past 4 sequences more only slow everyone's tokens (inter-token latency), so the next request waits in the
-        queue. Where the next width is not timed (or not for PASS_STALE_STEPS steps) the batch grows by one
-        sequence a step, each width timed before the next is tried."""
+        """Whether `sequences` more may join now: room under max_batch, and the batch below its knee: the smallest
+        size B whose plain tokens per second, B / V(B), come within JOIN_GAIN of the best measured (V(B): the
+        measured pass over B tokens, any step's pass of that width times it). On a 2-core CPU passes of 3 / 4 / 5 / 8
+        tokens took 59 / 75 / 95 / 145 ms: past 3 or 4 sequences more only slow everyone's tokens (inter-token
+        latency), so further requests wait in the queue. A width not timed yet (or not for PASS_STALE_STEPS steps) is
+        tried one sequence a step, and only while the widest timed one is the best so far: the curve still rises."""
         size = self.size
         if size + sequences > self.max_batch:
             return False
         if size == 0:
             return True
-        now, more = self._pass_seconds(size), self._pass_seconds(size + 1)
-        if now is None or more is None:
-            return sequences == 1 and self._joined_at < self.steps
-        return (size + 1) / more >= (1 + JOIN_GAIN) * size / now
+        rates = {width: width / seconds for width in range(1, self.max_batch + 1)
+                 if (seconds := self._pass_seconds(width)) is not None}
+        best = max(rates.values(), default=0.0)
+        if size + sequences in rates:
+            knee = min(width for width, rate in rates.items() if rate * (1 + JOIN_GAIN) >= best)
+            return size + sequences <= knee
+        widest = max(rates, default=0)
+        return (sequences == 1 and self._joined_at < self.steps and size >= widest
+                and (not rates or rates[widest] >= best))
 
     def _pass_seconds(self, width: int) -> float | None:
         timed = self.pass_seconds.get(width)
