@@ -240,35 +240,3 @@ def test_a_long_prompt_is_read_a_chunk_between_steps_and_answers_as_alone(tiny_t
             tokens[ident] += event.token_ids
     assert [tokens[first], tokens[second]] == expected
     assert batch.stats(second) is None and batch.target.cache_len == 0
-
-
-def test_a_sequence_joins_only_while_one_more_raises_the_batch_tokens_per_second(tiny_target, make_lm):
-    from specdraft.batch_engine import PASS_STALE_STEPS
-
-    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=8)
-    assert batch.worth_joining(8) and not batch.worth_joining(9)  # an idle batch: up to max_batch
-    batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 8))
-    assert not batch.worth_joining()  # widths not timed: one more a step, each width timed before the next
-    for prompt in PROMPTS[1:4]:
-        batch.step()
-        assert batch.worth_joining() and not batch.worth_joining(2)
-        batch.add(BatchRequest(prompt, SamplingParams(temperature=0.0), 8))
-    batch.step()
-    assert batch.pass_seconds[4][1] == batch.steps  # a pass of 4 sequences' tokens was timed
-    steps = batch.steps
-    batch.pass_seconds = {w: (ms / 1000, steps) for w, ms in ((1, 42), (2, 50), (3, 59), (4, 75), (5, 95))}  # a 2-core CPU
-    assert not batch.worth_joining()  # 5 / 95 ms < 4 / 75 ms: a fifth would only slow the others
-    batch.pass_seconds[5] = (0.075, steps)
-    assert batch.worth_joining()  # 5 / 75 ms: the curve still rises
-    batch.pass_seconds[5] = (0.095, steps)
-    batch.cancel(batch.active[0].ident)  # down to 3: the knee is the smallest size within JOIN_GAIN of the best
-    assert not batch.worth_joining()  # 3 / 59 ms is within 5% of 4 / 75 ms
-    batch.pass_seconds[3] = (0.064, steps)
-    assert batch.worth_joining() and not batch.worth_joining(2)  # 3 / 64 ms is not: back up to 4, no further
-    del batch.pass_seconds[5]
-    batch.pass_seconds[4] = (0.070, steps)
-    assert batch.worth_joining(1) and not batch.worth_joining(2)  # 4 is the knee; 5, not timed, waits
-    batch.pass_seconds[4] = (0.070, steps - PASS_STALE_STEPS - 1)  # timed long ago: 4 is tried anew
-    assert batch.worth_joining(1)
-    batch.pass_seconds[3] = (0.090, steps)  # the widest timed (3) is not the best (2 / 50 ms): nothing to try
-    assert not batch.worth_joining(1)

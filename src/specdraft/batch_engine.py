@@ -53,10 +53,6 @@ from specdraft.text import IncrementalText
 from specdraft.verify import verify
 
 DEFAULT_MAX_BATCH = 8
-# A sequence joins a running batch only while one more raises its plain tokens per second by this share
-# (`worth_joining`); where passes are bound by compute, a wider batch past that adds latency, not throughput.
-JOIN_GAIN = 0.05
-PASS_STALE_STEPS = 256  # a pass width not timed again within this many steps is timed anew (`worth_joining`)
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
@@ -122,9 +118,6 @@ class BatchedDecoder:
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
         self.failed: list[tuple[int, Exception]] = []  # sequences whose prompt failed to read: the caller takes them
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
-        self.pass_seconds: dict[int, tuple[float, int]] = {}  # width -> (smoothed pass seconds, step last timed)
-        self.steps = 0
-        self._joined_at = -1  # the step count when a sequence last joined
         self.last_step: BatchStep | None = None  # for the metrics
         self.largest_batch = 0
         self._next_ident = 0
@@ -154,7 +147,6 @@ class BatchedDecoder:
             raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
                                  "engine does not hand out yet; choose model, ngram or suffix.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
-        self._joined_at = self.steps
         if not self.size and target.cache_len != len(self.row_owner):  # someone else ran the target meanwhile
             target.reset()
         device = target.device
@@ -175,32 +167,6 @@ class BatchedDecoder:
     def size(self) -> int:
         """Sequences in the batch: stepping, or reading their prompt to join."""
         return len(self.active) + len(self.joining)
-
-    def worth_joining(self, sequences: int = 1) -> bool:
-        """Whether `sequences` more may join now: room under max_batch, and the batch below its knee: the smallest
-        size B whose plain tokens per second, B / V(B), come within JOIN_GAIN of the best measured (V(B): the
-        measured pass over B tokens, any step's pass of that width times it). On a 2-core CPU passes of 3 / 4 / 5 / 8
-        tokens took 59 / 75 / 95 / 145 ms: past 3 or 4 sequences more only slow everyone's tokens (inter-token
-        latency), so further requests wait in the queue. A width not timed yet (or not for PASS_STALE_STEPS steps) is
-        tried one sequence a step, and only while the widest timed one is the best so far: the curve still rises."""
-        size = self.size
-        if size + sequences > self.max_batch:
-            return False
-        if size == 0:
-            return True
-        rates = {width: width / seconds for width in range(1, self.max_batch + 1)
-                 if (seconds := self._pass_seconds(width)) is not None}
-        best = max(rates.values(), default=0.0)
-        if size + sequences in rates:
-            knee = min(width for width, rate in rates.items() if rate * (1 + JOIN_GAIN) >= best)
-            return size + sequences <= knee
-        widest = max(rates, default=0)
-        return (sequences == 1 and self._joined_at < self.steps and size >= widest
-                and (not rates or rates[widest] >= best))
-
-    def _pass_seconds(self, width: int) -> float | None:
-        timed = self.pass_seconds.get(width)
-        return timed[0] if timed is not None and self.steps - timed[1] <= PASS_STALE_STEPS else None
 
     def _read_joining(self) -> None:
         """Read joining prompts (but their last token), first come first served, a chunk of `PREFILL_CHUNK` tokens
@@ -398,9 +364,6 @@ class BatchedDecoder:
             start += width
         pass_seconds = time.perf_counter() - t1
         self.costs.time_pass(tokens.shape[0], pass_seconds)
-        self.steps += 1
-        width = tokens.shape[0]
-        self.pass_seconds[width] = (self.costs.smoothed(self._pass_seconds(width), pass_seconds), self.steps)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
         finished = []

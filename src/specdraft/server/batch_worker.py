@@ -1,7 +1,6 @@
 """The engine thread with continuous batching: queued requests step together on a `BatchedDecoder`.
 
-Between steps, queued jobs join while the batch has room and one more sequence still raises its tokens per second
-(`BatchedDecoder.worth_joining`; each choice of `n` is a sequence of its own), and
+Between steps, queued jobs join while the batch has room (each choice of `n` is a sequence of its own), and
 sequences whose client went away or whose request ran past its timeout leave; a finished sequence leaves by
 itself. Each step's events go back to their jobs as `Step`s, and a job whose choices have all finished gets its
 `Finished`. The queue in front, its 429s, shutdown and the result channel are `Worker`'s.
@@ -130,8 +129,8 @@ class BatchWorker(Worker):
                                              f"({self.batch.max_batch}); ask for fewer.", param="n")))
                 self._waiting = None
                 continue
-            if not self.batch.worth_joining(choices):
-                self._waiting = job  # a later step frees room (or makes the batch worth widening)
+            if self.batch.size + choices > self.batch.max_batch:
+                self._waiting = job  # a later step frees room
                 return stopping
             self._waiting = None
             self._start(job)
