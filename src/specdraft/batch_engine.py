@@ -293,7 +293,7 @@ class BatchedDecoder:
                  if k > 0 and seq.k is None and not seq.policy.estimates(source).probing]
         if not joint:
             return ks
-        extra = sum(k + 1 for i, k in enumerate(ks) if i not in joint)  # the others' blocks in the pass
+        extra = sum(ks) + len(ks) - sum(ks[i] + 1 for i in joint)  # the others' blocks in the pass
         curves, beside = [], []
         for i in joint:  # at most the k it chose alone: beside other blocks a draft token costs no less
             seq, (source, top, unread) = stepping[i], plans[i]

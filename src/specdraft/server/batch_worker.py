@@ -78,16 +78,9 @@ class BatchWorker(Worker):
                     self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
                                                              "please report it.", code="internal_error")))
                 continue
-            for ident, error in self.batch.take_failed():
-                admitted = self._admitted.get(ident)
-                if admitted is None:
-                    continue
-                if isinstance(error, SpecdraftError):  # e.g. the prompt's context runs out
-                    self._end(admitted, Failed(ApiError(400, str(error))))
-                else:  # a bug: this request fails, the others and the engine thread go on
-                    log.error("reading a joining prompt failed", exc_info=error)
-                    self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this "
-                                                             "is a bug, please report it.", code="internal_error")))
+            for ident, error in self.batch.take_failed():  # prompts that failed to read
+                if ident in self._admitted:
+                    self._refuse(self._admitted[ident], error)
             step = self.batch.last_step
             if self.metrics is not None and step is not None:
                 self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds)
@@ -151,12 +144,18 @@ class BatchWorker(Worker):
                 admitted.left.add(ident)
                 admitted.stats.append(self.batch.stats(ident))
                 self._admitted[ident] = admitted
-        except SpecdraftError as error:  # e.g. a drafter the batch cannot run
-            self._end(admitted, Failed(ApiError(400, str(error), param="speculative")))
-        except Exception:  # a bug: this request fails, the others and the engine thread go on
-            log.exception("joining the batch failed")
-            self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this is a bug, "
-                                                     "please report it.", code="internal_error")))
+        except Exception as error:  # e.g. a drafter the batch cannot run
+            self._refuse(admitted, error, param="speculative")
+
+    def _refuse(self, admitted: _Admitted, error: Exception, param: str | None = None) -> None:
+        """A job that failed to join ends: a user's mistake (SpecdraftError, about `param`) is a 400; anything else
+        is a bug, logged, a 500 for this request alone (the others and the engine thread go on)."""
+        if isinstance(error, SpecdraftError):
+            self._end(admitted, Failed(ApiError(400, str(error), param=param)))
+            return
+        log.error("joining the batch failed", exc_info=error)
+        self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this is a bug, "
+                                                 "please report it.", code="internal_error")))
 
     def _end(self, admitted: _Admitted, result: Finished | Failed | None) -> None:
         """A job leaves the batch (its sequences still running stop) with `result` (None: cancelled, nobody
