@@ -20,4 +20,6 @@ def test_dry_run_measures_every_part_and_finds_the_cuda_path_exact(tmp_path):
         assert row["same_tokens_as_ar"] and row["speedup"] > 0 and row["alpha"] is not None
     for row in results["greedy_spec_equals_ar"].values():
         assert row["identical"] == row["runs"] > 0
+    first, grown = results["greedy_spec_equals_ar"]["cache_grows"]["capacity"]
+    assert grown > first
     assert all(row["p_value"] > 1e-3 for row in results["chi_square"].values())

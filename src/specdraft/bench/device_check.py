@@ -8,7 +8,8 @@ this needs only those two (and scipy for the chi-square test, skipped without it
 prints a table:
 
 1. the target's pass cost by width (1 .. 64 tokens) over a 512-token cache, on the static cache with CUDA
-   graphs, and one eager (transformers' forward, growing cache) one-token pass beside it;
+   graphs and the fused Triton kernels, the same passes on the torch formulas (`unfused`), and one eager
+   (transformers' forward, growing cache) one-token pass beside them;
 2. the draft model's one-token step and c, its cost against the target's, and the kernels of both models'
    one-token passes (torch.profiler: device time and count per kernel);
 3. our `ar` next to transformers' `generate` (eager, and with `cache_implementation="static"`, which compiles
@@ -25,7 +26,9 @@ the script is tested in the quick test set and cannot rot.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -117,6 +120,23 @@ def pass_costs(lm: CausalLM, cache_tokens: int, widths: tuple[int, ...], repeats
     return costs
 
 
+def unfused_pass_costs(target_model, draft_model, shapes: Shapes, widths: tuple[int, ...]) -> dict:
+    """The same passes on the torch formulas in place of the fused Triton kernels (`SPECDRAFT_FUSED_KERNELS=0`)."""
+    os.environ["SPECDRAFT_FUSED_KERNELS"] = "0"
+    try:
+        target = CausalLM(target_model, name="target", static_cache=True)
+        draft = CausalLM(draft_model, name="draft", static_cache=True)
+    finally:
+        del os.environ["SPECDRAFT_FUSED_KERNELS"]
+    row = {"target": pass_costs(target, shapes.cache_tokens, widths, shapes.repeats),
+           "draft": pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats)}
+    row["c"] = row["draft"][1] / row["target"][1]
+    del target, draft
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def generate_timed(decoder: SpeculativeDecoder, prompt: list[int], new_tokens: int) -> tuple[list[int], dict]:
     """The tokens and speed of a greedy generation (after one untimed warm-up run)."""
     decoder.generate(prompt, max_new_tokens=min(new_tokens, 16))
@@ -169,9 +189,12 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
     target = CausalLM(target_model, name="target", static_cache=True)
     draft = CausalLM(draft_model, name="draft", static_cache=True)
     results["load_and_capture_seconds"] = time.perf_counter() - started
+    results["fused_kernels"] = {"target": target._static.fused, "draft": draft._static.fused}
     widths = tuple(w for w in PASS_WIDTHS if w <= 64)
     guarded(results, "target_pass_ms", lambda: pass_costs(target, shapes.cache_tokens, widths, shapes.repeats))
     guarded(results, "draft_pass_ms", lambda: pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats))
+    if target._static.fused and "unfused" not in skip:
+        guarded(results, "unfused_pass_ms", lambda: unfused_pass_costs(target_model, draft_model, shapes, widths))
     if "eager" not in skip:
         guarded(results, "target_eager_pass_ms", lambda: pass_costs(
             CausalLM(target_model, name="eager", static_cache=False), shapes.cache_tokens, (1,), shapes.repeats))
@@ -184,6 +207,8 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
     prompt = torch.randint(0, shapes.target["vocab_size"], (shapes.prompt_tokens,),
                            generator=torch.Generator().manual_seed(2)).tolist()
     ar_tokens, results["ar"] = generate_timed(SpeculativeDecoder(target), prompt, shapes.new_tokens)
+    if "host" not in skip:
+        guarded(results, "ar_host_profile", lambda: host_profile(SpeculativeDecoder(target), prompt, shapes.new_tokens))
     if "eager" not in skip:
         guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
     if shapes.compiled_generate and "hf" not in skip:
@@ -236,7 +261,40 @@ def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
                 same += got == expected
                 total += 1
         rows[str(dtype).removeprefix("torch.")] = {"identical": same, "runs": total}
+    rows["cache_grows"] = grown_cache_run(device, prompt_tokens=2040)
     results["greedy_spec_equals_ar"] = rows
+
+
+def grown_cache_run(device: torch.device, prompt_tokens: int) -> dict:
+    """spec == ar where the sequence outgrows the static cache's first capacity (the graphs are captured anew)."""
+    fields = qwen2(2, 64, 128, 4, 256) | {"max_position_embeddings": 4096, "tie_word_embeddings": False}
+    target_model = random_model(fields, torch.bfloat16 if device.type == "cuda" else torch.float32, device, seed=6)
+    target = CausalLM(target_model, static_cache=True)
+    draft = CausalLM(perturbed(target_model, noise=0.3, seed=2), static_cache=True)
+    first_capacity = target._static.cache.capacity
+    prompt = torch.randint(0, 256, (prompt_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
+    expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids
+    got = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=3, tree_budget=6).generate(
+        prompt, max_new_tokens=40).token_ids
+    return {"identical": int(got == expected), "runs": 1, "capacity": [first_capacity,
+                                                                      target._static.cache.capacity]}
+
+
+def host_profile(decoder: SpeculativeDecoder, prompt: list[int], new_tokens: int, top: int = 25) -> list[str]:
+    """Where the host's time goes in a greedy generation (cProfile, by own time): what a step spends besides its
+    passes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decoder.generate(prompt, max_new_tokens=new_tokens)
+    sync_device(decoder.target.device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
 
 
 def kernel_profile(lm: CausalLM, cache_tokens: int, passes: int = 5, top: int = 15) -> dict:
@@ -264,7 +322,7 @@ def kernel_profile(lm: CausalLM, cache_tokens: int, passes: int = 5, top: int = 
 
 def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed: int = 5) -> Qwen2ForCausalLM:
     """A tiny random target with sharp logits (its argmaxes are not near-ties)."""
-    fields = qwen2(2, 32, 64, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
+    fields = qwen2(2, 64, 128, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
     model = random_model(fields, torch.float32, device, seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
@@ -274,7 +332,7 @@ def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed:
 def sampled_part(device: torch.device, results: dict, samples: int) -> None:
     """Chi-square of the first two sampled tokens (temperature 1) against the target's exact distribution."""
     vocab, prompt = 8, [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]
-    fields = qwen2(2, 32, 64, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
+    fields = qwen2(2, 64, 128, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
     target_model = random_model(fields, torch.float32, device, seed=7)
     with torch.no_grad():
         target_model.lm_head.weight.mul_(4.0)
@@ -306,7 +364,8 @@ def table(results: dict) -> str:
     for key in ("target_profile", "draft_profile"):
         if key in results:
             lines.append(f"{key}: {json.dumps(results[key])}")
-    for key in ("target_eager_pass_ms", "draft_pass_ms", "c", "load_and_capture_seconds"):
+    for key in ("target_eager_pass_ms", "draft_pass_ms", "c", "fused_kernels", "unfused_pass_ms",
+                "load_and_capture_seconds"):
         if key in results:
             lines.append(f"{key}: {results[key]}")
     for key in ("ar", "hf_generate_eager", "hf_generate_static_compiled", "spec_model_drafter_random_weights",
@@ -337,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled, and "
                         "within speed: eager (transformers' eager pass and generate), hf (transformers' "
-                        "static-cache compiled generate), profile (the kernel profiles)")
+                        "static-cache compiled generate), profile (the kernel profiles), host (a host-side profile of `ar`), unfused (the passes on "
+                        "the torch formulas beside the fused kernels)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
     shapes = DRY if args.dry_run else FULL

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.models import fused_kernels
 from specdraft.models.static_cache import SCRATCH_SLOTS, StaticCache
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # pass widths captured as graphs; wider passes run eagerly
@@ -138,7 +139,8 @@ class StaticDecoder:
     hidden states and logits of its rows; the owner keeps `length` (the valid slots) and cuts it back itself.
     """
 
-    def __init__(self, model: nn.Module, capacity: int = DEFAULT_CAPACITY, graphs: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, capacity: int = DEFAULT_CAPACITY, graphs: bool | None = None,
+                 fused: bool | None = None) -> None:
         obstacle = static_obstacle(model)
         if obstacle is not None:
             raise ValueError(f"{type(model).__name__} cannot run on a static cache: {obstacle}")
@@ -161,6 +163,9 @@ class StaticDecoder:
         capacity = min(capacity, getattr(config, "max_position_embeddings", None) or capacity)
         self.cache = StaticCache(len(self.layers), self.kv_heads, self.head_dim, capacity, dtype, device)
         self.use_graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
+        # the fused Triton kernels (rotation and cache write, attention, SiLU·up) in place of the torch formulas
+        self.fused = fused_kernels.available(device) and fused_kernels.fits(self.head_dim) if fused is None else fused
+        self.fused_mlp = self.fused and config.hidden_act in ("silu", "swish")
         self._graphs: dict[tuple[int, int], _Graph] = {}  # by (width, keys)
         self._pool = None
         self._index_for(self.cache.slots)
@@ -211,12 +216,13 @@ class StaticDecoder:
         width, d, kv_heads, groups, keys = tokens.shape[0], self.head_dim, self.kv_heads, self.groups, mask.shape[1]
         x = F.embedding(tokens, self.embedding)  # [W, H]
         cos, sin = self.rotary(x.unsqueeze(0), positions.unsqueeze(0))  # [1, W, d]
-        half = d // 2
-        cos = cos[0].unsqueeze(1)  # [W, 1, d]
-        # rotate_half(x) · sin = roll(x, half) · (-sin | sin): one roll and one addcmul a layer for q and k together
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).unsqueeze(1)  # [W, 1, d]
-        # query rows grouped by key/value head: row g·W + t is token t of query head (kv head, g)
-        grouped_mask = mask.repeat(groups, 1)  # [groups·W, keys]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [W, d]
+        if not self.fused:
+            half = d // 2
+            # rotate_half(x) · sin = roll(x, half) · (-sin | sin): one roll and one addcmul a layer for q and k
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)  # [W, 1, d]
+            # query rows grouped by key/value head: row g·W + t is token t of query head (kv head, g)
+            grouped_mask = mask.repeat(groups, 1)  # [groups·W, keys]
         q_heads, qk_heads = self.heads, self.heads + kv_heads
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
@@ -225,18 +231,28 @@ class StaticDecoder:
             if layer.q_norm is not None:  # Qwen3: each head normed before its rotation
                 normed = self._norm(qk[:, :q_heads], layer.q_norm), self._norm(qk[:, q_heads:], layer.k_norm)
                 qk.copy_(torch.cat(normed, dim=1))
-            torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin, out=qk)  # rotated in place
-            self.cache.write(index, slots, qkv[:, q_heads:].view(width, 2, kv_heads, d))
-            q = qkv[:, :q_heads].reshape(width, kv_heads, groups, d).permute(1, 2, 0, 3)  # [kv_heads, groups, W, d]
-            q = q.reshape(kv_heads, groups * width, d)
-            attended = self._attend(q, index, keys, grouped_mask)  # [kv_heads, groups·W, d]
-            attended = attended.view(kv_heads, groups, width, d).permute(2, 0, 1, 3).reshape(width, q_heads * d)
-            x = torch.addmm(x, attended, layer.out.t())  # [W, H]: residual + o_proj
+            if self.fused:
+                states = self.cache.states[index]  # [S, 2, kv_heads, d]
+                fused_kernels.rotate_and_store(qkv, cos, sin, slots, states, q_heads, kv_heads)
+                attended = fused_kernels.attend(qkv, states, keys, mask, q_heads, self.scaling)  # [W, heads d]
+            else:
+                torch.addcmul(qk * cos.unsqueeze(1), torch.roll(qk, half, dims=-1), signed_sin, out=qk)  # in place
+                self.cache.write(index, slots, qkv[:, q_heads:].view(width, 2, kv_heads, d))
+                q = qkv[:, :q_heads].reshape(width, kv_heads, groups, d).permute(1, 2, 0, 3)  # [kv, groups, W, d]
+                q = q.reshape(kv_heads, groups * width, d)
+                attended = self._attend(q, index, keys, grouped_mask)  # [kv_heads, groups·W, d]
+                attended = attended.view(kv_heads, groups, width, d).permute(2, 0, 1, 3).reshape(width, q_heads * d)
+            x.addmm_(attended, layer.out.t())  # [W, H]: residual + o_proj, in place (no copy of x first)
             if layer.out_bias is not None:
                 x = x + layer.out_bias
             h = self._norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)  # [W, I] each
-            x = torch.addmm(x, layer.act(gate) * up, layer.down.t())  # [W, H]: residual + down_proj
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)  # [W, 2 I]
+            if self.fused_mlp:
+                inner = fused_kernels.silu_mul(gate_up)  # [W, I]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)  # [W, I] each
+                inner = layer.act(gate) * up
+            x.addmm_(inner, layer.down.t())  # [W, H]: residual + down_proj
             if layer.down_bias is not None:
                 x = x + layer.down_bias
         hidden = self._norm(x, self.final_norm)  # [W, H]
@@ -287,6 +303,7 @@ class StaticDecoder:
             self.cache.grow(length + count, length)
             self._index_for(self.cache.slots)
             self._graphs.clear()
+            self._pool = None  # a pool whose graphs are all gone cannot take new ones
         width = next((w for w in WIDTHS if w >= count), None)
         if width is None:  # a prompt: eagerly, unpadded, over the keys it reaches
             inputs = self._inputs(count, length + count)
@@ -324,17 +341,29 @@ class StaticDecoder:
         self._graphs[(width, keys)] = captured
         return captured
 
+    def _capture_every(self, widths: tuple[int, ...]) -> None:
+        with torch.inference_mode():
+            for keys in sorted(self.key_buckets(), reverse=True):
+                for width in sorted(widths, reverse=True):
+                    if (width, keys) not in self._graphs:
+                        self._capture(width, keys)
+
     def warm_up(self, widths: tuple[int, ...] = WIDTHS, quiet: bool = False) -> float:
         """Capture the graphs of `widths` over every key bucket now (widest first, so narrower ones reuse its
         memory); seconds taken. Does nothing off CUDA."""
         if not self.use_graphs:
             return 0.0
         started = time.perf_counter()
-        with torch.inference_mode():
-            for keys in sorted(self.key_buckets(), reverse=True):
-                for width in sorted(widths, reverse=True):
-                    if (width, keys) not in self._graphs:
-                        self._capture(width, keys)
+        try:
+            self._capture_every(widths)
+        except Exception as error:  # noqa: BLE001 - Triton could not build its kernels here (no C compiler, ..)
+            if not self.fused:
+                raise
+            print(f"specdraft: the fused GPU kernels failed to build ({type(error).__name__}: {error}); running "
+                  "the torch formulas instead (SPECDRAFT_FUSED_KERNELS=0 skips them)", file=sys.stderr)
+            self.fused = self.fused_mlp = False
+            self._graphs.clear()
+            self._capture_every(widths)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         if not quiet:
