@@ -21,6 +21,7 @@ from functools import reduce
 
 from specdraft.engine import StepEvent
 from specdraft.errors import SpecdraftError
+from specdraft.kernels import openmp
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
 from specdraft.server.metrics import Metrics
@@ -119,6 +120,9 @@ class Worker:
         return int(self._running is not None)
 
     def start(self) -> None:
+        # the models were loaded on this thread: its idle OpenMP pool would make the engine's workers sleep
+        # between parallel regions (kernels/openmp.py)
+        openmp.release_thread_pool()
         self._accepting = True
         self._thread.start()
 
