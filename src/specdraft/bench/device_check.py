@@ -8,7 +8,8 @@ this needs only those two (and scipy for the chi-square test, skipped without it
 prints a table:
 
 1. the target's pass cost by width (1 .. 64 tokens) over a 512-token cache, on the static cache with CUDA
-   graphs and the fused Triton kernels, the same passes on the torch formulas (`unfused`), and one eager
+   graphs and the fused Triton kernels (one and 16 tokens also over 4,000 and 12,000 cached tokens), the same
+   passes on the torch formulas (`unfused`), and one eager
    (transformers' forward, growing cache) one-token pass beside them;
 2. the draft model's one-token step and c, its cost against the target's, and the kernels of both models'
    one-token passes (torch.profiler: device time and count per kernel);
@@ -60,6 +61,7 @@ class Shapes:
     target: dict  # Qwen2Config fields
     draft: dict
     cache_tokens: int  # cache length under the timed passes
+    long_caches: tuple[int, ...]  # longer caches the one- and 16-token passes are timed over too
     prompt_tokens: int
     new_tokens: int
     repeats: int  # timed repeats per pass width
@@ -76,9 +78,9 @@ def qwen2(layers: int, hidden: int, intermediate: int, heads: int, vocab: int) -
 
 # The bundled pair: Qwen2.5-Coder 1.5B (target) and 0.5B (draft) shapes.
 FULL = Shapes(target=qwen2(28, 1536, 8960, 12, 151936), draft=qwen2(24, 896, 4864, 14, 151936),
-              cache_tokens=512, prompt_tokens=128, new_tokens=256, repeats=20, samples=2000, compiled_generate=True)
+              cache_tokens=512, long_caches=(4000, 12000), prompt_tokens=128, new_tokens=256, repeats=20, samples=2000, compiled_generate=True)
 DRY = Shapes(target=qwen2(2, 64, 128, 4, 512), draft=qwen2(1, 32, 64, 4, 512),
-             cache_tokens=40, prompt_tokens=16, new_tokens=24, repeats=2, samples=300, compiled_generate=False)
+             cache_tokens=40, long_caches=(300,), prompt_tokens=16, new_tokens=24, repeats=2, samples=300, compiled_generate=False)
 
 
 def random_model(fields: dict, dtype: torch.dtype, device: torch.device, seed: int) -> Qwen2ForCausalLM:
@@ -129,7 +131,9 @@ def unfused_pass_costs(target_model, draft_model, shapes: Shapes, widths: tuple[
     finally:
         del os.environ["SPECDRAFT_FUSED_KERNELS"]
     row = {"target": pass_costs(target, shapes.cache_tokens, widths, shapes.repeats),
-           "draft": pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats)}
+           "draft": pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats),
+           "target_long": {cached: pass_costs(target, cached, (1, 16), shapes.repeats)
+                           for cached in shapes.long_caches}}
     row["c"] = row["draft"][1] / row["target"][1]
     del target, draft
     gc.collect()
@@ -193,6 +197,9 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
     widths = tuple(w for w in PASS_WIDTHS if w <= 64)
     guarded(results, "target_pass_ms", lambda: pass_costs(target, shapes.cache_tokens, widths, shapes.repeats))
     guarded(results, "draft_pass_ms", lambda: pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats))
+    if "long" not in skip:
+        guarded(results, "long_cache_pass_ms", lambda: {
+            cached: pass_costs(target, cached, (1, 16), shapes.repeats) for cached in shapes.long_caches})
     if target._static.fused and "unfused" not in skip:
         guarded(results, "unfused_pass_ms", lambda: unfused_pass_costs(target_model, draft_model, shapes, widths))
     if "eager" not in skip:
@@ -364,7 +371,7 @@ def table(results: dict) -> str:
     for key in ("target_profile", "draft_profile"):
         if key in results:
             lines.append(f"{key}: {json.dumps(results[key])}")
-    for key in ("target_eager_pass_ms", "draft_pass_ms", "c", "fused_kernels", "unfused_pass_ms",
+    for key in ("target_eager_pass_ms", "draft_pass_ms", "c", "fused_kernels", "long_cache_pass_ms", "unfused_pass_ms",
                 "load_and_capture_seconds"):
         if key in results:
             lines.append(f"{key}: {results[key]}")
@@ -396,7 +403,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled, and "
                         "within speed: eager (transformers' eager pass and generate), hf (transformers' "
-                        "static-cache compiled generate), profile (the kernel profiles), host (a host-side profile of `ar`), unfused (the passes on "
+                        "static-cache compiled generate), profile (the kernel profiles), long (passes over 4,000 and 12,000 "
+                        "cached tokens), host (a host-side profile of `ar`), unfused (the passes on "
                         "the torch formulas beside the fused kernels)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))

@@ -12,7 +12,8 @@ of 11 of them:
   permuting copy);
 - `silu_mul`: SiLU(gate) · up (torch: two kernels).
 
-Each computes in float32 and rounds once. Triton is imported here only: `available(device)` says whether these
+Each computes in float32 and rounds its output once (attention's weights meet the values in the model's dtype, as
+in flash attention). Triton is imported here only: `available(device)` says whether these
 run (CUDA with Triton, unless `SPECDRAFT_FUSED_KERNELS=0`); with `TRITON_INTERPRET=1` set before Triton is first
 imported (the tests' conftest does so on a machine without CUDA) and `SPECDRAFT_FUSED_KERNELS=1` they also run
 on the CPU, as numpy.
