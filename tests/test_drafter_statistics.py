@@ -57,7 +57,15 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tu
     return counts, drafted
 
 
-@pytest.mark.parametrize("name", registered())
+QUICK = {"model", "ngram"}  # a draft model and a lookup in the quick set; every other drafter's run is `slow`
+
+
+def quick_or_slow(names) -> list:
+    """`names` as parameters, those outside QUICK marked `slow` (each takes 15-30 s here)."""
+    return [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+@pytest.mark.parametrize("name", quick_or_slow(registered()))
 def test_sampled_output_follows_the_target(target_model, name):
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
     target = CausalLM(target_model)
@@ -79,7 +87,7 @@ TREE_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TREE_DRAFTERS))
+@pytest.mark.parametrize("name", quick_or_slow(sorted(TREE_DRAFTERS)))
 def test_sampled_tree_output_follows_the_target(target_model, name):
     """Tree drafts (deterministic children, tried as point masses in sibling order) keep the target's
     distribution through the whole engine."""
