@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_model
+from conftest import perturbed, tiny_config, tiny_model
 from specdraft.drafters import ModelDrafter
 from specdraft.engine import SpeculativeDecoder
 from specdraft.models import fused_kernels
@@ -35,8 +35,6 @@ def fused(monkeypatch):
 
 def wide_heads_model(seed: int):
     """A tiny Qwen2 with 16-wide heads (the least the kernels take): 4 query heads over 2 key/value heads."""
-    from conftest import tiny_config
-
     config = tiny_config(max_positions=1024)
     config.hidden_size, config.intermediate_size, config.head_dim = 64, 96, 16
     return tiny_model(config, seed)
@@ -115,8 +113,6 @@ def test_a_static_pass_on_fused_kernels_matches_the_dynamic_cache():
 
 
 def test_greedy_speculation_on_fused_kernels_equals_plain_decoding():
-    from conftest import perturbed
-
     target_model = wide_heads_model(seed=4)
     target = CausalLM(target_model, static_cache=True)
     draft = CausalLM(perturbed(target_model, noise=0.3, seed=1), static_cache=True)

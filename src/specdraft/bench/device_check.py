@@ -37,6 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -78,9 +79,16 @@ def qwen2(layers: int, hidden: int, intermediate: int, heads: int, vocab: int) -
 
 # The bundled pair: Qwen2.5-Coder 1.5B (target) and 0.5B (draft) shapes.
 FULL = Shapes(target=qwen2(28, 1536, 8960, 12, 151936), draft=qwen2(24, 896, 4864, 14, 151936),
-              cache_tokens=512, long_caches=(4000, 12000), prompt_tokens=128, new_tokens=256, repeats=20, samples=2000, compiled_generate=True)
+              cache_tokens=512, long_caches=(4000, 12000), prompt_tokens=128, new_tokens=256, repeats=20,
+              samples=2000, compiled_generate=True)
 DRY = Shapes(target=qwen2(2, 64, 128, 4, 512), draft=qwen2(1, 32, 64, 4, 512),
-             cache_tokens=40, long_caches=(300,), prompt_tokens=16, new_tokens=24, repeats=2, samples=300, compiled_generate=False)
+             cache_tokens=40, long_caches=(300,), prompt_tokens=16, new_tokens=24, repeats=2, samples=300,
+             compiled_generate=False)
+
+
+def tiny(vocab: int, positions: int = 512) -> dict:
+    """The exactness parts' tiny Qwen2: 2 layers, 16-wide heads (the least the fused kernels take), untied head."""
+    return qwen2(2, 64, 128, 4, vocab) | {"max_position_embeddings": positions, "tie_word_embeddings": False}
 
 
 def random_model(fields: dict, dtype: torch.dtype, device: torch.device, seed: int) -> Qwen2ForCausalLM:
@@ -124,12 +132,9 @@ def pass_costs(lm: CausalLM, cache_tokens: int, widths: tuple[int, ...], repeats
 
 def unfused_pass_costs(target_model, draft_model, shapes: Shapes, widths: tuple[int, ...]) -> dict:
     """The same passes on the torch formulas in place of the fused Triton kernels (`SPECDRAFT_FUSED_KERNELS=0`)."""
-    os.environ["SPECDRAFT_FUSED_KERNELS"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"SPECDRAFT_FUSED_KERNELS": "0"}):  # the user's setting comes back after
         target = CausalLM(target_model, name="target", static_cache=True)
         draft = CausalLM(draft_model, name="draft", static_cache=True)
-    finally:
-        del os.environ["SPECDRAFT_FUSED_KERNELS"]
     row = {"target": pass_costs(target, shapes.cache_tokens, widths, shapes.repeats),
            "draft": pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats),
            "target_long": {cached: pass_costs(target, cached, (1, 16), shapes.repeats)
@@ -274,8 +279,7 @@ def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
 
 def grown_cache_run(device: torch.device, prompt_tokens: int) -> dict:
     """spec == ar where the sequence outgrows the static cache's first capacity (the graphs are captured anew)."""
-    fields = qwen2(2, 64, 128, 4, 256) | {"max_position_embeddings": 4096, "tie_word_embeddings": False}
-    target_model = random_model(fields, torch.bfloat16 if device.type == "cuda" else torch.float32, device, seed=6)
+    target_model = random_model(tiny(256, positions=4096), torch.bfloat16 if device.type == "cuda" else torch.float32, device, seed=6)
     target = CausalLM(target_model, static_cache=True)
     draft = CausalLM(perturbed(target_model, noise=0.3, seed=2), static_cache=True)
     first_capacity = target._static.cache.capacity
@@ -329,8 +333,7 @@ def kernel_profile(lm: CausalLM, cache_tokens: int, passes: int = 5, top: int = 
 
 def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed: int = 5) -> Qwen2ForCausalLM:
     """A tiny random target with sharp logits (its argmaxes are not near-ties)."""
-    fields = qwen2(2, 64, 128, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
-    model = random_model(fields, torch.float32, device, seed)
+    model = random_model(tiny(vocab), torch.float32, device, seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return model.to(dtype)
@@ -339,8 +342,7 @@ def tiny_sharp(device: torch.device, dtype: torch.dtype, vocab: int = 256, seed:
 def sampled_part(device: torch.device, results: dict, samples: int) -> None:
     """Chi-square of the first two sampled tokens (temperature 1) against the target's exact distribution."""
     vocab, prompt = 8, [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]
-    fields = qwen2(2, 64, 128, 4, vocab) | {"max_position_embeddings": 512, "tie_word_embeddings": False}
-    target_model = random_model(fields, torch.float32, device, seed=7)
+    target_model = random_model(tiny(vocab), torch.float32, device, seed=7)
     with torch.no_grad():
         target_model.lm_head.weight.mul_(4.0)
     draft_model = perturbed(target_model, noise=0.5, seed=3)
