@@ -68,16 +68,23 @@ def test_poor_acceptance_falls_back_to_plain_decoding_and_probes_less_often():
     assert policy.estimates().probe_interval == policy.probe_every
 
 
-def test_a_probe_that_earns_a_token_resets_the_wait():
-    """A probe of 2 with one token accepted is not a failure (at α 0.7 half of all probes of 2 lose their
-    second token): the wait goes back to `probe_every`; one with nothing accepted doubles it."""
-    policy = calibrated([100, 120, 140, 160, 180, 200, 220], draft_ms=30, alpha=0.1)
-    est = policy.estimates()
-    for accepted, interval in ((0, 16), (0, 32), (1, 8), (0, 16)):
+def test_a_probe_resets_the_wait_only_when_drafting_pays_again():
+    """The same probe (one token of two accepted) resets the wait to `probe_every` where it makes drafting pay
+    again (a drafter with little evidence against it), and doubles it where it does not (one settled near
+    α 0.1: one token in a text the drafter suits poorly is no recovery); nothing accepted always doubles it."""
+    def probe(policy, accepted: int) -> int:
         while policy.choose(10) == 0:
             policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.1)
-        policy.observe(2, accepted, draft_seconds=0.06, verify_seconds=0.12)
-        assert est.probe_interval == interval
+        policy.observe(2, accepted, draft_seconds=0.05, verify_seconds=0.12)
+        return policy.estimates().probe_interval
+
+    settled = calibrated([100, 110, 120, 130, 140, 150, 160], draft_ms=25, alpha=0.1)
+    assert [probe(settled, accepted) for accepted in (0, 1, 2)] == [16, 32, 64]
+    unsure = calibrated([100, 110, 120, 130, 140, 150, 160], draft_ms=25, alpha=0.3)
+    est = unsure.estimates()
+    est.hits, est.tries = [0.6] * 6, [2.0] * 6  # α 0.3 on little evidence: drafting does not pay yet
+    assert not unsure.drafting_pays()
+    assert probe(unsure, 1) == unsure.probe_every and unsure.drafting_pays()
 
 
 def test_a_pass_is_never_priced_above_a_measured_wider_one():

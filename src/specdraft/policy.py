@@ -359,13 +359,12 @@ class AutoK:
             self.last_source = None
             return
         est = self.estimates(source)
-        if est.probing:  # a probe that got nothing accepted waits twice as long for the next one; else it resets
-            earned = k > 0 and accepted > 0
-            est.probe_interval = self.probe_every if earned else min(2 * est.probe_interval, self.max_probe_every)
-            est.probing = False
+        probed, est.probing = est.probing, False
         caught_up = self.last_source == source
         self.last_source = source if k > 0 else None
         if k == 0:
+            if probed:
+                self._after_probe(est, source, earned=False)
             return
         if caught_up:
             # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
@@ -384,6 +383,21 @@ class AutoK:
             est.tries[i] += 1.0
         for i in path if path is not None else range(accepted):
             est.hits[i] += 1.0
+        if probed:
+            self._after_probe(est, source, earned=accepted > 0)
+
+    def _after_probe(self, est: SourceEstimates, source: str, earned: bool) -> None:
+        """The wait before `source`'s next probe: back to `probe_every` when the probe got a token accepted and what
+        it showed makes drafting pay again (`drafting_pays`); else twice as long. A probe that gets one token of two
+        in a text the drafter suits poorly is not a recovery: probing it every few steps cost more than it brought
+        (each probe of a draft model first reads the tokens it missed)."""
+        recovered = earned and self.drafting_pays(source)
+        est.probe_interval = self.probe_every if recovered else min(2 * est.probe_interval, self.max_probe_every)
+
+    def drafting_pays(self, source: str = DEFAULT_SOURCE) -> bool:
+        """Whether some k > 0 beats a plain step by the margin for `source` as estimated now, its catch-up aside
+        (what a probe asks: has the drafter's acceptance come back)."""
+        return self.verify_estimate(1) is None or self._best_k(self.max_k, source) > 0
 
     # ----- choosing ---------------------------------------------------------------------------
     def pooled_alpha(self, source: str = DEFAULT_SOURCE) -> float:
@@ -479,19 +493,23 @@ class AutoK:
         """The k (0..min(limit, max_k)) with the highest expected tokens per second for `source`, which must
         first read `unread` committed tokens, with `remaining` tokens of budget left (None: many) and
         `generated` tokens of the answer so far (None: unknown, the budget alone prices the catch-up)."""
-        plain = self.verify_estimate(1)
-        if plain is None:  # nothing measured yet: a moderate first draft
+        if self.verify_estimate(1) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
-        top = min(limit, self.max_k)
         left = self.expected_left(generated, remaining)
+        return self.probe_or(self._best_k(min(limit, self.max_k), source, unread, left), limit, source, unread, left)
+
+    def _best_k(self, top: int, source: str, unread: int = 0, left: float | None = None) -> int:
+        """The k (0..top) with the most expected tokens per second for `source` after reading `unread` tokens
+        (`left`: the answer's expected tokens left), 0 unless it beats a plain step by the margin; a plain step
+        must have been timed."""
         curve = self.expected_token_curve(top, source)
         beside = self.draft_cost_curve(top, source, unread, left, curve)
-        best_k, best_rate = 0, self.margin / plain
+        best_k, best_rate = 0, self.margin / self.verify_estimate(1)
         for k in range(1, top + 1):
             seconds = beside[k] + self.verify_estimate(k + 1)
             if seconds > 0 and curve[k] / seconds > best_rate:
                 best_k, best_rate = k, curve[k] / seconds
-        return self.probe_or(best_k, limit, source, unread, left)
+        return best_k
 
     def probe_or(self, k: int, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0,
                  left: float | None = None) -> int:
