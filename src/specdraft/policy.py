@@ -12,7 +12,8 @@ position j is accepted given the ones before it were (decayed counts, shrunk tow
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
 draft); after `probe_every` plain steps one short draft is tried so the estimate can
-recover, and each probe that gets nothing accepted doubles the wait (up to `max_probe_every`); a probe
+recover, and each probe that shows no recovery doubles the wait (up to `max_probe_every`): nothing accepted,
+or acceptance that still leaves drafting short of paying (`drafting_pays`); a probe
 whose catch-up (below) would take more than a tenth of the answer's expected time left waits too.
 
 A draft model must first read the committed tokens it has not seen (`unread`: the prompt on
