@@ -53,22 +53,27 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
                 gguf_weights: str, draft_quant: str, draft_vocab: int | str):
     """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one.
 
-    The drafter and its options are checked before anything loads, the native kernels are built (where
+    The drafter and its options, the dtype and both models' names are checked before anything loads (a
+    mistyped target is named at once, not after the draft has loaded), the native kernels are built (where
     not yet cached: no compile inside the first generation), and the draft loads first, so its unpacking
     peak passes before the target is in memory.
     """
     from specdraft.drafters import check_drafter, check_not_bench_only, needs_draft_model
     from specdraft.kernels.prebuild import build_all
     from specdraft.models.draft_head import draft_vocab_value
-    from specdraft.models.loading import check_compatible, load_model, prepare_draft
+    from specdraft.models.loading import check_compatible, load_model, prepare_draft, resolve_dtype, resolve_model_path
 
     if drafter is not None:
         check_drafter(drafter, options)
         check_not_bench_only(drafter)
     draft_vocab = draft_vocab_value(draft_vocab)  # a bad value fails before anything loads
+    resolve_dtype(dtype)
+    with_draft = drafter is not None and needs_draft_model(drafter)
+    for name in (target, draft) if with_draft else (target,):
+        resolve_model_path(name)  # an unknown name or a missing file fails here (a bundled one is assembled once)
     build_all()
     draft_lm = None
-    if drafter is not None and needs_draft_model(drafter):
+    if with_draft:
         draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
                                  draft_quant, vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
