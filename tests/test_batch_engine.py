@@ -130,7 +130,7 @@ def stat_target():
     return model
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("drafter", [pytest.param("ngram", marks=pytest.mark.slow), "model"])  # the draft model's q in the quick set
 def test_batched_sampling_with_a_different_k_per_sequence_follows_the_target(stat_target, drafter):
     from conftest import perturbed
     from specdraft.exactness import chi_square_pvalue, exact_two_tokens

@@ -57,12 +57,13 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tu
     return counts, drafted
 
 
-QUICK = {"model", "ngram"}  # a draft model and a lookup in the quick set; every other drafter's run is `slow`
+QUICK = {"model", "ngram"}  # chains of a draft model and of a lookup in the quick set; every other drafter's run is `slow`
+QUICK_TREES = {"ngram"}  # trees: a lookup's in the quick set (the `model` drafter's trees run in `slow`)
 
 
-def quick_or_slow(names) -> list:
-    """`names` as parameters, those outside QUICK marked `slow` (each takes 15-30 s here)."""
-    return [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow) for name in names]
+def quick_or_slow(names, quick: set[str] = QUICK) -> list:
+    """`names` as parameters, those outside `quick` marked `slow` (each takes 15-35 s on 2 cores)."""
+    return [name if name in quick else pytest.param(name, marks=pytest.mark.slow) for name in names]
 
 
 @pytest.mark.parametrize("name", quick_or_slow(registered()))
@@ -87,7 +88,7 @@ TREE_DRAFTERS = {
 }
 
 
-@pytest.mark.parametrize("name", quick_or_slow(sorted(TREE_DRAFTERS)))
+@pytest.mark.parametrize("name", quick_or_slow(sorted(TREE_DRAFTERS), QUICK_TREES))
 def test_sampled_tree_output_follows_the_target(target_model, name):
     """Tree drafts (deterministic children, tried as point masses in sibling order) keep the target's
     distribution through the whole engine."""
@@ -130,6 +131,7 @@ def cut_tree_pairs(target_model: Qwen2ForCausalLM, policy: CutSiblingsByDraw) ->
     return chi_square_pvalue(counts, exact_two_tokens(target_model, TREE_PROMPT).ravel() * SAMPLES), drafted
 
 
+@pytest.mark.slow  # with its negative control below, about a minute on 2 cores
 def test_sampled_trees_cut_by_what_was_drawn_follow_the_target(target_model):
     """The engine may drop a sampled tree's point-mass siblings by any rule, even one that looks at the drawn
     tokens (`Draft.must_keep` keeps the drawn chain): the output keeps the target's distribution."""
@@ -139,6 +141,7 @@ def test_sampled_trees_cut_by_what_was_drawn_follow_the_target(target_model):
     assert pvalue > P_PASS, f"cut siblings: p-value {pvalue:.3g}"
 
 
+@pytest.mark.slow
 def test_cutting_drawn_tokens_by_their_scores_is_caught(target_model):
     """Negative control: a cut that drops drawn tokens whose own path score is low (ignoring `keep`)."""
     policy = CutSiblingsByDraw(honour_keep=False)

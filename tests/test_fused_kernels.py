@@ -87,6 +87,7 @@ def test_silu_times_up_matches_the_torch_formula():
     torch.testing.assert_close(fused_kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow  # whole passes under Triton's interpreter: about 25 s on 2 cores without CUDA
 def test_a_static_pass_on_fused_kernels_matches_the_dynamic_cache():
     """Chains of bucketed and odd widths, a rollback, a tree pass and its kept path: transformers' logits."""
     model = wide_heads_model(seed=3)
@@ -112,6 +113,7 @@ def test_a_static_pass_on_fused_kernels_matches_the_dynamic_cache():
     both(torch.randint(0, 64, (1, 2), generator=generator), logits_to_keep=2)
 
 
+@pytest.mark.slow
 def test_greedy_speculation_on_fused_kernels_equals_plain_decoding():
     target_model = wide_heads_model(seed=4)
     target = CausalLM(target_model, static_cache=True)
