@@ -91,6 +91,20 @@ def test_attention_kernel_gives_each_query_the_same_bits_in_any_pass():
 
 
 @kernel_runs
+@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 2, 128), (14, 2, 64), (8, 1, 32), (4, 4, 64)])
+def test_query_heads_taken_together_get_the_bits_each_gets_alone(heads, kv_heads, dim):
+    """The heads that share a key/value head may be computed together (the AVX2 kernel converts each key and value
+    row once for up to 4 of them: 6 = 3 + 3, 7 = 4 + 3, 8 = 4 + 4): each head gets what it gets alone, bit for bit."""
+    query, key, value = random_states(3, 41, dim, seed=heads, heads=heads, kv_heads=kv_heads)
+    causal = (torch.arange(41) <= torch.arange(38, 41).unsqueeze(1)).view(1, 1, 3, 41)
+    together = cache_attention.attend(query, key, value, causal, 0.1)  # [1, 3, heads, dim]
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        alone = cache_attention.attend(query[:, h:h + 1], key[:, kv:kv + 1], value[:, kv:kv + 1], causal, 0.1)
+        assert torch.equal(alone[:, :, 0], together[:, :, h]), h
+
+
+@kernel_runs
 @pytest.mark.parametrize("hidden", [float("-inf"), torch.finfo(torch.float32).min], ids=["-inf", "float-min"])
 def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_after_its_ancestors(hidden):
     """A tree node sees the cache and its ancestors, with hidden siblings between them: it gets the bits of a

@@ -88,6 +88,30 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
         _mm256_storeu_si256((__m256i *)(out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], scale)));
 }
 
+/* What the decoder stack (`decoder_layers.h`) takes from an attention file: here a work item is one query head
+ * (GROUP_HEADS 1), as in `few_query_attention_bf16` below. */
+#define GROUP_HEADS 1
+
+typedef struct {
+    int64_t count, size;
+} HeadChunks;
+
+static inline HeadChunks head_chunks(int64_t groups) { return (HeadChunks){groups, 1}; }
+
+static inline int chunk_heads(HeadChunks chunks, int64_t groups, int64_t chunk, int64_t *first) {
+    (void)chunks, (void)groups;
+    *first = chunk;
+    return 1;
+}
+
+/* One query head (n is 1; q_stride unused). */
+static inline void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                                const float *mask, uint16_t *out, int64_t keys, int64_t dim, float scaling, float *scores,
+                                int32_t *rows) {
+    (void)n, (void)q_stride;
+    attend_one(q, k, v, mask, out, keys, dim, scaling, scores, rows);
+}
+
 void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
                               int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys, int64_t dim,
                               int64_t kv_stride, float scaling) {
