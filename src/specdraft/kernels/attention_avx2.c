@@ -24,6 +24,7 @@
 static inline __m256 exp_nonpositive8(__m256 x) { return exp_reduced8(_mm256_max_ps(x, _mm256_set1_ps(-100.0f))); }
 
 #define GROUP_HEADS 4  /* query heads of one key/value head that a pass over the keys takes together */
+#include "attention_items.h"
 
 /* The scores of `n` query heads against one key row: per head two FMA chains over the lanes (even, odd), summed once. */
 static inline __attribute__((always_inline)) void score_heads(const __m256 *qv, int n, const uint16_t *row, int64_t lanes,
@@ -131,40 +132,20 @@ static void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint1
     }
 }
 
-/* How a group of `groups` query heads (one key/value head's) is split into work items: `count` chunks of at most
- * `size` heads (<= GROUP_HEADS), as even as can be; the last may hold fewer. */
-typedef struct {
-    int64_t count, size;
-} HeadChunks;
-
-static inline HeadChunks head_chunks(int64_t groups) {
-    const int64_t count = (groups + GROUP_HEADS - 1) / GROUP_HEADS;
-    return (HeadChunks){count, (groups + count - 1) / count};
-}
-
-/* Heads of chunk `chunk` of `groups`: the first (within the group) and how many. */
-static inline int chunk_heads(HeadChunks chunks, int64_t groups, int64_t chunk, int64_t *first) {
-    *first = chunk * chunks.size;
-    return (int)(groups - *first < chunks.size ? groups - *first : chunks.size);
-}
-
 /* q [heads][T][d], k and v rows of d with `kv_stride` elements between key/value heads, mask [T][keys] or NULL ->
  * out [T][heads][d]. */
 void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
                               int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys, int64_t dim,
                               int64_t kv_stride, float scaling) {
-    const int64_t groups = heads / kv_heads;
-    const HeadChunks chunks = head_chunks(groups);
+    const HeadChunks chunks = head_chunks(heads / kv_heads);
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(GROUP_HEADS * (keys + 8)));
         int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)keys);
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < kv_heads * chunks.count * tokens; item++) {
-            const int64_t t = item % tokens, part = item / tokens, kv = part / chunks.count;
-            int64_t first;
-            const int n = chunk_heads(chunks, groups, part % chunks.count, &first);
-            const int64_t h = kv * groups + first;
+        for (int64_t item = 0; item < work_items(chunks, kv_heads, tokens); item++) {
+            int64_t t, kv, h;
+            const int n = work_item(chunks, tokens, item, &t, &kv, &h);
             attend_heads(q + (h * tokens + t) * dim, n, tokens * dim, k + kv * kv_stride, v + kv * kv_stride,
                          mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, scores, rows);
         }

@@ -91,18 +91,7 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
 /* What the decoder stack (`decoder_layers.h`) takes from an attention file: here a work item is one query head
  * (GROUP_HEADS 1), as in `few_query_attention_bf16` below. */
 #define GROUP_HEADS 1
-
-typedef struct {
-    int64_t count, size;
-} HeadChunks;
-
-static inline HeadChunks head_chunks(int64_t groups) { return (HeadChunks){groups, 1}; }
-
-static inline int chunk_heads(HeadChunks chunks, int64_t groups, int64_t chunk, int64_t *first) {
-    (void)chunks, (void)groups;
-    *first = chunk;
-    return 1;
-}
+#include "attention_items.h"
 
 /* One query head (n is 1; q_stride unused). */
 static inline void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint16_t *k, const uint16_t *v,

@@ -3,8 +3,8 @@
  * stacked gate|up -> SiLU·up -> down -> residual (see `decoder_avx512.c` for why and what each rounds).
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
- * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_heads` with `head_chunks` and
- * `chunk_heads` (how a key/value head's query heads are taken together), `silu_mul_bf16`,
+ * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_heads` (and through its
+ * attention file `attention_items.h`: which query heads a work item takes together), `silu_mul_bf16`,
  * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))),
  * and `project_run` (1 where it computed a run's rows itself, e.g. on int8 activations; else 0).
  */
@@ -83,8 +83,8 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
                             int64_t intermediate, float eps, float scaling, int64_t cache_len,
                             const uint16_t *cos, const uint16_t *sin, const float *mask) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    const int64_t total = cache_len + tokens, groups = heads / kv_heads;
-    const HeadChunks chunks = head_chunks(groups);
+    const int64_t total = cache_len + tokens;
+    const HeadChunks chunks = head_chunks(heads / kv_heads);
     const int64_t widest = qkv_size > 2 * intermediate ? qkv_size : 2 * intermediate;
     uint16_t *normed = malloc(sizeof(uint16_t) * tokens * hidden_size);
     uint16_t *qkv = malloc(sizeof(uint16_t) * tokens * qkv_size);
@@ -109,11 +109,9 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
             float *scores = malloc(sizeof(float) * (size_t)(GROUP_HEADS * (total + 16)));
             int32_t *rows = malloc(sizeof(int32_t) * (size_t)total);
 #pragma omp for schedule(static)
-            for (int64_t item = 0; item < kv_heads * chunks.count * tokens; item++) {
-                const int64_t t = item % tokens, part = item / tokens, kv = part / chunks.count;
-                int64_t first;
-                const int n = chunk_heads(chunks, groups, part % chunks.count, &first);
-                const int64_t h = kv * groups + first;
+            for (int64_t item = 0; item < work_items(chunks, kv_heads, tokens); item++) {
+                int64_t t, kv, h;
+                const int n = work_item(chunks, tokens, item, &t, &kv, &h);
                 attend_heads(qkv + t * qkv_size + h * head_dim, n, head_dim, layer->keys + kv * layer->capacity * head_dim,
                              layer->values + kv * layer->capacity * head_dim, mask ? mask + t * total : NULL,
                              attended + (t * heads + h) * head_dim, mask ? total : cache_len + t + 1, head_dim, scaling,
