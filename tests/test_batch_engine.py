@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
-from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBudget
 from specdraft.drafters import NgramDrafter
 from specdraft.errors import SpecdraftError
 
@@ -68,6 +69,43 @@ def test_cache_rows_follow_the_sequences_and_a_cancel_frees_them(tiny_target, dr
     while batch.active:
         tokens += [t for _, event in batch.step() for t in event.token_ids]
     assert tokens == alone(make_lm(tiny_target), PROMPTS[0], BUDGETS[0])
+
+
+def test_kv_bytes_per_token_is_what_a_cached_token_takes(tiny_target, make_lm):
+    target = make_lm(tiny_target)
+    target.prefill(torch.tensor([PROMPTS[0]]))
+    held = sum(t.numel() * t.element_size() for layer in target._cache.layers for t in (layer.keys, layer.values))
+    assert target.kv_bytes_per_token * target.cache_len == held > 0
+
+
+def test_a_kv_budget_holds_requests_until_others_leave_and_refuses_what_never_fits(tiny_target, drafts, make_lm):
+    """Each sequence reserves prompt + budget rows of cache (its draft model's too) as it joins: past the KV budget
+    a request waits (NoRoom) and joins once others leave, with its answer alone; one that never fits is refused."""
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, b) for p, b in zip(PROMPTS, BUDGETS)]
+    per_token = target.kv_bytes_per_token
+    needs = [(len(p) + b) * per_token for p, b in zip(PROMPTS, BUDGETS)]
+    budget = needs[0] + needs[1]  # room for the first two, and for any one
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=6, kv_budget=budget)
+    first, second = (batch.add(r) for r in requests()[:2])
+    assert batch.kv_reserved == budget
+    with pytest.raises(NoRoom, match="KV budget"):
+        batch.add(requests()[2])
+    assert batch.size == 2
+    batch.cancel(second)
+    assert batch.kv_reserved == needs[0]
+    batch.cancel(first)
+    reserved, step = [], batch.step
+    batch.step = lambda: (reserved.append(batch.kv_reserved), step())[1]
+    completions = batch.generate_all(requests())
+    assert [c.token_ids for c in completions] == expected
+    assert max(reserved) <= budget and batch.kv_reserved == 0
+    assert batch.largest_batch < len(PROMPTS)  # the budget, not max_batch, held the batch back
+    with pytest.raises(OverBudget, match="KV cache"):
+        batch.add(BatchRequest(PROMPTS[0], max_new_tokens=budget // per_token))
+    assert batch.size == 0
+    draft = ModelDrafter(make_lm(drafts["close"], name="draft"))
+    assert batch.kv_need(5, 7, draft) == 12 * (per_token + draft.model.kv_bytes_per_token)
 
 
 def test_bad_requests_are_refused_before_they_join(tiny_target, make_lm):

@@ -105,3 +105,42 @@ def test_a_request_that_fails_to_join_gets_500_and_the_engine_goes_on(tiny_model
         assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error"
         assert ask(server, "the quick brown fox", True)
         assert server.health() == {"status": "ok", "queue_depth": 0, "running": 0}
+
+
+def test_the_kv_budget_queues_what_does_not_fit_now_and_refuses_what_never_fits(tiny_model_dirs):
+    app = make_app(tiny_model_dirs, max_batch=4, kv_budget_mb=0.5)
+    batch = app.state.worker.batch
+    assert batch.kv_budget == 1 << 19
+    plain = {"speculative": {"drafter": "none"}}  # the target's cache alone: what the budget below is cut for
+
+    def complete(server, max_tokens, n=1):
+        return httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "n": n, "temperature": 0.0, **plain})
+
+    with Live(app) as server:
+        prompt_tokens = complete(server, 1).json()["usage"]["prompt_tokens"]
+        batch.kv_budget = (prompt_tokens + 8) * batch.target.kv_bytes_per_token  # one request of 8 tokens at a time
+        too_long = complete(server, 9)
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        assert "KV cache" in too_long.json()["error"]["message"]
+        two_choices = complete(server, 8, n=2)
+        assert two_choices.status_code == 400 and two_choices.json()["error"]["param"] == "n"
+        with ThreadPoolExecutor(3) as pool:  # each waits for the one before to leave
+            answers = list(pool.map(lambda _: complete(server, 8), range(3)))
+        assert all(a.status_code == 200 for a in answers)
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert f"specdraft_kv_cache_budget_bytes {batch.kv_budget}" in metrics
+        assert "specdraft_kv_cache_reserved_bytes 0" in metrics
+        assert batch.largest_batch == 1
+        server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
+
+
+def test_the_kv_budget_option_defaults_to_half_the_free_memory_and_0_lifts_it(tiny_model_dirs):
+    import torch
+
+    from specdraft.batch_engine import default_kv_budget, free_memory_bytes
+
+    assert make_app(tiny_model_dirs, max_batch=2, kv_budget_mb=0).state.worker.batch.kv_budget is None
+    assert 0 < make_app(tiny_model_dirs, max_batch=2).state.worker.batch.kv_budget < free_memory_bytes(torch.device("cpu"))
+    assert abs(default_kv_budget(torch.device("cpu")) / free_memory_bytes(torch.device("cpu")) - 0.5) < 0.1

@@ -22,6 +22,13 @@ kernels compute each token's row alone, so there a sequence's tokens are bit for
 elsewhere (PyTorch's attention) kernels may add in another order: greedy outputs then agree with single runs
 except at numerical near-ties.
 
+Memory: a sequence reserves, as it joins, the cache its whole budget can fill (prompt + max_new_tokens rows of the
+target's KV cache, and of its draft model's where it has one: `kv_need`); with a `kv_budget` a request that does
+not fit now waits (`NoRoom`), one that could never fit is refused, and no step can run the caches past the budget.
+The reservation is freed when the sequence leaves. A step's own rows stay within it (a block never runs past a
+sequence's budget), but the packed buffers grow in copies (`kv_cache.GrowingLayer`), so the process briefly holds
+an old buffer beside its larger successor.
+
 Each sequence has its own drafter (made by `make_drafter`, or its request's own factory: a draft model needs its
 own cache, so the factory gives each a `CausalLM` of its own over the shared weights), sampling, generator,
 budget, stop strings, log-probabilities and acceptance estimates (an `AutoK`'s, carried over from the last
@@ -53,6 +60,41 @@ from specdraft.text import IncrementalText
 from specdraft.verify import verify
 
 DEFAULT_MAX_BATCH = 8
+KV_SHARE_OF_FREE = 0.5  # the default KV budget: this share of the memory free once the models are loaded
+
+
+class NoRoom(SpecdraftError):
+    """The batch has no room for a request now (sequences or KV budget); it fits once others leave."""
+
+
+class OverBudget(SpecdraftError):
+    """A request whose cache alone would exceed the KV budget: it can never join."""
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new allocations on `device`: a GPU's free memory, or the host's available memory (Linux's
+    MemAvailable); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_kv_budget(device: torch.device) -> int | None:
+    """The KV budget when none is given: KV_SHARE_OF_FREE of the memory free now (None: unknown, unbounded)."""
+    free = free_memory_bytes(device)
+    return None if free is None else int(free * KV_SHARE_OF_FREE)
+
+
+def megabytes(size: int) -> str:
+    """`size` bytes as MiB for messages."""
+    return f"{size / (1 << 20):,.0f} MiB"
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
@@ -92,6 +134,7 @@ class _Sequence:
     drafter: Drafter | None
     policy: AutoK
     k: int | None  # fixed, or None: chosen by the goodput rule
+    kv_bytes: int = 0  # the cache memory reserved for it (`BatchedDecoder.kv_need`)
 
 
 @dataclass
@@ -104,14 +147,17 @@ class _Joining:
 
 class BatchedDecoder:
     """Generates many requests at once over `target` (module doc); `make_drafter()` gives each sequence its
-    drafter (None: plain batched decoding). Not thread-safe: one caller steps it."""
+    drafter (None: plain batched decoding); `kv_budget`: the bytes the sequences' caches may reserve together
+    (None: unbounded). Not thread-safe: one caller steps it."""
 
     def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter] | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_k: int = MAX_AUTO_K) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, max_k: int = MAX_AUTO_K, kv_budget: int | None = None) -> None:
         if max_batch < 1:
             raise SpecdraftError(f"The batch must hold at least one sequence, got max_batch={max_batch}.")
+        if kv_budget is not None and kv_budget <= 0:
+            raise SpecdraftError(f"The KV budget must be positive, got {kv_budget} bytes.")
         self.target, self.make_drafter = target, make_drafter
-        self.max_batch, self.max_k = max_batch, max_k
+        self.max_batch, self.max_k, self.kv_budget = max_batch, max_k, kv_budget
         self.costs = StepCosts(max_batch * (max_k + 1) + 1)  # passes by total width; each source's draft and read
         self._policy = AutoK(max_k=max_k, costs=self.costs)  # the last to leave: a joining sequence carries it over
         self.active: list[_Sequence] = []
@@ -127,9 +173,10 @@ class BatchedDecoder:
     # ----- joining and leaving ----------------------------------------------------------------------
     def add(self, request: BatchRequest) -> int:
         """Queue `request` to join (its prompt is read by the next steps, `_read_joining`); returns its id for the
-        events. A request refused here leaves everything as it was."""
+        events. A request refused here leaves everything as it was: `NoRoom` when it must wait for others to leave
+        (max_batch, or the KV budget), SpecdraftError when it is wrong or could never fit."""
         if self.size >= self.max_batch:
-            raise SpecdraftError(f"The batch is full ({self.max_batch} sequences); wait for one to finish.")
+            raise NoRoom(f"The batch is full ({self.max_batch} sequences); wait for one to finish.")
         target, ids = self.target, [int(t) for t in request.prompt_ids]
         if not ids or min(ids) < 0 or max(ids) >= target.vocab_size:
             raise SpecdraftError(f"A prompt needs at least one token, each in [0, {target.vocab_size}).")
@@ -146,6 +193,14 @@ class BatchedDecoder:
         if drafter is not None and drafter.needs_features:
             raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
                                  "engine does not hand out yet; choose model, ngram or suffix.")
+        need = self.kv_need(len(ids), request.max_new_tokens, drafter)
+        if self.kv_budget is not None and need > self.kv_budget:
+            raise OverBudget(f"The prompt ({len(ids)} tokens) and max_tokens ({request.max_new_tokens}) need "
+                                 f"{megabytes(need)} of KV cache, more than the server's budget of "
+                                 f"{megabytes(self.kv_budget)}; ask for fewer tokens or shorten the prompt.")
+        if self.kv_budget is not None and self.kv_reserved + need > self.kv_budget:
+            raise NoRoom(f"The KV budget ({megabytes(self.kv_budget)}) is taken by the running sequences; "
+                         "wait for one to finish.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
         if not self.size and target.cache_len != len(self.row_owner):  # someone else ran the target meanwhile
             target.reset()
@@ -160,8 +215,20 @@ class BatchedDecoder:
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
                        stats, time.perf_counter(), request.logprobs)
-        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k)))
+        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need)))
         return ident
+
+    def kv_need(self, prompt_tokens: int, max_new_tokens: int, drafter: Drafter | None = None) -> int:
+        """Bytes of cache a sequence may fill: prompt + max_new_tokens rows of the target's KV cache and of its
+        drafter's own (a step's block never runs past them: see the module doc)."""
+        per_token = self.target.kv_bytes_per_token + (drafter.cache_bytes_per_token if drafter is not None else 0)
+        return (prompt_tokens + max_new_tokens) * per_token
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes of cache the sequences in the batch (stepping or joining) have reserved."""
+        active, joining = list(self.active), list(self.joining)  # copies: the metrics read it from another thread
+        return sum(seq.kv_bytes for seq in active) + sum(waiting.sequence.kv_bytes for waiting in joining)
 
     @property
     def size(self) -> int:
@@ -397,15 +464,18 @@ class BatchedDecoder:
         return next((seq.run.stats for seq in sequences if seq.ident == ident), None)
 
     def generate_all(self, requests: Sequence[BatchRequest]) -> list[Completion]:
-        """Run `requests` to the end, at most max_batch at a time (the next joins as one leaves), in order; a
-        request that fails to join raises its error."""
+        """Run `requests` to the end, as many at a time as max_batch and the KV budget let (the next joins as one
+        leaves), in order; a request that fails to join raises its error."""
         pending = list(enumerate(requests))
         results: dict[int, Completion] = {}
         running: dict[int, tuple[int, RunState, list[int], list[str], list[str]]] = {}  # by sequence id
         while pending or self.size:
-            while pending and self.size < self.max_batch:
-                index, request = pending.pop(0)
-                ident = self.add(request)
+            while pending:
+                try:
+                    ident = self.add(pending[0][1])
+                except NoRoom:
+                    break
+                index, _ = pending.pop(0)
                 running[ident] = (index, self.joining[-1].sequence.run, [], [], [])
             events = self.step()
             for _, error in self.take_failed():

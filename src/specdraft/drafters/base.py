@@ -95,6 +95,11 @@ class Drafter:
     name: str = "base"
     needs_features: bool = False  # whether the engine hands it the target's final hidden states (`features`)
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes of the drafter's own cache per token of the sequence (a draft model's KV cache; 0: none)."""
+        return 0
+
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         """Start a new request with this prompt."""
 

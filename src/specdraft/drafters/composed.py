@@ -24,6 +24,10 @@ class ComposedDrafter(Drafter):
         self._chosen: Drafter | None = None  # who answered the last `source`
         self._proposer: Drafter | None = None  # who proposed the draft now being verified
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        return self.first.cache_bytes_per_token + self.fallback.cache_bytes_per_token
+
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         self.first.begin(prompt)
         self.fallback.begin(prompt)

@@ -57,6 +57,10 @@ class ModelDrafter(Drafter):
         self.model.reset()
         self._skipped = 0
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
     def _read(self) -> int:
         """How many tokens of the committed sequence the draft cache covers (read or skipped)."""
         return self._skipped + self.model.cache_len

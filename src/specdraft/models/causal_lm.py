@@ -92,6 +92,15 @@ class CausalLM:
         return int(self.model.get_output_embeddings().out_features)
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes: the keys and values of every layer (sliding-window layers counted in full)."""
+        config = self.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+    @property
     def max_context(self) -> int:
         """The longest sequence (prompt + generated) the model's positions allow."""
         return int(getattr(self.config, "max_position_embeddings", None) or 1 << 30)

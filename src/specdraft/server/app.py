@@ -44,6 +44,7 @@ class ServerSettings:
     seed: int = 0  # seeds the seeds of requests that give none
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
     max_batch: int = 1  # sequences generating together (continuous batching); 1: one request at a time
+    kv_budget: int | None = None  # bytes of KV cache the batch's sequences may reserve together; None: unbounded
 
 
 class ClientGone(Exception):
@@ -125,10 +126,12 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     of `settings.max_queue` in front of it."""
     seeds = random.Random(settings.seed)
     started = int(time.time())
-    metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running)
-    if settings.max_batch > 1:
+    batched = settings.max_batch > 1
+    metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running,
+                      kv_cache=(lambda: (worker.batch.kv_reserved, worker.batch.kv_budget)) if batched else None)
+    if batched:
         worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
-                             max_batch=settings.max_batch)
+                             max_batch=settings.max_batch, kv_budget=settings.kv_budget)
     else:
         worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
 

@@ -1,6 +1,7 @@
 """The engine thread with continuous batching: queued requests step together on a `BatchedDecoder`.
 
-Between steps, queued jobs join while the batch has room (each choice of `n` is a sequence of its own), and
+Between steps, queued jobs join while the batch has room (each choice of `n` is a sequence of its own; room: a
+free place and the cache its budget can fill within the KV budget, all choices of a job or none), and
 sequences whose client went away or whose request ran past its timeout leave; a finished sequence leaves by
 itself. Each step's events go back to their jobs as `Step`s, and a job whose choices have all finished gets its
 `Finished`. The queue in front, its 429s, shutdown and the result channel are `Worker`'s.
@@ -13,7 +14,7 @@ import queue
 from dataclasses import dataclass, field
 from functools import reduce
 
-from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBudget
 from specdraft.errors import SpecdraftError
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
@@ -35,12 +36,13 @@ class _Admitted:
 
 
 class BatchWorker(Worker):
-    """Runs queued jobs together, up to `max_batch` sequences at a time (module doc)."""
+    """Runs queued jobs together, up to `max_batch` sequences at a time within `kv_budget` bytes of cache (module
+    doc)."""
 
     def __init__(self, pool: DecoderPool, metrics: Metrics | None = None, max_queue: int = 64,
-                 timeout: float = 600.0, max_batch: int = 8) -> None:
+                 timeout: float = 600.0, max_batch: int = 8, kv_budget: int | None = None) -> None:
         super().__init__(pool, metrics, max_queue=max_queue, timeout=timeout)
-        self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch)
+        self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch, kv_budget=kv_budget)
         self._admitted: dict[int, _Admitted] = {}  # by sequence id
         self._waiting: Job | None = None  # taken from the queue, waiting for room in the batch
 
@@ -122,14 +124,15 @@ class BatchWorker(Worker):
                                              f"({self.batch.max_batch}); ask for fewer.", param="n")))
                 self._waiting = None
                 continue
-            if self.batch.size + choices > self.batch.max_batch:
+            if self.batch.size + choices > self.batch.max_batch or not self._start(job):
                 self._waiting = job  # a later step frees room
                 return stopping
             self._waiting = None
-            self._start(job)
         return stopping
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Job) -> bool:
+        """Add the job's choices to the batch; False when they do not all fit now (none is added then: the job
+        waits). A job that could never fit, or fails to join, ends here with its error."""
         generation = job.generation
         key = generation.decoder
         admitted = _Admitted(job, [], [])
@@ -144,8 +147,21 @@ class BatchWorker(Worker):
                 admitted.left.add(ident)
                 admitted.stats.append(self.batch.stats(ident))
                 self._admitted[ident] = admitted
+        except NoRoom as error:
+            for ident in admitted.idents:
+                self.batch.cancel(ident)
+                self._admitted.pop(ident, None)
+            if self.batch.size:
+                return False
+            choices = len(generation.samplings)  # alone in the batch and still no room: it never fits
+            self._end(_Admitted(job, [], []), Failed(ApiError(
+                400, f"n={choices} choices of this prompt and max_tokens do not fit the server's KV budget "
+                     f"together ({error}); ask for fewer choices or fewer tokens.", param="n")))
+        except OverBudget as error:
+            self._refuse(admitted, error, param="max_tokens")
         except Exception as error:  # e.g. a drafter the batch cannot run
             self._refuse(admitted, error, param="speculative")
+        return True
 
     def _refuse(self, admitted: _Admitted, error: Exception, param: str | None = None) -> None:
         """A job that failed to join ends: a user's mistake (SpecdraftError, about `param`) is a 400; anything else

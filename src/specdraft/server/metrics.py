@@ -42,9 +42,11 @@ def _number(value: float) -> str:
 class Metrics:
     """Counts requests and generated tokens; `render` writes them out. Safe from any thread."""
 
-    def __init__(self, queue_depth: Callable[[], int], in_flight: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], in_flight: Callable[[], int],
+                 kv_cache: Callable[[], tuple[int, int | None]] | None = None) -> None:
         self._lock = threading.Lock()
         self._queue_depth, self._in_flight = queue_depth, in_flight
+        self._kv_cache = kv_cache  # (bytes reserved, budget or None) of the batched engine
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
         self.cancelled = 0
         self.prompt_tokens = self.completion_tokens = 0
@@ -131,4 +133,11 @@ class Metrics:
             metric("specdraft_queue_depth", "gauge", "Requests waiting for the engine.", [("", self._queue_depth())])
             metric("specdraft_requests_running", "gauge", "Requests the engine is generating now.",
                    [("", self._in_flight())])
+            if self._kv_cache is not None:
+                reserved, budget = self._kv_cache()
+                metric("specdraft_kv_cache_reserved_bytes", "gauge",
+                       "KV cache reserved by the batch's sequences (prompt + max_tokens each).", [("", reserved)])
+                if budget is not None:
+                    metric("specdraft_kv_cache_budget_bytes", "gauge", "The KV budget the batch admits within.",
+                           [("", budget)])
             return "\n".join(lines) + "\n"

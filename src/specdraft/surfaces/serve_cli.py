@@ -37,6 +37,11 @@ def serve(
     max_batch: int = typer.Option(1, "--max-batch", min=1,
                                   help="Sequences that generate together, each step one target pass over all "
                                        "(continuous batching; chains only). 1: one request at a time."),
+    kv_budget_mb: Optional[float] = typer.Option(
+        None, "--kv-budget-mb", min=0.0,
+        help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
+             "max_tokens); a request that does not fit waits, one that never fits gets 400. Default: half the "
+             "memory free once the models are loaded; 0: no limit."),
     max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
                                       help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
                                            "a larger one gets 413 before it is read."),
@@ -46,21 +51,28 @@ def serve(
     try:
         app = build_app(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
                         request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace,
-                        seed=seed, max_body_mb=max_body_mb, max_batch=max_batch,
+                        seed=seed, max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb,
                         **model_options)
     except SpecdraftError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(2)
     import uvicorn
 
-    err.print(f"serving {app.state.settings.served_model} on http://{host}:{port} (playground at /)", highlight=False)
+    from specdraft.batch_engine import megabytes
+
+    settings = app.state.settings
+    err.print(f"serving {settings.served_model} on http://{host}:{port} (playground at /)", highlight=False)
+    if settings.max_batch > 1:
+        room = "no KV budget" if settings.kv_budget is None else f"a KV budget of {megabytes(settings.kv_budget)}"
+        err.print(f"batching up to {settings.max_batch} sequences, {room}", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, max_batch=1, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
+              max_body_mb=2.0, max_batch=1, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, dtype, device, gguf_weights, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
+    from specdraft.batch_engine import default_kv_budget
     from specdraft.engine import check_tree_options
     from specdraft.policy import make_policy
     from specdraft.server import DecoderPool, ServerSettings, create_app
@@ -76,10 +88,12 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                                       gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
     pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
                        tree_branch=tree_branch)
+    kv_budget = (default_kv_budget(target_lm.device) if kv_budget_mb is None
+                 else int(kv_budget_mb * (1 << 20)) if kv_budget_mb > 0 else None)
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
                               shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
-                              max_batch=max_batch)
+                              max_batch=max_batch, kv_budget=kv_budget)
     return create_app(pool, settings)
 
 
