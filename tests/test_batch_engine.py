@@ -11,6 +11,7 @@ from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBudget
 from specdraft.drafters import NgramDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.models.packed_cache import PackedCache
 
 PROMPTS = [[5, 17, 42, 8, 59, 3], [7, 7, 7, 1], [11, 12, 13, 14, 15, 11, 12, 13], [30], [2, 40, 2, 40, 2],
            [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 8]]
@@ -41,6 +42,25 @@ def test_each_request_of_a_batch_gets_its_greedy_output_alone(tiny_target, draft
     if drafter != "none":
         assert sum(c.stats.drafted for c in completions) > 0 and sum(c.stats.accepted for c in completions) > 0
         assert all(c.stats.steps < len(c.token_ids) for c in completions if c.stats.accepted > len(c.token_ids) // 2)
+
+
+def test_the_draft_models_of_a_batch_draft_a_depth_in_one_pass(tiny_target, drafts, make_lm, monkeypatch):
+    """Sequences drafting with the same weights share one packed draft cache: their tokens of a depth go through the
+    draft model in one pass, and each answer is still its answer alone."""
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, b) for p, b in zip(PROMPTS[:3], BUDGETS[:3])]
+    widths, run = [], PackedCache.run
+    monkeypatch.setattr(PackedCache, "run", lambda self, feeds, prompt=False: (widths.append(len(feeds)),
+                                                                                run(self, feeds, prompt))[1])
+    batch = BatchedDecoder(make_lm(tiny_target), lambda: ModelDrafter(make_lm(drafts["close"], name="draft")),
+                           max_batch=3)
+    got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b, k=3)
+                              for p, b in zip(PROMPTS[:3], BUDGETS[:3])])
+    assert [c.token_ids for c in got] == expected
+    assert widths[:3] == [1, 1, 1]  # each first read leads a pass of its own (its first token on precise kernels)
+    assert widths.count(3) >= 5 and len(widths) < sum(widths)  # passes, against one a sequence and depth alone
+    [packed] = batch._draft_caches.values()
+    assert packed.lm.cache_len == 0 and not packed.row_owner  # the rows left with their sequences
 
 
 def test_plain_sampled_requests_draw_what_they_draw_alone(tiny_target, make_lm):

@@ -53,6 +53,7 @@ from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, 
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
+from specdraft.models.packed_cache import CacheView, PackedCache
 from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
@@ -168,6 +169,7 @@ class BatchedDecoder:
         self.largest_batch = 0
         self._next_ident = 0
         self._reader = CausalLM(target.model, target.tokenizer, name=target.name)  # reads joining prompts alone
+        self._draft_caches: dict[int, PackedCache] = {}  # by draft weights (id of the module): sequences' draft rows
         target.reset()
 
     # ----- joining and leaving ----------------------------------------------------------------------
@@ -202,6 +204,8 @@ class BatchedDecoder:
             raise NoRoom(f"The KV budget ({megabytes(self.kv_budget)}) is taken by the running sequences; "
                          "wait for one to finish.")
         ident, self._next_ident = self._next_ident, self._next_ident + 1
+        if drafter is not None:
+            self._pack_drafter(ident, drafter)
         if not self.size and target.cache_len != len(self.row_owner):  # someone else ran the target meanwhile
             target.reset()
         device = target.device
@@ -217,6 +221,25 @@ class BatchedDecoder:
                        stats, time.perf_counter(), request.logprobs)
         self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need)))
         return ident
+
+    def _pack_drafter(self, ident: int, drafter: Drafter) -> None:
+        """Point the drafter's draft models at views of the batch's packed draft caches (one per set of weights), so
+        the sequences drafting with the same weights run their draft tokens of a depth in one pass (module doc)."""
+        for part in drafter.model_parts():
+            lm = part.model
+            if not isinstance(lm, CausalLM) or lm.static:  # a GPU's static cache holds one sequence
+                continue
+            packed = self._draft_caches.get(id(lm.model))
+            if packed is None:
+                packed = PackedCache(CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=False))
+                self._draft_caches[id(lm.model)] = packed
+            part.model = packed.view(ident)
+
+    def _release_drafts(self, ident: int) -> None:
+        """Sequence `ident` is gone: its draft rows leave the packed caches."""
+        for packed in self._draft_caches.values():
+            packed.release(ident)
+            packed.compact()
 
     def kv_need(self, prompt_tokens: int, max_new_tokens: int, drafter: Drafter | None = None) -> int:
         """Bytes of cache a sequence may fill: prompt + max_new_tokens rows of the target's KV cache and of its
@@ -259,6 +282,7 @@ class BatchedDecoder:
             except Exception as error:  # this request fails; the packed cache and the others go on as they were
                 self.joining.pop(0)
                 self._reader.reset()
+                self._release_drafts(seq.ident)
                 self.failed.append((seq.ident, error))
 
     def _read_chunk(self, chunk: torch.Tensor) -> None:  # chunk: [n]
@@ -293,6 +317,7 @@ class BatchedDecoder:
                 if index == 0:
                     self._reader.reset()
                 del self.joining[index]
+                self._release_drafts(ident)
                 return
         self._leave([seq for seq in self.active if seq.ident == ident])
 
@@ -305,6 +330,10 @@ class BatchedDecoder:
             if seq.drafter is not None:
                 seq.drafter.end(seq.run.sequence)
                 self._policy = seq.policy
+            for packed in self._draft_caches.values():
+                packed.release(seq.ident)
+        for packed in self._draft_caches.values():
+            packed.compact()
         gone = {seq.ident for seq in leaving}
         kept = [row for row, owner in enumerate(self.row_owner) if owner not in gone]
         self.target.keep(0, kept)
@@ -373,6 +402,54 @@ class BatchedDecoder:
             ks[i] = k
         return ks
 
+    def _propose_all(self, stepping: list[_Sequence], contexts: list[DraftContext],
+                     ks: list[int]) -> tuple[list[Draft], list[float]]:
+        """Every sequence's draft of its k tokens (k = 0: none), and the seconds each took. The drafters' model passes
+        (`Drafter.propose_steps`) run in lockstep: the passes asked of one packed draft cache at a step go through it
+        together (`PackedCache.run`), the longest feed first so the fewest logits are computed, and each shares the
+        pass's time by its tokens; a first read (which must lead its pass: `kernels.prompt_pass`) runs alone."""
+        drafts: list[Draft | None] = [None] * len(stepping)
+        seconds = [0.0] * len(stepping)
+        steps, asked = {}, {}
+
+        def advance(i: int, logits: torch.Tensor | None) -> None:  # send the logits on; the draft if it is done
+            began = time.perf_counter()
+            try:
+                asked[i] = next(steps[i]) if logits is None else steps[i].send(logits)
+            except StopIteration as done:
+                drafts[i] = done.value
+                asked.pop(i, None)
+            seconds[i] += time.perf_counter() - began
+
+        for i, (seq, ctx, k) in enumerate(zip(stepping, contexts, ks)):
+            if k > 0:
+                steps[i] = seq.drafter.propose_steps(ctx, k)
+                advance(i, None)
+            else:
+                drafts[i] = Draft.chain(ctx.sequence.new_empty(0))
+        while asked:
+            together: dict[int, list[int]] = {}
+            answers: dict[int, torch.Tensor] = {}
+            for i, request in asked.items():
+                if isinstance(request.model, CacheView) and not request.prompt:
+                    together.setdefault(id(request.model.packed), []).append(i)
+                    continue
+                began = time.perf_counter()
+                answers[i] = request.model.forward(request.tokens, logits_to_keep=1, prompt=request.prompt).logits[0]
+                seconds[i] += time.perf_counter() - began
+            for members in together.values():
+                members.sort(key=lambda i: -asked[i].tokens.shape[1])
+                packed = asked[members[0]].model.packed
+                began = time.perf_counter()
+                rows = packed.run([(asked[i].model.owner, asked[i].tokens[0]) for i in members])  # each [1, V]
+                spent, fed = time.perf_counter() - began, sum(asked[i].tokens.shape[1] for i in members)
+                for i, logits in zip(members, rows):
+                    answers[i] = logits
+                    seconds[i] += spent * asked[i].tokens.shape[1] / fed
+            for i, logits in answers.items():
+                advance(i, logits)
+        return drafts, seconds
+
     def _step_visibility(self, owners: list[int], blocks: list[int]) -> torch.Tensor:
         """[T, N + T] bool: block token j (of sequence owners[j]) sees its sequence's cache rows and the earlier
         tokens of its own block."""
@@ -399,12 +476,7 @@ class BatchedDecoder:
         contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
         plans = [self._plan(seq, ctx, limit) for seq, ctx, limit in zip(stepping, contexts, limits)]
         ks = self._choose(stepping, plans)
-        drafts, draft_seconds = [], []
-        for seq, ctx, k in zip(stepping, contexts, ks):  # 2. each sequence drafts alone (its source chosen above)
-            began = time.perf_counter()
-            draft = seq.drafter.propose(ctx, k) if k > 0 else Draft.chain(ctx.sequence.new_empty(0))
-            drafts.append(draft)
-            draft_seconds.append(time.perf_counter() - began)
+        drafts, draft_seconds = self._propose_all(stepping, contexts, ks)  # 2. draft passes shared by depth
         # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions
         blocks = [torch.cat([seq.run.sequence[-1:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
         owners = [seq.ident for seq, block in zip(stepping, blocks) for _ in range(block.shape[0])]
@@ -453,6 +525,8 @@ class BatchedDecoder:
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)
+        for packed in self._draft_caches.values():  # the rejected drafts' rows, in one pass a cache
+            packed.compact()
         self._leave(finished)
         self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
                                    time.perf_counter() - t0)

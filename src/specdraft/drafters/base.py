@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generator
 
 import torch
 
@@ -82,6 +83,27 @@ class DraftContext:
     max_depth: int | None = None  # the deepest a tree may go (None: as deep as the node budget k)
 
 
+@dataclass
+class DraftPass:
+    """One pass a drafter asks of its model: `tokens` [1, T] after what `model`'s cache holds (a `CausalLM`, or a
+    `packed_cache.CacheView`), `prompt` as `CausalLM.forward` takes it."""
+
+    model: Any
+    tokens: torch.Tensor
+    prompt: bool = False
+
+
+def run_passes(steps: Generator[DraftPass, torch.Tensor, Draft]) -> Draft:
+    """Drive a drafter's `propose_steps` alone, each pass on its own model; the draft it returns."""
+    try:
+        request = next(steps)
+        while True:
+            logits = request.model.forward(request.tokens, logits_to_keep=1, prompt=request.prompt).logits[0]  # [1, V]
+            request = steps.send(logits)
+    except StopIteration as done:
+        return done.value
+
+
 class Drafter:
     """Proposes tokens for the target to verify.
 
@@ -100,6 +122,11 @@ class Drafter:
         """Bytes of the drafter's own cache per token of the sequence (a draft model's KV cache; 0: none)."""
         return 0
 
+    def model_parts(self) -> list["Drafter"]:
+        """The parts of this drafter that draft with a model and a cache of their own (`ModelDrafter`s, whose
+        `model` a batch may swap for a view of a cache it packs: `packed_cache`)."""
+        return []
+
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         """Start a new request with this prompt."""
 
@@ -113,6 +140,13 @@ class Drafter:
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         """Up to `k` tokens continuing `ctx.sequence` (a tree drafter: up to `k` nodes)."""
         raise NotImplementedError
+
+    def propose_steps(self, ctx: DraftContext, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+        """`propose` as a generator of the model passes it needs: it yields each `DraftPass`, is sent the logits
+        after the pass's last token (# [1, V]), and returns the draft, so a batch can run the passes of many
+        drafters together (`run_passes`). A drafter without model passes returns at once."""
+        return self.propose(ctx, k)
+        yield  # a generator all the same
 
     def unread(self, ctx: DraftContext) -> int:
         """Committed tokens the source returned last must read before it can draft (a draft model's

@@ -28,6 +28,9 @@ class ComposedDrafter(Drafter):
     def cache_bytes_per_token(self) -> int:
         return self.first.cache_bytes_per_token + self.fallback.cache_bytes_per_token
 
+    def model_parts(self) -> list[Drafter]:
+        return self.first.model_parts() + self.fallback.model_parts()
+
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         self.first.begin(prompt)
         self.fallback.begin(prompt)
@@ -49,6 +52,12 @@ class ComposedDrafter(Drafter):
             self.source(ctx)
         self._proposer = self._chosen or self.fallback
         return self._proposer.propose(ctx, k)
+
+    def propose_steps(self, ctx: DraftContext, k: int):
+        if self._chosen is None:
+            self.source(ctx)
+        self._proposer = self._chosen or self.fallback
+        return self._proposer.propose_steps(ctx, k)
 
     def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
         for drafter in (self.first, self.fallback):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Generator
+
 import torch
 
-from specdraft.drafters.base import Draft, DraftContext, Drafter
+from specdraft.drafters.base import Draft, DraftContext, DraftPass, Drafter, run_passes
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
@@ -61,6 +63,9 @@ class ModelDrafter(Drafter):
     def cache_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
 
+    def model_parts(self) -> list[Drafter]:
+        return [self]
+
     def _read(self) -> int:
         """How many tokens of the committed sequence the draft cache covers (read or skipped)."""
         return self._skipped + self.model.cache_len
@@ -89,9 +94,13 @@ class ModelDrafter(Drafter):
         self._tree_slots = None
         if ctx.tree_branch > 1:
             return self._propose_tree(ctx, k)
-        return self._propose_chain(ctx, k)
+        return run_passes(self.propose_steps(ctx, k))
 
-    def _propose_chain(self, ctx: DraftContext, k: int) -> Draft:
+    def propose_steps(self, ctx: DraftContext, k: int) -> Generator[DraftPass, torch.Tensor, Draft]:
+        """A chain, one model pass a token (`Drafter.propose_steps`); trees are proposed at once."""
+        if ctx.tree_branch > 1:
+            return self.propose(ctx, k)
+        self._tree_slots = None
         model, params = self.model, ctx.params
         feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen (the prompt at first)
         seen = ctx.seen
@@ -99,7 +108,7 @@ class ModelDrafter(Drafter):
         chain_confidence = 1.0
         for i in range(k):
             # a first read (the prompt's window) as a prompt pass: cheaper, and drafts are only proposals
-            logits = model.forward(feed, logits_to_keep=1, prompt=model.cache_len == 0).logits[0]  # [1, V]
+            logits = yield DraftPass(model, feed, prompt=model.cache_len == 0)  # [1, V]
             if seen is not None and tokens:  # the draft token just fed is part of the next prefix
                 seen = seen.index_fill(0, tokens[-1], True)
             if params.greedy and params.repetition_penalty == 1.0:

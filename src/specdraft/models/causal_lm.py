@@ -92,6 +92,11 @@ class CausalLM:
         return int(self.model.get_output_embeddings().out_features)
 
     @property
+    def static(self) -> bool:
+        """Whether it runs on a preallocated (GPU) cache of one sequence, not the growing one."""
+        return self._static is not None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached token takes: the keys and values of every layer (sliding-window layers counted in full)."""
         config = self.config

@@ -1,0 +1,146 @@
+"""One KV cache over a model's weights, shared by many sequences: a batch's draft models in one pass a step.
+
+A batch whose sequences each draft with a model over the same weights would run one draft pass per sequence and
+token. `PackedCache` holds all their rows in one `CausalLM` cache, each row tagged with its owner, so the draft
+tokens of every sequence at one depth go through the model in one pass (`run`); `CacheView` gives each owner the
+cache interface a `ModelDrafter` uses (`cache_len`, `reset`, `truncate`, `forward`), so a drafter runs over it
+unchanged, alone or together with others.
+
+An owner's rows sit at its own positions 0, 1, .. in the order it wrote them, wherever they lie in the packed
+cache; a token sees its owner's live rows and the earlier tokens of its own feed, nothing else. An owner's first
+feed (a draft's first read of the prompt) is read alone, into a cache of its own whose rows are then appended, as
+the batch reads a joining prompt: the states it gets alone, bit for bit, without a mask over others' rows. Rows cut back
+(`truncate`, `reset`) turn invisible at once and leave the cache at the next `compact`, one pass over it for
+all owners (the batch calls it once a step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.causal_lm import CausalLM, ForwardOutput
+
+DEAD = -1  # the owner of a row cut back and not yet compacted away
+
+
+class PackedCache:
+    """The rows of many owners in `lm`'s one cache (module doc)."""
+
+    def __init__(self, lm: CausalLM) -> None:
+        self.lm = lm
+        self.row_owner: list[int] = []  # [lm.cache_len]: the owner of each row, DEAD once cut back
+        self._live: dict[int, int] = {}  # owner -> how many live rows it has
+        self._reader = CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=False)  # first reads, alone
+        lm.reset()
+
+    def view(self, owner: int) -> "CacheView":
+        """Owner `owner`'s cache (empty at first)."""
+        self._live.setdefault(owner, 0)
+        return CacheView(self, owner)
+
+    def live(self, owner: int) -> int:
+        """How many rows `owner` holds: the position its next token takes."""
+        return self._live.get(owner, 0)
+
+    def cut(self, owner: int, length: int) -> None:
+        """Keep `owner`'s first `length` rows; the rest turn invisible now and leave at the next `compact`."""
+        held = self._live.get(owner, 0)
+        if length >= held:
+            return
+        seen = 0
+        for row, who in enumerate(self.row_owner):
+            if who == owner:
+                seen += 1
+                if seen > length:
+                    self.row_owner[row] = DEAD
+        self._live[owner] = length
+
+    def release(self, owner: int) -> None:
+        """`owner` is gone: its rows leave at the next `compact`."""
+        self.cut(owner, 0)
+        self._live.pop(owner, None)
+
+    def compact(self) -> None:
+        """Drop the rows cut back since the last call, in one pass over the cache."""
+        if DEAD not in self.row_owner:
+            return
+        start = self.row_owner.index(DEAD)
+        kept = [row - start for row in range(start, len(self.row_owner)) if self.row_owner[row] != DEAD]
+        self.lm.keep(start, kept)
+        self.row_owner = [who for who in self.row_owner if who != DEAD]
+
+    def run(self, feeds: list[tuple[int, torch.Tensor]], prompt: bool = False) -> list[torch.Tensor]:
+        """One pass over every feed (owner, tokens [T_i]), each at its owner's next positions: the logits after
+        each feed's last token, in order. # each [1, V]"""
+        owners = [owner for owner, _ in feeds]
+        if len(set(owners)) != len(owners):
+            raise SpecdraftError("A packed pass takes each owner's tokens once.")
+        if len(feeds) == 1 and not self.live(owners[0]):
+            return [self._first_read(*feeds[0], prompt)]
+        device = self.lm.device
+        tokens = torch.cat([feed for _, feed in feeds])  # [T]
+        positions = torch.cat([self.live(owner) + torch.arange(feed.shape[0], device=device)
+                               for owner, feed in feeds])  # [T]
+        mine = torch.tensor([owner for owner, feed in feeds for _ in range(feed.shape[0])], device=device)  # [T]
+        block = torch.tensor([i for i, (_, feed) in enumerate(feeds) for _ in range(feed.shape[0])], device=device)
+        index = torch.arange(tokens.shape[0], device=device)
+        rows = torch.tensor(self.row_owner, dtype=torch.long, device=device)  # [N]
+        visible = torch.cat([mine[:, None] == rows[None, :],  # its owner's live rows (DEAD matches no owner)
+                             (block[:, None] == block[None, :]) & (index[None, :] <= index[:, None])], dim=1)
+        # only the logits of each feed's last token are used; a feed of one token (a draft step) wastes none
+        ends = torch.cumsum(torch.tensor([feed.shape[0] for _, feed in feeds]), 0) - 1  # [B]
+        keep = tokens.shape[0] - int(ends[0])
+        logits = self.lm.forward(tokens.unsqueeze(0), keep, offsets=positions - self.lm.cache_len, visible=visible,
+                                 prompt=prompt).logits[0]  # [keep, V]
+        for owner, feed in feeds:
+            self.row_owner += [owner] * feed.shape[0]
+            self._live[owner] = self._live.get(owner, 0) + feed.shape[0]
+        first = tokens.shape[0] - keep
+        return [logits[int(end) - first : int(end) - first + 1] for end in ends]
+
+
+    def _first_read(self, owner: int, tokens: torch.Tensor, prompt: bool) -> torch.Tensor:  # tokens: [T]
+        """An owner's first feed, read alone into a cache of its own and appended: what it computes alone, bit for
+        bit, and no attention over the other owners' rows. The logits after its last token. # [1, V]"""
+        reader = self._reader
+        try:
+            logits = reader.forward(tokens.unsqueeze(0), logits_to_keep=1, prompt=prompt).logits[0]
+            self.lm.append_cache(reader)
+        finally:
+            reader.reset()
+        self.row_owner += [owner] * tokens.shape[0]
+        self._live[owner] = tokens.shape[0]
+        return logits
+
+
+class CacheView:
+    """One owner's part of a `PackedCache`, with the cache interface of a `CausalLM` that a `ModelDrafter` uses."""
+
+    def __init__(self, packed: PackedCache, owner: int) -> None:
+        self.packed, self.owner = packed, owner
+
+    @property
+    def cache_len(self) -> int:
+        return self.packed.live(self.owner)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.packed.lm.kv_bytes_per_token
+
+    def reset(self) -> None:
+        self.packed.cut(self.owner, 0)
+
+    def truncate(self, length: int) -> None:
+        self.packed.cut(self.owner, length)
+
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 1, prompt: bool = False) -> ForwardOutput:
+        """This owner's tokens [1, T] alone through the packed cache (`PackedCache.run`): logits [1, 1, V] after
+        the last."""
+        if logits_to_keep != 1:
+            raise SpecdraftError("A packed draft cache returns the logits after a feed's last token only.")
+        return ForwardOutput(logits=self.packed.run([(self.owner, tokens[0])], prompt)[0].unsqueeze(0))
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        raise SpecdraftError("Tree drafts do not run on a packed draft cache; the batch drafts chains.")
+
