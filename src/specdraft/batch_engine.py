@@ -36,8 +36,13 @@ sequence to leave as a single request's policy carries them from the last reques
 belongs to the machine and is shared (`costs`: passes timed by their total width). Each step a sequence's own
 policy first picks its source and k as if it ran alone (`engine.choose_source`: probes included), then the
 goodput rule sets the k of those it chose to draft for the batch as a whole, so a batch of one steps as a single
-request does. Chains only for now: trees, feature drafters and a batched draft model pass are the
-single-request engine's (`engine.SpeculativeDecoder`).
+request does.
+
+Draft models are batched too: the sequences drafting with the same weights share one packed draft cache
+(`models.packed_cache`: each drafter's model becomes a view of it as its sequence joins), and the drafters' model
+passes (`Drafter.propose_steps`) run in lockstep, a depth's tokens of every sequence in one pass
+(`_propose_all`). Chains only: trees and feature drafters are the single-request engine's
+(`engine.SpeculativeDecoder`).
 """
 
 from __future__ import annotations
