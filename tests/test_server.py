@@ -175,7 +175,7 @@ def test_32_concurrent_streaming_clients_three_requests_each(live):
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_model_dirs, monkeypatch):
-    app = make_app(tiny_model_dirs, max_queue=2)
+    app = make_app(tiny_model_dirs, max_queue=2, max_batch=1)  # one at a time: the second waits in the queue
     gate = threading.Event()
     slow_down(monkeypatch, app, gate=gate)
     with Live(app) as server, ThreadPoolExecutor(3) as pool:
@@ -200,7 +200,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dirs, monkeypatch):
 
 
 def test_disconnect_stops_generation(tiny_model_dirs, monkeypatch):
-    app = make_app(tiny_model_dirs)
+    app = make_app(tiny_model_dirs, max_batch=1)  # paced: the single engine (a batch's disconnect: test_server_batching)
     slow_down(monkeypatch, app, delay=0.05)
     with Live(app) as server:
         body = {"model": MODEL, "prompt": "def add", "max_tokens": 100, "temperature": 0, "stream": True,
@@ -217,7 +217,7 @@ def test_disconnect_stops_generation(tiny_model_dirs, monkeypatch):
 
 
 def test_timeout_and_shutdown_cancel_cleanly(tiny_model_dirs, monkeypatch):
-    app = make_app(tiny_model_dirs, request_timeout=0.3, shutdown_grace=0.2)
+    app = make_app(tiny_model_dirs, request_timeout=0.3, shutdown_grace=0.2, max_batch=1)  # paced: the single engine
     slow_down(monkeypatch, app, delay=0.05)
     server = Live(app, grace=0.2).__enter__()
     client = server.client(max_retries=0)

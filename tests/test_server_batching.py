@@ -11,6 +11,8 @@ import pytest
 
 from live_server import Live, make_app
 
+from specdraft.errors import SpecdraftError
+
 MODEL = "target"
 PROMPTS = ["the quick brown fox", "hello there, how are", "one two three four five", "a b c d e f g",
            "tell me a story", "why is the sky", "def add(a, b):", "list of primes"]
@@ -144,3 +146,16 @@ def test_the_kv_budget_option_defaults_to_half_the_free_memory_and_0_lifts_it(ti
     assert make_app(tiny_model_dirs, max_batch=2, kv_budget_mb=0).state.worker.batch.kv_budget is None
     assert 0 < make_app(tiny_model_dirs, max_batch=2).state.worker.batch.kv_budget < free_memory_bytes(torch.device("cpu"))
     assert abs(default_kv_budget(torch.device("cpu")) / free_memory_bytes(torch.device("cpu")) - 0.5) < 0.1
+
+
+def test_serving_batches_by_default_unless_the_drafter_cannot(tiny_model_dirs):
+    from specdraft.batch_engine import DEFAULT_MAX_BATCH
+    from specdraft.server.batch_worker import BatchWorker
+    from specdraft.server.worker import Worker
+
+    batched = make_app(tiny_model_dirs)
+    assert isinstance(batched.state.worker, BatchWorker) and batched.state.worker.batch.max_batch == DEFAULT_MAX_BATCH
+    trees = make_app(tiny_model_dirs, tree_budget=6)
+    assert type(trees.state.worker) is Worker and "--tree-budget" in trees.state.settings.batch_note
+    with pytest.raises(SpecdraftError, match="--max-batch 1"):
+        make_app(tiny_model_dirs, tree_budget=6, max_batch=4)

@@ -63,6 +63,17 @@ class DecoderPool:
         policy = make_policy(k, self.tree_budget)  # k < 1 or not a number fails here
         return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
 
+    def batch_obstacle(self) -> str | None:
+        """Why the server's default speculation cannot run in a batch (None: it can): trees, or a drafter that reads
+        the target's features (`batch_engine`)."""
+        if self.tree_budget:
+            return "--tree-budget drafts trees, which batched serving does not run"
+        make = self.drafter_factory(self.default)
+        drafter = make() if make is not None else None
+        if drafter is not None and drafter.needs_features:
+            return f"the {self.default.drafter!r} drafter reads the target's features, which the batch does not hand out"
+        return None
+
     def _options_for(self, drafter: str) -> dict[str, Any]:
         """The server's drafter options that `drafter` takes (they serve several drafters)."""
         known = drafter_options(drafter)

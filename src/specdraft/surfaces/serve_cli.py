@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from specdraft.batch_engine import DEFAULT_MAX_BATCH, default_kv_budget, megabytes
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.model_setup import flag_names
 
@@ -34,9 +35,11 @@ def serve(
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
                                          help="On shutdown, seconds the running generation may take to finish."),
     seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
-    max_batch: int = typer.Option(1, "--max-batch", min=1,
-                                  help="Sequences that generate together, each step one target pass over all "
-                                       "(continuous batching; chains only). 1: one request at a time."),
+    max_batch: Optional[int] = typer.Option(
+        None, "--max-batch", min=1,
+        help="Sequences that generate together, each step one target pass over all (continuous batching; chains "
+             f"only). 1: one request at a time. Default: {DEFAULT_MAX_BATCH}, or 1 where the drafter drafts trees "
+             "or reads the target's features."),
     kv_budget_mb: Optional[float] = typer.Option(
         None, "--kv-budget-mb", min=0.0,
         help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
@@ -58,28 +61,29 @@ def serve(
         raise typer.Exit(2)
     import uvicorn
 
-    from specdraft.batch_engine import megabytes
-
     settings = app.state.settings
     err.print(f"serving {settings.served_model} on http://{host}:{port} (playground at /)", highlight=False)
     if settings.max_batch > 1:
         room = "no KV budget" if settings.kv_budget is None else f"a KV budget of {megabytes(settings.kv_budget)}"
         err.print(f"batching up to {settings.max_batch} sequences, {room}", highlight=False)
+    elif settings.batch_note:
+        err.print(f"one request at a time: {settings.batch_note}", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, max_batch=1, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
+              max_body_mb=2.0, max_batch=None, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, dtype, device, gguf_weights, **flags):
-    """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
-    from specdraft.batch_engine import default_kv_budget
+    """Load the models as `generate` does and build the app (SpecdraftError for a bad option); `max_batch` None:
+    DEFAULT_MAX_BATCH where the default speculation runs in a batch, else 1 (`app.state.settings.batch_note` says
+    why)."""
     from specdraft.engine import check_tree_options
     from specdraft.policy import make_policy
     from specdraft.server import DecoderPool, ServerSettings, create_app
     from specdraft.surfaces.model_setup import drafter_flags, load_models
 
     check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
-    if max_batch > 1 and tree_budget:
+    if max_batch is not None and max_batch > 1 and tree_budget:
         raise SpecdraftError("Batched serving (--max-batch > 1) drafts chains only; drop --tree-budget or serve "
                              "with --max-batch 1.")
     make_policy(k, tree_budget)
@@ -88,12 +92,19 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                                       gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
     pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
                        tree_branch=tree_branch)
+    batch_note = None
+    if max_batch is None:
+        batch_note = pool.batch_obstacle()
+        max_batch = DEFAULT_MAX_BATCH if batch_note is None else 1
+    elif max_batch > 1 and pool.batch_obstacle() is not None:
+        raise SpecdraftError(f"Batched serving (--max-batch > 1) cannot run this: {pool.batch_obstacle()}; choose "
+                             "another drafter or serve with --max-batch 1.")
     kv_budget = (default_kv_budget(target_lm.device) if kv_budget_mb is None
                  else int(kv_budget_mb * (1 << 20)) if kv_budget_mb > 0 else None)
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
                               shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
-                              max_batch=max_batch, kv_budget=kv_budget)
+                              max_batch=max_batch, kv_budget=kv_budget, batch_note=batch_note)
     return create_app(pool, settings)
 
 
