@@ -11,6 +11,7 @@ from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBudget
 from specdraft.drafters import NgramDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.goodput import REALIZED_STEPS
 from specdraft.models.packed_cache import PackedCache
 
 PROMPTS = [[5, 17, 42, 8, 59, 3], [7, 7, 7, 1], [11, 12, 13, 14, 15, 11, 12, 13], [30], [2, 40, 2, 40, 2],
@@ -61,6 +62,25 @@ def test_the_draft_models_of_a_batch_draft_a_depth_in_one_pass(tiny_target, draf
     assert widths.count(3) >= 5 and len(widths) < sum(widths)  # passes, against one a sequence and depth alone
     [packed] = batch._draft_caches.values()
     assert packed.lm.cache_len == 0 and not packed.row_owner  # the rows left with their sequences
+
+
+def test_a_batch_size_where_drafting_gave_less_steps_plain_and_answers_as_alone(tiny_target, drafts, make_lm):
+    """Realized rates that say drafting loses with two sequences (`goodput.RealizedGoodput`) keep a batch of two
+    plain until it tries again; a sequence alone still drafts as its policy says."""
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, b) for p, b in zip(PROMPTS[:2], [30, 12])]
+    batch = BatchedDecoder(make_lm(tiny_target), lambda: ModelDrafter(make_lm(drafts["identical"], name="draft")),
+                           max_batch=2)
+    for _ in range(REALIZED_STEPS):
+        batch.realized.record(2, False, 2, 0.01)
+        batch.realized.record(2, True, 2, 0.02)
+    drafted, step = [], batch.step
+    batch.step = lambda: (events := step(), drafted.append((batch.last_step.sequences, batch.last_step.drafted)),
+                          events)[0]
+    got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b) for p, b in zip(PROMPTS[:2], [30, 12])])
+    assert [c.token_ids for c in got] == expected
+    assert all(k == 0 for size, k in drafted if size == 2) and any(size == 2 for size, _ in drafted)
+    assert any(k > 0 for size, k in drafted if size == 1)  # alone, the identical draft drafts
 
 
 def test_plain_sampled_requests_draw_what_they_draw_alone(tiny_target, make_lm):
@@ -148,7 +168,7 @@ STAT_SAMPLES = 1200  # sequences, 4 to a batch
 class MixedK(BatchedDecoder):
     """The batch's sequences draft 3, 0, 2 and 1 tokens in one pass (where their drafter has something)."""
 
-    def _plan(self, seq, ctx, limit):
+    def _plan(self, seq, ctx, limit, gated=False):  # the planted ks, whatever the realized rates say
         source = seq.drafter.source(ctx) if seq.drafter is not None and limit > 0 else None
         k = min((3, 0, 2, 1)[seq.ident % 4], limit) if source is not None else 0
         return (source, k, seq.drafter.unread(ctx)) if k else (None, 0, 0)

@@ -8,7 +8,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specdraft.goodput import batch_rate, choose_batch_k
+from specdraft.goodput import REALIZED_STEPS, RETRY_STEPS, RealizedGoodput, batch_rate, choose_batch_k
 from specdraft.policy import AutoK
 
 
@@ -107,3 +107,22 @@ def test_a_batch_with_nothing_to_gain_steps_plain_and_sizes_must_match():
         choose_batch_k([[1.0, 1.5]], [], cpu_pass)
     with pytest.raises(ValueError, match="as long as its token curve"):
         choose_batch_k([[1.0, 1.5]], [[0.0]], cpu_pass)
+
+
+def test_realized_rates_stop_drafting_where_it_gave_less_and_try_again_later():
+    realized = RealizedGoodput()
+    for _ in range(REALIZED_STEPS - 1):
+        realized.record(2, False, 2, 0.05)  # plain: 40 tokens/s
+        realized.record(2, True, 3, 0.10)  # drafting: 30 tokens/s
+    assert realized.drafting_pays(2)  # too few steps of each kind to judge
+    realized.record(2, False, 2, 0.05)
+    realized.record(2, True, 3, 0.10)
+    assert not realized.drafting_pays(2) and not realized.allows_drafting(2)
+    assert realized.allows_drafting(3) and realized.allows_drafting(1)  # each batch size is judged alone
+    for _ in range(RETRY_STEPS - 1):
+        realized.record(2, False, 2, 0.05)
+    assert not realized.allows_drafting(2)
+    realized.record(2, False, 2, 0.05)
+    assert realized.allows_drafting(2)  # one try, which counts more than the old drafting steps, decayed
+    realized.record(2, True, 6, 0.10)  # 60 tokens/s this time
+    assert realized.drafting_pays(2)

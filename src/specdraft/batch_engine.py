@@ -36,7 +36,9 @@ sequence to leave as a single request's policy carries them from the last reques
 belongs to the machine and is shared (`costs`: passes timed by their total width). Each step a sequence's own
 policy first picks its source and k as if it ran alone (`engine.choose_source`: probes included), then the
 goodput rule sets the k of those it chose to draft for the batch as a whole, so a batch of one steps as a single
-request does.
+request does. At two sequences and more, a batch size where the steps that drafted have given fewer committed
+tokens per second than plain steps steps plain for a while (`goodput.RealizedGoodput`: the costs the rule does
+not model, such as a draft's reads stalling every sequence, show there).
 
 Draft models are batched too: the sequences drafting with the same weights share one packed draft cache
 (`models.packed_cache`: each drafter's model becomes a view of it as its sequence joins), and the drafters' model
@@ -56,7 +58,7 @@ import torch
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs, choose_source, sync_device
 from specdraft.errors import SpecdraftError
-from specdraft.goodput import choose_batch_k
+from specdraft.goodput import RealizedGoodput, choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
 from specdraft.models.packed_cache import CacheView, PackedCache
 from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
@@ -165,6 +167,7 @@ class BatchedDecoder:
         self.target, self.make_drafter = target, make_drafter
         self.max_batch, self.max_k, self.kv_budget = max_batch, max_k, kv_budget
         self.costs = StepCosts(max_batch * (max_k + 1) + 1)  # passes by total width; each source's draft and read
+        self.realized = RealizedGoodput()  # what drafting has actually given at each batch size
         self._policy = AutoK(max_k=max_k, costs=self.costs)  # the last to leave: a joining sequence carries it over
         self.active: list[_Sequence] = []
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
@@ -362,10 +365,11 @@ class BatchedDecoder:
         first = [seq for seq in self.active if seq.run.sequence.shape[0] == 1]
         return first[:1] + [seq for seq in self.active if seq.run.sequence.shape[0] > 1]
 
-    def _plan(self, seq: _Sequence, ctx: DraftContext, limit: int) -> tuple[str | None, int, int]:
+    def _plan(self, seq: _Sequence, ctx: DraftContext, limit: int, gated: bool = False) -> tuple[str | None, int, int]:
         """(source, k, unread) for this sequence as if it ran alone: its policy's choice (a fixed k: the drafter's
-        first source, all of k); (None, 0, 0) = plain."""
-        if seq.drafter is None or limit <= 0:
+        first source, all of k); (None, 0, 0) = plain, as for every auto sequence while `gated` (drafting has given
+        less than plain steps at this batch size: `goodput.RealizedGoodput`; its policy is not asked)."""
+        if seq.drafter is None or limit <= 0 or (gated and seq.k is None):
             return None, 0, 0
         if seq.k is not None:
             source = seq.drafter.source(ctx)
@@ -479,7 +483,9 @@ class BatchedDecoder:
         t0 = time.perf_counter()
         limits = [self._limit(seq) for seq in stepping]
         contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
-        plans = [self._plan(seq, ctx, limit) for seq, ctx, limit in zip(stepping, contexts, limits)]
+        # where drafting has given less than plain steps at this batch size, the auto sequences step plain
+        gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
+        plans = [self._plan(seq, ctx, limit, gated) for seq, ctx, limit in zip(stepping, contexts, limits)]
         ks = self._choose(stepping, plans)
         drafts, draft_seconds = self._propose_all(stepping, contexts, ks)  # 2. draft passes shared by depth
         # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions
@@ -535,6 +541,7 @@ class BatchedDecoder:
         self._leave(finished)
         self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
                                    time.perf_counter() - t0)
+        self.realized.record(len(stepping), sum(ks) > 0, self.last_step.committed, self.last_step.seconds)
         return events
 
     def stats(self, ident: int) -> GenerationStats | None:

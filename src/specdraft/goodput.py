@@ -23,14 +23,24 @@ the S tokens by marginal gain; λ is then the best rate found, until it no longe
 sequence's first token dearer than the next (C_i not convex): the greedy allocation may then miss the optimum
 of a batch, never of one sequence alone, where it tries every k, so a batch of one chooses what
 `AutoK.choose` does.
+
+The rule prices what it can model; what it cannot (a draft's first read and catch-ups stalling the whole batch,
+the per-sequence work of drafting, acceptance estimates that lag) shows only in the time steps take.
+`RealizedGoodput` keeps, per batch size, the committed tokens per second that steps which drafted and steps
+which did not actually gave; where drafting has given less than plain steps there (each kind measured on at
+least REALIZED_STEPS steps), the batch steps plain at that size and tries drafting again RETRY_STEPS steps later.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 DINKELBACH_ROUNDS = 32  # far more than it takes: λ stops rising after a few rounds
+REALIZED_DECAY = 0.95  # the weight of each older step at a batch size in its realized rates (about the last 20)
+REALIZED_STEPS = 8  # steps of each kind at a batch size before its realized rates may stop drafting there
+RETRY_STEPS = 32  # once drafting lost at a batch size, plain steps there before it may draft again
 
 
 def batch_rate(ks: Sequence[int], curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
@@ -96,3 +106,52 @@ def choose_batch_k(curves: Sequence[Sequence[float]], beside: Sequence[Sequence[
     if best_rate < margin * batch_rate(plain, curves, beside, verify_seconds):
         return plain
     return best
+
+
+@dataclass
+class _Rates:
+    """Decayed sums of committed tokens and seconds of one batch size's steps, drafting and plain."""
+
+    tokens: list[float]  # [plain, drafting]
+    seconds: list[float]
+    steps: list[int]
+    waited: int = 0  # plain steps since drafting was last judged to lose here
+
+    def rate(self, drafting: bool) -> float:
+        return self.tokens[drafting] / self.seconds[drafting] if self.seconds[drafting] > 0 else 0.0
+
+
+class RealizedGoodput:
+    """What drafting has actually given at each batch size, against plain steps (module doc)."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, _Rates] = {}
+
+    def record(self, size: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step of `size` sequences that drafted (or not) committed `tokens` in `seconds`."""
+        rates = self._sizes.setdefault(size, _Rates([0.0, 0.0], [0.0, 0.0], [0, 0]))
+        for kind in (False, True):  # both decay, so the kind not taken lately weighs little once it is taken again
+            rates.tokens[kind] *= REALIZED_DECAY
+            rates.seconds[kind] *= REALIZED_DECAY
+        rates.tokens[drafting] += tokens
+        rates.seconds[drafting] += seconds
+        rates.steps[drafting] += 1
+        if drafting:
+            rates.waited = 0
+        elif not self.drafting_pays(size):
+            rates.waited += 1
+
+    def drafting_pays(self, size: int) -> bool:
+        """Whether steps that drafted have given at least the tokens per second of plain steps at this batch size
+        (True until both kinds have been seen REALIZED_STEPS times)."""
+        rates = self._sizes.get(size)
+        if rates is None or min(rates.steps) < REALIZED_STEPS:
+            return True
+        return rates.rate(True) >= rates.rate(False)
+
+    def allows_drafting(self, size: int) -> bool:
+        """Whether a step of `size` sequences may draft: drafting pays there, or it lost and has waited RETRY_STEPS
+        plain steps (then one try measures it again)."""
+        if self.drafting_pays(size):
+            return True
+        return self._sizes[size].waited >= RETRY_STEPS
