@@ -30,36 +30,30 @@ class PackedCache:
     def __init__(self, lm: CausalLM) -> None:
         self.lm = lm
         self.row_owner: list[int] = []  # [lm.cache_len]: the owner of each row, DEAD once cut back
-        self._live: dict[int, int] = {}  # owner -> how many live rows it has
+        self._rows: dict[int, list[int]] = {}  # owner -> where its live rows lie in the cache, in the order written
         self._reader = CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=False)  # first reads, alone
         lm.reset()
 
     def view(self, owner: int) -> "CacheView":
         """Owner `owner`'s cache (empty at first)."""
-        self._live.setdefault(owner, 0)
+        self._rows.setdefault(owner, [])
         return CacheView(self, owner)
 
     def live(self, owner: int) -> int:
         """How many rows `owner` holds: the position its next token takes."""
-        return self._live.get(owner, 0)
+        return len(self._rows.get(owner, ()))
 
     def cut(self, owner: int, length: int) -> None:
         """Keep `owner`'s first `length` rows; the rest turn invisible now and leave at the next `compact`."""
-        held = self._live.get(owner, 0)
-        if length >= held:
-            return
-        seen = 0
-        for row, who in enumerate(self.row_owner):
-            if who == owner:
-                seen += 1
-                if seen > length:
-                    self.row_owner[row] = DEAD
-        self._live[owner] = length
+        rows = self._rows.get(owner, [])
+        for row in rows[length:]:
+            self.row_owner[row] = DEAD
+        del rows[length:]
 
     def release(self, owner: int) -> None:
         """`owner` is gone: its rows leave at the next `compact`."""
         self.cut(owner, 0)
-        self._live.pop(owner, None)
+        self._rows.pop(owner, None)
 
     def compact(self) -> None:
         """Drop the rows cut back since the last call, in one pass over the cache."""
@@ -69,6 +63,16 @@ class PackedCache:
         kept = [row - start for row in range(start, len(self.row_owner)) if self.row_owner[row] != DEAD]
         self.lm.keep(start, kept)
         self.row_owner = [who for who in self.row_owner if who != DEAD]
+        for rows in self._rows.values():
+            rows.clear()
+        for row, who in enumerate(self.row_owner):
+            self._rows[who].append(row)
+
+    def _append(self, owner: int, count: int) -> None:
+        """`count` rows of `owner` were written at the end of the cache."""
+        start = len(self.row_owner)
+        self.row_owner += [owner] * count
+        self._rows.setdefault(owner, []).extend(range(start, start + count))
 
     def run(self, feeds: list[tuple[int, torch.Tensor]], prompt: bool = False) -> list[torch.Tensor]:
         """One pass over every feed (owner, tokens [T_i]), each at its owner's next positions: the logits after
@@ -94,8 +98,7 @@ class PackedCache:
         logits = self.lm.forward(tokens.unsqueeze(0), keep, offsets=positions - self.lm.cache_len, visible=visible,
                                  prompt=prompt).logits[0]  # [keep, V]
         for owner, feed in feeds:
-            self.row_owner += [owner] * feed.shape[0]
-            self._live[owner] = self._live.get(owner, 0) + feed.shape[0]
+            self._append(owner, feed.shape[0])
         first = tokens.shape[0] - keep
         return [logits[int(end) - first : int(end) - first + 1] for end in ends]
 
@@ -109,8 +112,7 @@ class PackedCache:
             self.lm.append_cache(reader)
         finally:
             reader.reset()
-        self.row_owner += [owner] * tokens.shape[0]
-        self._live[owner] = tokens.shape[0]
+        self._append(owner, tokens.shape[0])
         return logits
 
 
