@@ -50,9 +50,9 @@ def test_the_draft_models_of_a_batch_draft_a_depth_in_one_pass(tiny_target, draf
     draft model in one pass, and each answer is still its answer alone."""
     target = make_lm(tiny_target)
     expected = [alone(target, p, b) for p, b in zip(PROMPTS[:3], BUDGETS[:3])]
-    widths, run = [], PackedCache.run
-    monkeypatch.setattr(PackedCache, "run", lambda self, feeds, prompt=False: (widths.append(len(feeds)),
-                                                                                run(self, feeds, prompt))[1])
+    widths, caches, run = [], set(), PackedCache.run
+    monkeypatch.setattr(PackedCache, "run", lambda self, feeds, prompt=False: (
+        widths.append(len(feeds)), caches.add(self), run(self, feeds, prompt))[2])
     batch = BatchedDecoder(make_lm(tiny_target), lambda: ModelDrafter(make_lm(drafts["close"], name="draft")),
                            max_batch=3)
     got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b, k=3)
@@ -60,8 +60,9 @@ def test_the_draft_models_of_a_batch_draft_a_depth_in_one_pass(tiny_target, draf
     assert [c.token_ids for c in got] == expected
     assert widths[:3] == [1, 1, 1]  # each first read leads a pass of its own (its first token on precise kernels)
     assert widths.count(3) >= 5 and len(widths) < sum(widths)  # passes, against one a sequence and depth alone
-    [packed] = batch._draft_caches.values()
+    [packed] = caches  # one draft cache for the three sequences: the same weights
     assert packed.lm.cache_len == 0 and not packed.row_owner  # the rows left with their sequences
+    assert not batch._draft_caches  # and the cache with the last of them
 
 
 def test_a_batch_size_where_drafting_gave_less_steps_plain_and_answers_as_alone(tiny_target, drafts, make_lm):

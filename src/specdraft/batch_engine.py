@@ -243,11 +243,14 @@ class BatchedDecoder:
                 self._draft_caches[id(lm.model)] = packed
             part.model = packed.view(ident)
 
-    def _release_drafts(self, ident: int) -> None:
-        """Sequence `ident` is gone: its draft rows leave the packed caches."""
+    def _release_drafts(self, *idents: int) -> None:
+        """These sequences are gone: their draft rows leave the packed caches, and a cache no sequence uses goes (a
+        drafter whose weights are its own, e.g. an early-exit view made per sequence, leaves none behind)."""
         for packed in self._draft_caches.values():
-            packed.release(ident)
+            for ident in idents:
+                packed.release(ident)
             packed.compact()
+        self._draft_caches = {key: packed for key, packed in self._draft_caches.items() if packed.owners}
 
     def kv_need(self, prompt_tokens: int, max_new_tokens: int, drafter: Drafter | None = None) -> int:
         """Bytes of cache a sequence may fill: prompt + max_new_tokens rows of the target's KV cache and of its
@@ -338,10 +341,7 @@ class BatchedDecoder:
             if seq.drafter is not None:
                 seq.drafter.end(seq.run.sequence)
                 self._policy = seq.policy
-            for packed in self._draft_caches.values():
-                packed.release(seq.ident)
-        for packed in self._draft_caches.values():
-            packed.compact()
+        self._release_drafts(*(seq.ident for seq in leaving))
         gone = {seq.ident for seq in leaving}
         kept = [row for row, owner in enumerate(self.row_owner) if owner not in gone]
         self.target.keep(0, kept)

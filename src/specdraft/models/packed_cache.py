@@ -55,6 +55,11 @@ class PackedCache:
         self.cut(owner, 0)
         self._rows.pop(owner, None)
 
+    @property
+    def owners(self) -> int:
+        """How many owners hold a view."""
+        return len(self._rows)
+
     def compact(self) -> None:
         """Drop the rows cut back since the last call, in one pass over the cache."""
         if DEAD not in self.row_owner:
