@@ -202,7 +202,8 @@ class BatchedDecoder:
         drafter = maker() if maker is not None else None
         if drafter is not None and drafter.needs_features:
             raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
-                                 "engine does not hand out yet; choose model, ngram or suffix.")
+                                 "engine does not hand out yet; choose model, ngram or suffix (or serve with "
+                                 "--max-batch 1).")
         need = self.kv_need(len(ids), request.max_new_tokens, drafter)
         if self.kv_budget is not None and need > self.kv_budget:
             raise OverBudget(f"The prompt ({len(ids)} tokens) and max_tokens ({request.max_new_tokens}) need "
