@@ -15,8 +15,8 @@ they were written, each row tagged with its sequence (`row_owner`). A joining pr
 of its own over the same weights, at most `PREFILL_CHUNK` tokens between two steps (the chunks a single request's
 prefill reads), and its rows are appended once it is read (`CausalLM.append_cache`). A step appends every
 sequence's block [last, d1 .. dk] at its own positions; each token sees its own sequence's rows and the earlier
-tokens of its own block, nothing else (`_step_visibility`). Afterwards `CausalLM.keep` keeps, per sequence, the
-row of its last token and of the accepted drafts; the bonus or recovered token is the new last. The CPU's
+tokens of its own block, nothing else (`packed_cache.packed_visibility`). Afterwards `CausalLM.keep` keeps, per
+sequence, the row of its last token and of the accepted drafts; the bonus or recovered token is the new last. The CPU's
 attention kernels skip hidden keys and see a sequence's own keys in the order it wrote them, and the matmul
 kernels compute each token's row alone, so there a sequence's tokens are bit for bit those it gets alone;
 elsewhere (PyTorch's attention) kernels may add in another order: greedy outputs then agree with single runs
@@ -60,7 +60,7 @@ from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, 
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import RealizedGoodput, choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
-from specdraft.models.packed_cache import CacheView, PackedCache
+from specdraft.models.packed_cache import CacheView, PackedCache, packed_visibility
 from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
@@ -207,8 +207,8 @@ class BatchedDecoder:
         need = self.kv_need(len(ids), request.max_new_tokens, drafter)
         if self.kv_budget is not None and need > self.kv_budget:
             raise OverBudget(f"The prompt ({len(ids)} tokens) and max_tokens ({request.max_new_tokens}) need "
-                                 f"{megabytes(need)} of KV cache, more than the server's budget of "
-                                 f"{megabytes(self.kv_budget)}; ask for fewer tokens or shorten the prompt.")
+                             f"{megabytes(need)} of KV cache, more than the server's budget of "
+                             f"{megabytes(self.kv_budget)}; ask for fewer tokens or shorten the prompt.")
         if self.kv_budget is not None and self.kv_reserved + need > self.kv_budget:
             raise NoRoom(f"The KV budget ({megabytes(self.kv_budget)}) is taken by the running sequences; "
                          "wait for one to finish.")
@@ -460,17 +460,6 @@ class BatchedDecoder:
                 advance(i, logits)
         return drafts, seconds
 
-    def _step_visibility(self, owners: list[int], blocks: list[int]) -> torch.Tensor:
-        """[T, N + T] bool: block token j (of sequence owners[j]) sees its sequence's cache rows and the earlier
-        tokens of its own block."""
-        device = self.target.device
-        rows = torch.tensor(self.row_owner, dtype=torch.long, device=device)  # [N]
-        mine = torch.tensor(owners, dtype=torch.long, device=device)  # [T]
-        block = torch.tensor(blocks, dtype=torch.long, device=device)  # [T]: which sequence block (0..B-1)
-        index = torch.arange(len(owners), device=device)  # [T]
-        in_block = (block[:, None] == block[None, :]) & (index[None, :] <= index[:, None])  # [T, T]
-        return torch.cat([mine[:, None] == rows[None, :], in_block], dim=1)
-
     def step(self) -> list[tuple[int, StepEvent]]:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
         finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
@@ -499,8 +488,9 @@ class BatchedDecoder:
         cached = target.cache_len
         sync_device(target.device)
         t1 = time.perf_counter()
+        visible = packed_visibility(self.row_owner, owners, which, target.device)  # [T, cached + T]
         logits = target.forward(tokens.unsqueeze(0), tokens.shape[0], offsets=positions - cached,
-                                visible=self._step_visibility(owners, which)).logits[0]  # [T, V]
+                                visible=visible).logits[0]  # [T, V]
         events, kept_rows, start = [], [], 0
         verdicts, rows_of = [], []
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone

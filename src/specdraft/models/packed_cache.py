@@ -24,6 +24,18 @@ from specdraft.models.causal_lm import CausalLM, ForwardOutput
 DEAD = -1  # the owner of a row cut back and not yet compacted away
 
 
+def packed_visibility(row_owner: list[int], owners: list[int], blocks: list[int],
+                      device: torch.device) -> torch.Tensor:
+    """[T, N + T] bool for a pass over a packed cache of N rows (`row_owner`, DEAD matching no one): token j, of
+    owner owners[j] and feed blocks[j], sees its owner's rows and the earlier tokens of its own feed."""
+    rows = torch.tensor(row_owner, dtype=torch.long, device=device)  # [N]
+    mine = torch.tensor(owners, dtype=torch.long, device=device)  # [T]
+    block = torch.tensor(blocks, dtype=torch.long, device=device)  # [T]
+    index = torch.arange(len(owners), device=device)  # [T]
+    in_block = (block[:, None] == block[None, :]) & (index[None, :] <= index[:, None])  # [T, T]
+    return torch.cat([mine[:, None] == rows[None, :], in_block], dim=1)
+
+
 class PackedCache:
     """The rows of many owners in `lm`'s one cache (module doc)."""
 
@@ -91,12 +103,8 @@ class PackedCache:
         tokens = torch.cat([feed for _, feed in feeds])  # [T]
         positions = torch.cat([self.live(owner) + torch.arange(feed.shape[0], device=device)
                                for owner, feed in feeds])  # [T]
-        mine = torch.tensor([owner for owner, feed in feeds for _ in range(feed.shape[0])], device=device)  # [T]
-        block = torch.tensor([i for i, (_, feed) in enumerate(feeds) for _ in range(feed.shape[0])], device=device)
-        index = torch.arange(tokens.shape[0], device=device)
-        rows = torch.tensor(self.row_owner, dtype=torch.long, device=device)  # [N]
-        visible = torch.cat([mine[:, None] == rows[None, :],  # its owner's live rows (DEAD matches no owner)
-                             (block[:, None] == block[None, :]) & (index[None, :] <= index[:, None])], dim=1)
+        visible = packed_visibility(self.row_owner, [owner for owner, feed in feeds for _ in range(feed.shape[0])],
+                                    [i for i, (_, feed) in enumerate(feeds) for _ in range(feed.shape[0])], device)
         # only the logits of each feed's last token are used; a feed of one token (a draft step) wastes none
         ends = torch.cumsum(torch.tensor([feed.shape[0] for _, feed in feeds]), 0) - 1  # [B]
         keep = tokens.shape[0] - int(ends[0])
