@@ -45,6 +45,66 @@ def test_each_request_of_a_batch_gets_its_greedy_output_alone(tiny_target, draft
         assert all(c.stats.steps < len(c.token_ids) for c in completions if c.stats.accepted > len(c.token_ids) // 2)
 
 
+class RecordingNgram(NgramDrafter):
+    """An n-gram drafter that asks for the target's features and keeps them: what a feature drafter is handed."""
+
+    needs_features = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[torch.Tensor] = []
+
+    def features(self, hidden: torch.Tensor) -> None:  # [n, H]
+        self.handed.append(hidden.float().clone())
+
+
+@pytest.mark.parametrize("drafter,tree_budget", [("ngram", 6), ("model", 6), ("eagle", 0), ("eagle", 5),
+                                                 ("medusa", 5)])
+def test_trees_and_feature_drafters_in_a_batch_answer_as_alone(tiny_target, drafts, make_lm, monkeypatch, drafter,
+                                                               tree_budget):
+    """Tree drafts (the draft model's grown over the packed draft cache) and drafters that read the target's
+    features run in the batch: every answer is its greedy answer alone."""
+    from registered_drafters import random_eagle, random_medusa
+
+    import specdraft.batch_engine as batch_engine
+
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, b) for p, b in zip(PROMPTS, BUDGETS)]
+    batch = BatchedDecoder(make_lm(tiny_target), max_batch=3, tree_budget=tree_budget)
+    makers = {"ngram": NgramDrafter, "model": lambda: ModelDrafter(make_lm(drafts["close"], name="draft")),
+              "eagle": lambda: random_eagle(batch.target), "medusa": lambda: random_medusa(batch.target)}
+    batch.make_drafter = makers[drafter]
+    trees, verify = [], batch_engine.verify
+    monkeypatch.setattr(batch_engine, "verify", lambda draft, *rest: (trees.append(draft.layout is not None),
+                                                                      verify(draft, *rest))[1])
+    completions = batch.generate_all(requests())
+    assert [c.token_ids for c in completions] == expected
+    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
+    assert any(trees) == (bool(tree_budget) and drafter != "ngram")  # the n-gram's trees here: single chains
+    assert batch.target.cache_len == 0 and not batch._draft_caches
+
+
+@pytest.mark.parametrize("tree_budget", [0, 4])
+def test_a_drafter_in_a_batch_reads_the_features_it_reads_alone(tiny_target, make_lm, tree_budget):
+    """The target's final hidden states a feature drafter gets in a batch (the prompt's as it joins, then each
+    step's kept rows) are those it gets alone, row for row."""
+    alone_handed = []
+    for prompt, budget in zip(PROMPTS[:3], BUDGETS[:3]):
+        drafter = RecordingNgram()
+        SpeculativeDecoder(make_lm(tiny_target), drafter, tree_budget=tree_budget).generate(
+            prompt, SamplingParams(temperature=0.0), max_new_tokens=budget)
+        alone_handed.append(torch.cat(drafter.handed))
+    made = []
+    batch = BatchedDecoder(make_lm(tiny_target), lambda: made.append(RecordingNgram()) or made[-1], max_batch=3,
+                           tree_budget=tree_budget)
+    completions = batch.generate_all(requests()[:3])
+    assert sum(c.stats.accepted for c in completions) > 0
+    for drafter, expected, completion in zip(made, alone_handed, completions):
+        handed = torch.cat(drafter.handed)  # [prompt + answer - 1, H]: every position but the last, once
+        assert handed.shape[0] == completion.stats.prompt_tokens + len(completion.token_ids) - 1
+        torch.testing.assert_close(handed, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_the_draft_models_of_a_batch_draft_a_depth_in_one_pass(tiny_target, drafts, make_lm, monkeypatch):
     """Sequences drafting with the same weights share one packed draft cache: their tokens of a depth go through the
     draft model in one pass, and each answer is still its answer alone."""
@@ -178,12 +238,12 @@ class MixedK(BatchedDecoder):
         return [k for _, k, _ in plans]
 
 
-def batched_pairs(target_model, make_drafter, decoder_class=MixedK):
+def batched_pairs(target_model, make_drafter, decoder_class=MixedK, tree_budget=0):
     """[V * V] counts of each sequence's first two tokens, over STAT_SAMPLES sequences sampled 4 to a batch."""
     from specdraft.models.causal_lm import CausalLM
 
     counts = [0] * (STAT_V * STAT_V)
-    batch = decoder_class(CausalLM(target_model), make_drafter, max_batch=4)
+    batch = decoder_class(CausalLM(target_model), make_drafter, max_batch=4, tree_budget=tree_budget)
     drafted = 0
     for first in range(0, STAT_SAMPLES, 4):
         done = batch.generate_all([BatchRequest(STAT_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
@@ -209,15 +269,16 @@ def stat_target():
     return model
 
 
-@pytest.mark.parametrize("drafter", [pytest.param("ngram", marks=pytest.mark.slow), "model"])  # the draft model's q in the quick set
-def test_batched_sampling_with_a_different_k_per_sequence_follows_the_target(stat_target, drafter):
+@pytest.mark.parametrize("drafter,tree_budget", [pytest.param("ngram", 0, marks=pytest.mark.slow), ("model", 0),
+                                                 ("model", 3)])  # the draft model's q, chains and trees, quick
+def test_batched_sampling_with_a_different_k_per_sequence_follows_the_target(stat_target, drafter, tree_budget):
     from conftest import perturbed
     from specdraft.exactness import chi_square_pvalue, exact_two_tokens
     from specdraft.models.causal_lm import CausalLM
 
     draft = perturbed(stat_target, noise=0.5, seed=3)
     makers = {"ngram": lambda: NgramDrafter(), "model": lambda: ModelDrafter(CausalLM(draft), min_confidence=0.0)}
-    counts, drafted = batched_pairs(stat_target, makers[drafter])
+    counts, drafted = batched_pairs(stat_target, makers[drafter], tree_budget=tree_budget)
     assert drafted > STAT_SAMPLES // 2
     pvalue = chi_square_pvalue(counts, exact_two_tokens(stat_target, STAT_PROMPT).ravel() * STAT_SAMPLES)
     assert pvalue > 1e-3, f"batched {drafter}: p-value {pvalue:.3g}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.models.packed_cache import PackedCache
+from specdraft.models.packed_cache import DEAD, PackedCache
 
 A, B = [5, 17, 42, 8, 59, 3], [7, 7, 1, 30, 2]
 
@@ -48,3 +48,29 @@ def test_a_feed_of_several_tokens_and_a_cut_back_are_seen_as_alone(tiny_target, 
     packed.release(1)
     packed.compact()
     assert packed.lm.cache_len == 0 and not packed.row_owner
+
+
+def test_a_tree_pass_and_what_it_keeps_are_seen_as_alone(tiny_target, make_lm):
+    """A draft model's tree over a packed cache (`CacheView.forward` with offsets and a mask, then `keep`): the
+    logits it gets alone, the other owner's rows unseen, and after the keep the path's rows as alone."""
+    lone = make_lm(tiny_target)
+    packed = PackedCache(make_lm(tiny_target))
+    mine, other = packed.view(0), packed.view(1)
+    lone.forward(torch.tensor([A[:4]]))
+    mine.forward(torch.tensor([A[:4]]))
+    other.forward(torch.tensor([B[:3]]))
+    level = torch.tensor([[63, 62]]), torch.tensor([0, 0]), torch.eye(2, dtype=torch.bool)  # two children of A[3]
+    below = torch.tensor([[61]]), torch.tensor([-1]), torch.tensor([[True, False, True]])  # 61 under 63
+    for tokens, offsets, visible in (level, below):
+        expected = lone.forward(tokens, tokens.shape[1], offsets=offsets, visible=visible).logits[0]
+        got = mine.forward(tokens, tokens.shape[1], offsets=offsets, visible=visible).logits[0]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    lone.keep(4, [0, 2])  # the path 63 -> 61
+    mine.keep(4, [0, 2])
+    assert mine.cache_len == lone.cache_len == 6 and packed.row_owner.count(DEAD) == 1  # the sibling: unseen, not gone
+    torch.testing.assert_close(mine.forward(torch.tensor([[11]])).logits[0], lone.forward(torch.tensor([[11]])).logits[0],
+                               rtol=1e-4, atol=1e-4)
+    [b_next] = packed.run([(1, torch.tensor(B[3:]))])
+    torch.testing.assert_close(b_next[0], alone(make_lm, tiny_target, B)[-1], rtol=1e-4, atol=1e-4)
+    packed.compact()
+    assert DEAD not in packed.row_owner and packed.row_owner.count(0) == packed.live(0) == 7

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from live_server import Live, make_app
 
@@ -94,11 +95,11 @@ def test_a_request_that_fails_to_join_gets_500_and_the_engine_goes_on(tiny_model
     read = BatchedDecoder._read_chunk
     calls = []
 
-    def fails_once(self, chunk):
+    def fails_once(self, joining, chunk):
         calls.append(chunk)
         if len(calls) == 1:
             raise RuntimeError("planted")
-        return read(self, chunk)
+        return read(self, joining, chunk)
 
     monkeypatch.setattr(BatchedDecoder, "_read_chunk", fails_once)
     with Live(make_app(tiny_model_dirs, max_batch=2)) as server:
@@ -148,14 +149,35 @@ def test_the_kv_budget_option_defaults_to_half_the_free_memory_and_0_lifts_it(ti
     assert abs(default_kv_budget(torch.device("cpu")) / free_memory_bytes(torch.device("cpu")) - 0.5) < 0.1
 
 
-def test_serving_batches_by_default_unless_the_drafter_cannot(tiny_model_dirs):
+def test_serving_batches_by_default_unless_the_drafter_cannot(tiny_model_dirs, tmp_path):
     from specdraft.batch_engine import DEFAULT_MAX_BATCH
+    from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+    from specdraft.models.trained import save_trained
     from specdraft.server.batch_worker import BatchWorker
     from specdraft.server.worker import Worker
 
     batched = make_app(tiny_model_dirs)
     assert isinstance(batched.state.worker, BatchWorker) and batched.state.worker.batch.max_batch == DEFAULT_MAX_BATCH
     trees = make_app(tiny_model_dirs, tree_budget=6)
-    assert type(trees.state.worker) is Worker and "--tree-budget" in trees.state.settings.batch_note
+    assert isinstance(trees.state.worker, BatchWorker) and trees.state.worker.batch.tree_budget == 6
+    target = batched.state.worker.pool.target
+    eagle = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=64, num_heads=1, num_kv_heads=1,
+                                          intermediate_size=64))
+    trained = save_trained(tmp_path / "eagle.safetensors", "eagle", eagle, torch.arange(target.vocab_size), "tiny", {})
+    features = make_app(tiny_model_dirs, drafter="eagle", trained=str(trained), draft=None)
+    assert type(features.state.worker) is Worker and "every sequence" in features.state.settings.batch_note
     with pytest.raises(SpecdraftError, match="--max-batch 1"):
-        make_app(tiny_model_dirs, tree_budget=6, max_batch=4)
+        make_app(tiny_model_dirs, drafter="eagle", trained=str(trained), draft=None, max_batch=4)
+
+
+def test_tree_drafts_in_a_batch_give_the_one_at_a_time_answers(tiny_model_dirs, one_at_a_time):
+    with Live(make_app(tiny_model_dirs, tree_budget=6, max_batch=4)) as server:
+        jobs = [(p, stream) for p in PROMPTS for stream in (False, True)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda job: ask(server, *job), jobs))
+        for (prompt, _), answer in zip(jobs, answers):
+            assert answer == one_at_a_time[(prompt, None)], prompt
+        metrics = httpx.get(f"{server.url}/metrics").text
+        drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("specdraft_batch_draft_tokens_sum")]
+        assert drafted and drafted[0] > 0 and 'status="500"' not in metrics

@@ -7,7 +7,7 @@ while active:
     drafts  = [drafter_i.propose(ctx_i, k_i)] # 2. each sequence drafts with its own drafter
     logits  = target.forward(concat [last_i, d_i1 .. d_ik_i])  # 3. one pass; a mask keeps sequences apart
     verdict_i = verify(draft_i, rows_i)       # 4. per sequence, greedy or exact sampled, as alone
-    keep the accepted rows of each sequence; finished sequences leave (their rows are dropped)
+    keep the accepted rows (a tree: the accepted path) of each sequence; finished sequences leave
 ```
 
 The target's KV cache is packed: the committed tokens of every active sequence but its last, in the order
@@ -43,8 +43,13 @@ not model, such as a draft's reads stalling every sequence, show there).
 Draft models are batched too: the sequences drafting with the same weights share one packed draft cache
 (`models.packed_cache`: each drafter's model becomes a view of it as its sequence joins), and the drafters' model
 passes (`Drafter.propose_steps`) run in lockstep, a depth's tokens of every sequence in one pass
-(`_propose_all`). Chains only: trees and feature drafters are the single-request engine's
-(`engine.SpeculativeDecoder`).
+(`_propose_all`); a draft model's tree (`tree_budget`) runs its level passes alone, over its view of the packed
+cache (`PackedCache.run_tree`).
+
+Trees: with a `tree_budget` each sequence's k counts nodes, as a single request's does; a tree's block sits at its
+depths and each of its tokens sees its own ancestors (`TreeLayout.block_attention`), and the cache keeps its last
+token's row and the accepted path's. A drafter that reads the target's features gets them as alone: the prompt's
+from the chunks that read it, then each step the rows the pass kept, before its commit.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from typing import Callable, Sequence
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.engine import MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs, choose_source, sync_device
+from specdraft.engine import (DEFAULT_TREE_BRANCH, MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs,
+                              check_tree_options, choose_source, sync_device)
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import RealizedGoodput, choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
@@ -151,6 +157,7 @@ class _Joining:
 
     sequence: _Sequence
     read: int = 0  # prompt tokens read so far
+    features: list[torch.Tensor] = field(default_factory=list)  # each [chunk, H]: for a drafter that reads them
 
 
 class BatchedDecoder:
@@ -159,16 +166,21 @@ class BatchedDecoder:
     (None: unbounded). Not thread-safe: one caller steps it."""
 
     def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter] | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_k: int = MAX_AUTO_K, kv_budget: int | None = None) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, max_k: int = MAX_AUTO_K, kv_budget: int | None = None,
+                 tree_budget: int = 0, tree_branch: int = DEFAULT_TREE_BRANCH) -> None:
+        check_tree_options(tree_budget, tree_branch)
         if max_batch < 1:
             raise SpecdraftError(f"The batch must hold at least one sequence, got max_batch={max_batch}.")
         if kv_budget is not None and kv_budget <= 0:
             raise SpecdraftError(f"The KV budget must be positive, got {kv_budget} bytes.")
         self.target, self.make_drafter = target, make_drafter
         self.max_batch, self.max_k, self.kv_budget = max_batch, max_k, kv_budget
-        self.costs = StepCosts(max_batch * (max_k + 1) + 1)  # passes by total width; each source's draft and read
+        self.tree_budget, self.tree_branch = tree_budget, tree_branch
+        nodes = tree_budget or max_k  # the most draft tokens one sequence puts in a pass
+        self.costs = StepCosts(max_batch * (nodes + 1) + 1)  # passes by total width; each source's draft and read
         self.realized = RealizedGoodput()  # what drafting has actually given at each batch size
-        self._policy = AutoK(max_k=max_k, costs=self.costs)  # the last to leave: a joining sequence carries it over
+        # the last to leave: a joining sequence carries it over
+        self._policy = AutoK(max_k=nodes, tree=bool(tree_budget), costs=self.costs)
         self.active: list[_Sequence] = []
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
         self.failed: list[tuple[int, Exception]] = []  # sequences whose prompt failed to read: the caller takes them
@@ -200,10 +212,6 @@ class BatchedDecoder:
             raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
         maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
         drafter = maker() if maker is not None else None
-        if drafter is not None and drafter.needs_features:
-            raise SpecdraftError(f"The {drafter.name!r} drafter reads the target's features, which the batched "
-                                 "engine does not hand out yet; choose model, ngram or suffix (or serve with "
-                                 "--max-batch 1).")
         need = self.kv_need(len(ids), request.max_new_tokens, drafter)
         if self.kv_budget is not None and need > self.kv_budget:
             raise OverBudget(f"The prompt ({len(ids)} tokens) and max_tokens ({request.max_new_tokens}) need "
@@ -285,24 +293,29 @@ class BatchedDecoder:
                 started = time.perf_counter()
                 if joining.read < prompt.shape[0]:
                     chunk = prompt[joining.read : joining.read + PREFILL_CHUNK]
-                    self._read_chunk(chunk)
+                    self._read_chunk(joining, chunk)
                     joining.read += chunk.shape[0]
                     budget -= chunk.shape[0]
                 seq.run.stats.prefill_seconds += time.perf_counter() - started
                 if joining.read == prompt.shape[0]:
-                    self._join(seq, prompt.shape[0])
+                    self._join(joining, prompt.shape[0])
             except Exception as error:  # this request fails; the packed cache and the others go on as they were
                 self.joining.pop(0)
                 self._reader.reset()
                 self._release_drafts(seq.ident)
                 self.failed.append((seq.ident, error))
 
-    def _read_chunk(self, chunk: torch.Tensor) -> None:  # chunk: [n]
-        self._reader.prefill(chunk.unsqueeze(0))
+    def _read_chunk(self, joining: _Joining, chunk: torch.Tensor) -> None:  # chunk: [n]
+        drafter = joining.sequence.drafter
+        features = drafter is not None and drafter.needs_features
+        states = self._reader.prefill(chunk.unsqueeze(0), hidden=features)  # [n, H] or None
+        if features:
+            joining.features.append(states)
 
-    def _join(self, seq: _Sequence, rows: int) -> None:
-        """The read prompt's `rows` join the packed cache and the sequence steps from now on."""
-        target, cached = self.target, self.target.cache_len
+    def _join(self, joining: _Joining, rows: int) -> None:
+        """The read prompt's `rows` join the packed cache and the sequence steps from now on (a drafter that reads
+        the target's features gets the prompt's, but its last token's, as alone: `Drafter.features`)."""
+        seq, target, cached = joining.sequence, self.target, self.target.cache_len
         try:
             if rows:
                 target.append_cache(self._reader)
@@ -314,6 +327,10 @@ class BatchedDecoder:
         self.joining.pop(0)
         if seq.drafter is not None:
             seq.drafter.begin(seq.run.sequence)
+            if seq.drafter.needs_features:
+                hidden = target.config.hidden_size
+                seq.drafter.features(torch.cat(joining.features) if joining.features else
+                                     torch.zeros(0, hidden, dtype=target.dtype, device=target.device))
         self.active.append(seq)
 
     def take_failed(self) -> list[tuple[int, Exception]]:
@@ -349,15 +366,19 @@ class BatchedDecoder:
         self.row_owner = [self.row_owner[row] for row in kept]
 
     # ----- one step -----------------------------------------------------------------------------------
-    def _limit(self, seq: _Sequence) -> int:
-        """The most draft tokens this sequence may take: its budget, the context, max_k."""
+    def _context(self, seq: _Sequence) -> tuple[DraftContext, int]:
+        """What the sequence's drafter may read this step, and the most draft tokens it may take (a tree: nodes):
+        within its budget, the context and max_k or the tree budget; a tree at most its fixed k or the policy's
+        depth deep."""
         run = seq.run
-        room = self.target.max_context - run.sequence.shape[0] - 1
-        return max(0, min(run.max_new_tokens - len(run.generated) - 1, room, seq.k or self.max_k))
-
-    def _context(self, seq: _Sequence, limit: int) -> DraftContext:
-        run = seq.run
-        return DraftContext(run.sequence, run.params, run.generator, run.seen, tree_branch=1, max_depth=limit)
+        room = max(0, self.target.max_context - run.sequence.shape[0] - 1)  # draft tokens the context holds
+        depth = min(run.max_new_tokens - len(run.generated) - 1, room)  # the deepest a draft may go and be emitted
+        if not self.tree_budget:
+            limit = max(0, min(depth, seq.k or self.max_k))
+            return DraftContext(run.sequence, run.params, run.generator, run.seen, max_depth=limit), limit
+        limit = min(self.tree_budget, room) if depth > 0 else 0
+        return DraftContext(run.sequence, run.params, run.generator, run.seen, tree_branch=self.tree_branch,
+                            max_depth=min(depth, seq.k or seq.policy.max_depth)), limit
 
     def _stepping(self) -> list[_Sequence]:
         """The sequences this step advances: all, but at most one whose next token sits at position 0 (a one-token
@@ -460,6 +481,14 @@ class BatchedDecoder:
                 advance(i, logits)
         return drafts, seconds
 
+    @staticmethod
+    def _trimmed(seq: _Sequence, draft: Draft, source: str | None) -> Draft:
+        """The prefix of a scored draft (a tree, a `suffix` chain) worth verifying, by the sequence's own policy as
+        a single request trims it (a fixed k verifies all)."""
+        if draft.scores is None or seq.k is not None or not draft.k:
+            return draft
+        return draft.prefix(seq.policy.trim(draft.scores, source, draft.must_keep))
+
     def step(self) -> list[tuple[int, StepEvent]]:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
         finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
@@ -471,59 +500,75 @@ class BatchedDecoder:
         stepping = self._stepping()
         self.largest_batch = max(self.largest_batch, len(stepping))
         t0 = time.perf_counter()
-        limits = [self._limit(seq) for seq in stepping]
-        contexts = [self._context(seq, limit) for seq, limit in zip(stepping, limits)]
+        contexts, limits = zip(*(self._context(seq) for seq in stepping))
         # where drafting has given less than plain steps at this batch size, the auto sequences step plain
         gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
         plans = [self._plan(seq, ctx, limit, gated) for seq, ctx, limit in zip(stepping, contexts, limits)]
         ks = self._choose(stepping, plans)
         drafts, draft_seconds = self._propose_all(stepping, contexts, ks)  # 2. draft passes shared by depth
-        # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions
+        drafts = [self._trimmed(seq, draft, source) for seq, draft, (source, _, _) in zip(stepping, drafts, plans)]
+        ks = [draft.k for draft in drafts]
+        # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions (a tree: by depth)
         blocks = [torch.cat([seq.run.sequence[-1:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
         owners = [seq.ident for seq, block in zip(stepping, blocks) for _ in range(block.shape[0])]
         which = [i for i, block in enumerate(blocks) for _ in range(block.shape[0])]
-        positions = torch.cat([seq.run.sequence.shape[0] - 1 + torch.arange(block.shape[0], device=block.device)
-                               for seq, block in zip(stepping, blocks)])  # [T]
+        trees = [draft.layout.block_attention(1) if draft.layout is not None else None for draft in drafts]
+        positions = torch.cat([seq.run.sequence.shape[0] - 1 + (tree[0] if tree is not None else
+                                                                 torch.arange(block.shape[0], device=block.device))
+                               for seq, block, tree in zip(stepping, blocks, trees)])  # [T]
         tokens = torch.cat(blocks)  # [T]
         cached = target.cache_len
         sync_device(target.device)
         t1 = time.perf_counter()
         visible = packed_visibility(self.row_owner, owners, which, target.device)  # [T, cached + T]
-        logits = target.forward(tokens.unsqueeze(0), tokens.shape[0], offsets=positions - cached,
-                                visible=visible).logits[0]  # [T, V]
+        start = 0
+        for block, tree in zip(blocks, trees):  # a tree's tokens see the root and their own ancestors in its block
+            if tree is not None:
+                visible[start : start + block.shape[0], cached + start : cached + start + block.shape[0]] = tree[1]
+            start += block.shape[0]
+        features = any(seq.drafter is not None and seq.drafter.needs_features for seq in stepping)
+        scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
+                                offsets=positions - cached, visible=visible)
+        logits = scored.logits[0]  # [T, V]
         events, kept_rows, start = [], [], 0
-        verdicts, rows_of = [], []
+        verdicts, rows_of, paths = [], [], []
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
-            width = block.shape[0]
-            run = seq.run
+            width, tree, run = block.shape[0], draft.layout, seq.run
             rows_of.append(logits[start : start + width])  # [k + 1, V]
-            p_target = target_rows(rows_of[-1], run.params, run.seen, block)  # [k + 1, V]
+            p_target = target_rows(rows_of[-1], run.params, run.seen, block,
+                                   None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
-            num_accepted, next_token = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1]]).tolist()
-            verdicts.append((num_accepted, next_token))
-            kept_rows += list(range(start, start + 1 + num_accepted))  # in the block: its last and accepted rows
+            num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
+                                                           verdict.deepest()[:1]]).tolist()
+            path = tree.path(deepest) if tree is not None else list(range(num_accepted))
+            bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
+            verdicts.append((num_accepted, next_token, bonus))
+            paths.append(path)
+            kept_rows += [start] + [start + 1 + node for node in path]  # in the pass: its last and accepted rows
+            if seq.drafter is not None and seq.drafter.needs_features:  # the kept rows' states, before commit
+                seq.drafter.features(scored.hidden_states[0][[start] + [start + 1 + node for node in path]])
             start += width
         pass_seconds = time.perf_counter() - t1
         self.costs.time_pass(tokens.shape[0], pass_seconds)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner += [seq.ident for seq, (a, _) in zip(stepping, verdicts) for _ in range(1 + a)]
+        self.row_owner += [seq.ident for seq, path in zip(stepping, paths) for _ in range(1 + len(path))]
         finished = []
-        for seq, draft, (source, _, read), (num_accepted, next_token), k, seconds, rows in zip(
-                stepping, drafts, plans, verdicts, ks, draft_seconds, rows_of):
-            run = seq.run
+        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, seconds, rows in zip(
+                stepping, drafts, plans, verdicts, paths, draft_seconds, rows_of):
+            run, k = seq.run, draft.k
             prev_len = run.sequence.shape[0]
-            path = list(range(num_accepted))
             if k > 0:
                 seq.drafter.commit(prev_len, path)
             if seq.drafter is not None:  # the pass was timed above, by its total width
                 seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores)
-            event = run.emit(k, draft.tokens[:num_accepted].tolist(), next_token, num_accepted == k,
-                             target.eos_token_ids, target.max_context)
-            run.stats.record_step(k, event.accepted, source if k > 0 else None, path, k, seconds,
+            event = run.emit(k, draft.tokens[path].tolist(), next_token, bonus, target.eos_token_ids,
+                             target.max_context)
+            run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
+                                  draft.layout.height if draft.layout is not None else k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-            if run.logprobs is not None:  # the rows that decided the emitted tokens: a chain's first ones
-                add_logprobs(event, rows[: len(event.token_ids)], run.logprobs)
+            if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
+                add_logprobs(event, rows[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)

@@ -57,10 +57,7 @@ class PackedCache:
 
     def cut(self, owner: int, length: int) -> None:
         """Keep `owner`'s first `length` rows; the rest turn invisible now and leave at the next `compact`."""
-        rows = self._rows.get(owner, [])
-        for row in rows[length:]:
-            self.row_owner[row] = DEAD
-        del rows[length:]
+        self.keep(owner, length, [])
 
     def release(self, owner: int) -> None:
         """`owner` is gone: its rows leave at the next `compact`."""
@@ -115,6 +112,37 @@ class PackedCache:
         first = tokens.shape[0] - keep
         return [logits[int(end) - first : int(end) - first + 1] for end in ends]
 
+    def run_tree(self, owner: int, tokens: torch.Tensor, offsets: torch.Tensor, visible: torch.Tensor,
+                 logits_to_keep: int) -> torch.Tensor:
+        """One tree pass of `owner`'s tokens [T] alone, as `CausalLM.forward(offsets=, visible=)` runs it over a
+        cache of its own: `offsets` [T] from the owner's next position, `visible` [T, S] over the owner's last S
+        keys (its last S - T rows, then the tokens), every earlier row of its own seen, no other owner's. The
+        logits of the last `logits_to_keep` tokens. # [logits_to_keep, V]"""
+        device, held = self.lm.device, self._rows.get(owner, [])
+        count, width = tokens.shape[0], visible.shape[1]
+        if not count <= width <= len(held) + count:
+            raise SpecdraftError(f"A tree pass of {count} tokens sees {width} keys; the owner holds {len(held)}.")
+        allowed = torch.zeros(count, len(self.row_owner) + count, dtype=torch.bool, device=device)  # [T, N + T]
+        older = width - count  # the owner's rows the mask speaks of; those before are all seen
+        columns = torch.tensor(held, dtype=torch.long, device=device)  # [live]
+        allowed[:, columns[: len(held) - older]] = True
+        allowed[:, columns[len(held) - older :]] = visible[:, :older].to(device)
+        allowed[:, len(self.row_owner) :] = visible[:, older:].to(device)
+        positions = len(held) + offsets  # [T]
+        logits = self.lm.forward(tokens.unsqueeze(0), logits_to_keep, offsets=positions - self.lm.cache_len,
+                                 visible=allowed).logits[0]  # [logits_to_keep, V]
+        self._append(owner, count)
+        return logits
+
+    def keep(self, owner: int, start: int, rows: list[int]) -> None:
+        """Keep `owner`'s first `start` rows and those at `start + r` for r in `rows` (increasing); the others turn
+        invisible now and leave at the next `compact`."""
+        held = self._rows.get(owner, [])
+        after = [held[start + r] for r in rows]
+        for row in set(held[start:]) - set(after):
+            self.row_owner[row] = DEAD
+        held[start:] = after
+
 
     def _first_read(self, owner: int, tokens: torch.Tensor, prompt: bool) -> torch.Tensor:  # tokens: [T]
         """An owner's first feed, read alone into a cache of its own and appended: what it computes alone, bit for
@@ -149,13 +177,19 @@ class CacheView:
     def truncate(self, length: int) -> None:
         self.packed.cut(self.owner, length)
 
-    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 1, prompt: bool = False) -> ForwardOutput:
-        """This owner's tokens [1, T] alone through the packed cache (`PackedCache.run`): logits [1, 1, V] after
-        the last."""
+    def forward(self, tokens: torch.Tensor, logits_to_keep: int = 1, prompt: bool = False,
+                offsets: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> ForwardOutput:
+        """This owner's tokens [1, T] alone through the packed cache: logits [1, 1, V] after the last
+        (`PackedCache.run`), or with `offsets` and `visible` a tree pass as `CausalLM.forward` runs it
+        (`PackedCache.run_tree`): logits [1, logits_to_keep, V]."""
+        if offsets is not None or visible is not None:
+            return ForwardOutput(logits=self.packed.run_tree(self.owner, tokens[0], offsets, visible,
+                                                             logits_to_keep).unsqueeze(0))
         if logits_to_keep != 1:
-            raise SpecdraftError("A packed draft cache returns the logits after a feed's last token only.")
+            raise SpecdraftError("A packed draft cache returns the logits after a chain's last token only.")
         return ForwardOutput(logits=self.packed.run([(self.owner, tokens[0])], prompt)[0].unsqueeze(0))
 
     def keep(self, start: int, rows: list[int]) -> None:
-        raise SpecdraftError("Tree drafts do not run on a packed draft cache; the batch drafts chains.")
-
+        """Keep this owner's first `start` rows and, after them, those it fed at `start + r` for each r in `rows`
+        (increasing): `CausalLM.keep`, for what a tree pass leaves."""
+        self.packed.keep(self.owner, start, rows)

@@ -42,7 +42,8 @@ class BatchWorker(Worker):
     def __init__(self, pool: DecoderPool, metrics: Metrics | None = None, max_queue: int = 64,
                  timeout: float = 600.0, max_batch: int = 8, kv_budget: int | None = None) -> None:
         super().__init__(pool, metrics, max_queue=max_queue, timeout=timeout)
-        self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch, kv_budget=kv_budget)
+        self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch, kv_budget=kv_budget,
+                                    tree_budget=pool.tree_budget, tree_branch=pool.tree_branch)
         self._admitted: dict[int, _Admitted] = {}  # by sequence id
         self._waiting: Job | None = None  # taken from the queue, waiting for room in the batch
 

@@ -64,14 +64,13 @@ class DecoderPool:
         return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
 
     def batch_obstacle(self) -> str | None:
-        """Why the server's default speculation cannot run in a batch (None: it can): trees, or a drafter that reads
-        the target's features (`batch_engine`)."""
-        if self.tree_budget:
-            return "--tree-budget drafts trees, which batched serving does not run"
+        """Why the server's default speculation cannot run in a batch (None: it can): a drafter that reads the
+        target's features, whose trained weights a batch would load again for every sequence."""
         make = self.drafter_factory(self.default)
         drafter = make() if make is not None else None
         if drafter is not None and drafter.needs_features:
-            return f"the {self.default.drafter!r} drafter reads the target's features, which the batch does not hand out"
+            return (f"the {self.default.drafter!r} drafter's trained weights would be loaded for every sequence of a "
+                    "batch")
         return None
 
     def _options_for(self, drafter: str) -> dict[str, Any]:

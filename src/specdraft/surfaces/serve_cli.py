@@ -38,8 +38,8 @@ def serve(
     max_batch: Optional[int] = typer.Option(
         None, "--max-batch", min=1,
         help="Sequences that generate together, each step one target pass over all (continuous batching; chains "
-             f"only). 1: one request at a time. Default: {DEFAULT_MAX_BATCH}, or 1 where the drafter drafts trees "
-             "or reads the target's features."),
+             f"and trees). 1: one request at a time. Default: {DEFAULT_MAX_BATCH}, or 1 where the drafter reads the "
+             "target's features (eagle, medusa: their trained weights would be loaded for every sequence)."),
     kv_budget_mb: Optional[float] = typer.Option(
         None, "--kv-budget-mb", min=0.0,
         help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
@@ -83,9 +83,6 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
     from specdraft.surfaces.model_setup import drafter_flags, load_models
 
     check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
-    if max_batch is not None and max_batch > 1 and tree_budget:
-        raise SpecdraftError("Batched serving (--max-batch > 1) drafts chains only; drop --tree-budget or serve "
-                             "with --max-batch 1.")
     make_policy(k, tree_budget)
     options = drafter_flags(**flags)
     target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
