@@ -12,7 +12,6 @@ import torch
 
 from live_server import Live, make_app
 
-from specdraft.errors import SpecdraftError
 
 MODEL = "target"
 PROMPTS = ["the quick brown fox", "hello there, how are", "one two three four five", "a b c d e f g",
@@ -149,35 +148,46 @@ def test_the_kv_budget_option_defaults_to_half_the_free_memory_and_0_lifts_it(ti
     assert abs(default_kv_budget(torch.device("cpu")) / free_memory_bytes(torch.device("cpu")) - 0.5) < 0.1
 
 
-def test_serving_batches_by_default_unless_the_drafter_cannot(tiny_model_dirs, tmp_path):
-    from specdraft.batch_engine import DEFAULT_MAX_BATCH
+@pytest.fixture(scope="module")
+def eagle_file(tiny_model_dirs, tmp_path_factory):
+    """Random EAGLE weights for the tiny target, as `specdraft train eagle` writes them."""
+    from transformers import AutoConfig
+
     from specdraft.models.eagle import EagleConfig, EagleDrafterModel
     from specdraft.models.trained import save_trained
-    from specdraft.server.batch_worker import BatchWorker
-    from specdraft.server.worker import Worker
 
-    batched = make_app(tiny_model_dirs)
-    assert isinstance(batched.state.worker, BatchWorker) and batched.state.worker.batch.max_batch == DEFAULT_MAX_BATCH
-    trees = make_app(tiny_model_dirs, tree_budget=6)
-    assert isinstance(trees.state.worker, BatchWorker) and trees.state.worker.batch.tree_budget == 6
-    target = batched.state.worker.pool.target
-    eagle = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=64, num_heads=1, num_kv_heads=1,
+    config = AutoConfig.from_pretrained(tiny_model_dirs["target"])
+    torch.manual_seed(5)
+    eagle = EagleDrafterModel(EagleConfig(config.hidden_size, width=64, num_heads=1, num_kv_heads=1,
                                           intermediate_size=64))
-    trained = save_trained(tmp_path / "eagle.safetensors", "eagle", eagle, torch.arange(target.vocab_size), "tiny", {})
-    features = make_app(tiny_model_dirs, drafter="eagle", trained=str(trained), draft=None)
-    assert type(features.state.worker) is Worker and "every sequence" in features.state.settings.batch_note
-    with pytest.raises(SpecdraftError, match="--max-batch 1"):
-        make_app(tiny_model_dirs, drafter="eagle", trained=str(trained), draft=None, max_batch=4)
+    return save_trained(tmp_path_factory.mktemp("eagle") / "eagle.safetensors", "eagle", eagle,
+                        torch.arange(config.vocab_size), "tiny", {})
 
 
-def test_tree_drafts_in_a_batch_give_the_one_at_a_time_answers(tiny_model_dirs, one_at_a_time):
-    with Live(make_app(tiny_model_dirs, tree_budget=6, max_batch=4)) as server:
+def test_serving_batches_every_drafter_by_default(tiny_model_dirs, eagle_file):
+    from specdraft.batch_engine import DEFAULT_MAX_BATCH
+    from specdraft.server.batch_worker import BatchWorker
+
+    for overrides in ({}, {"tree_budget": 6}, {"drafter": "eagle", "trained": str(eagle_file), "draft": None}):
+        worker = make_app(tiny_model_dirs, **overrides).state.worker
+        assert isinstance(worker, BatchWorker) and worker.batch.max_batch == DEFAULT_MAX_BATCH
+        assert worker.batch.tree_budget == overrides.get("tree_budget", 0)
+
+
+@pytest.mark.parametrize("speculation", ["trees", "eagle"])
+def test_trees_and_a_trained_drafter_in_a_batch_give_the_one_at_a_time_answers(tiny_model_dirs, one_at_a_time,
+                                                                               eagle_file, speculation):
+    overrides = ({"tree_budget": 6} if speculation == "trees" else
+                 {"drafter": "eagle", "trained": str(eagle_file), "draft": None})
+    app = make_app(tiny_model_dirs, max_batch=4, **overrides)
+    with Live(app) as server:
         jobs = [(p, stream) for p in PROMPTS for stream in (False, True)]
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda job: ask(server, *job), jobs))
         for (prompt, _), answer in zip(jobs, answers):
-            assert answer == one_at_a_time[(prompt, None)], prompt
+            assert answer == one_at_a_time[(prompt, "none")], prompt
         metrics = httpx.get(f"{server.url}/metrics").text
         drafted = [float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("specdraft_batch_draft_tokens_sum")]
         assert drafted and drafted[0] > 0 and 'status="500"' not in metrics
+    assert len(app.state.worker.pool._shared) == (speculation == "eagle")  # its weights loaded once for all

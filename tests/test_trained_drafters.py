@@ -335,3 +335,36 @@ def test_distillation_moves_a_draft_towards_the_target(target, data, tmp_path):
         prompt, max_new_tokens=24).token_ids
     with pytest.raises(SpecdraftError, match="--layers must be between 1 and"):
         train_distill(draft, data, tmp_path / "again", config, layers=9)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_batchs_trained_drafters_share_the_weights_and_draft_as_alone_side_by_side(target, trained_files,
+                                                                                      prompts_file, kind):
+    """The drafters a batch builds with one `shared` dict: the weights loaded once, each sequence's drafter a
+    sibling over them with a state of its own, so two drafting in turns propose what each proposes alone."""
+    prompts = [json.loads(line)["turns"][0] for line in prompts_file.read_text().splitlines()[:2]]
+    options, shared = {"trained": str(trained_files[kind])}, {}
+    siblings = [make_drafter(kind, options, target_model=target, shared=shared) for _ in prompts]
+    weights = (lambda drafter: drafter.model.fc) if kind == "eagle" else (lambda drafter: drafter.heads)
+    assert len(shared) == 1 and weights(siblings[0]) is weights(siblings[1]) is weights(next(iter(shared.values())))
+    assert siblings[0].vocab_head is siblings[1].vocab_head
+
+    def stream(drafter, prompt):  # a generation's steps, and the draft tokens its drafter proposes at each
+        drafts, propose = [], drafter.propose
+        drafter.propose = lambda ctx, k: drafts.append(propose(ctx, k)) or drafts[-1]
+        decoder = SpeculativeDecoder(CausalLM(target.model, target.tokenizer, name=target.name), drafter, k=3)
+        return decoder.stream(prompt, max_new_tokens=24), drafts
+
+    alone = []
+    for prompt in prompts:
+        steps, drafts = stream(make_drafter(kind, options, target_model=target), prompt)
+        list(steps)
+        alone.append([draft.tokens.tolist() for draft in drafts])
+    running = [stream(drafter, prompt) for drafter, prompt in zip(siblings, prompts)]
+    steps = [steps for steps, _ in running]
+    while steps:  # a step of each in turn
+        for each in list(steps):
+            if next(each, None) is None:
+                steps.remove(each)
+    assert [[draft.tokens.tolist() for draft in drafts] for _, drafts in running] == alone
+    assert sum(len(drafts) for drafts in alone) > 4

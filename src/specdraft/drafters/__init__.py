@@ -91,14 +91,29 @@ def _trained(kind: str, options: dict, target_model):
                         dtype=target_model.dtype, device=target_model.device)
 
 
-def _build_medusa(options: dict, target_model=None, **_resources) -> Drafter:
-    trained = _trained("medusa", options, target_model)
-    return MedusaDrafter(target_model, trained.module, trained.vocab_ids, min_confidence=options["draft-confidence"])
+def _built_once(kind: str, options: dict, shared: dict | None, build):
+    """A trained drafter of its own for this sequence; with `shared` (a batch's: one dict for all its sequences)
+    the weights are loaded and packed once and each call gets a `sibling` over them."""
+    if shared is None:
+        return build()
+    key = (kind, options["trained"], options["draft-confidence"])
+    if key not in shared:
+        shared[key] = build()
+    return shared[key].sibling()
 
 
-def _build_eagle(options: dict, target_model=None, **_resources) -> Drafter:
-    trained = _trained("eagle", options, target_model)
-    return EagleDrafter(target_model, trained.module, trained.vocab_ids, min_confidence=options["draft-confidence"])
+def _build_medusa(options: dict, target_model=None, shared=None, **_resources) -> Drafter:
+    def build():
+        trained = _trained("medusa", options, target_model)
+        return MedusaDrafter(target_model, trained.module, trained.vocab_ids, options["draft-confidence"])
+    return _built_once("medusa", options, shared, build)
+
+
+def _build_eagle(options: dict, target_model=None, shared=None, **_resources) -> Drafter:
+    def build():
+        trained = _trained("eagle", options, target_model)
+        return EagleDrafter(target_model, trained.module, trained.vocab_ids, options["draft-confidence"])
+    return _built_once("eagle", options, shared, build)
 
 
 CONFIDENCE = Option(DEFAULT_MIN_CONFIDENCE, "stop a draft once the drafter's own estimate that the whole draft is "
@@ -203,7 +218,8 @@ def check_drafter(name: str, options: dict[str, Any] | None = None) -> dict[str,
 
 def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) -> Drafter:
     """Build drafter `name` (parts joined by `+`) with `options` over the defaults, from the given
-    resources (`draft_model=`, `target_model=`)."""
+    resources (`draft_model=`, `target_model=`, and `shared=`: a dict a batch passes with every sequence's build, in
+    which trained drafters keep the weights they load once for all)."""
     filled = check_drafter(name, options)
     drafters = [DRAFTERS[part].build(filled, **resources) for part in drafter_parts(name)]
     composed = drafters[-1]

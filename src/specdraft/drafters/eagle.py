@@ -35,6 +35,10 @@ class EagleDrafter(FeatureDrafter):
         self.model = model
         self.run_in_int4(self.model)
         self.embed = target.model.get_input_embeddings()
+        self.begin_state()
+
+    def begin_state(self) -> None:
+        self.model = self.model.with_own_cache()
         self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
         self._real = 0  # cache entries built from the target's own features
 

@@ -3,6 +3,8 @@ and score tokens through the target's own LM head restricted to their vocabulary
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdraft.drafters.base import DraftContext, Drafter
@@ -34,6 +36,17 @@ class FeatureDrafter(Drafter):
         self.vocab_head = target_subset_head(target, vocab_ids)
         self.dtype = self.vocab_head.inner.weight.dtype  # what features are cast to (kept when the head goes int4)
         self.min_confidence = min_confidence
+
+    def sibling(self) -> "FeatureDrafter":
+        """A drafter for another sequence (of a batch) over the same trained weights and vocabulary head, with a
+        state of its own: the weights are loaded and packed once, however many sequences draft with them."""
+        twin = copy.copy(self)
+        twin.begin_state()
+        return twin
+
+    def begin_state(self) -> None:
+        """Make the drafter's per-sequence state its own and empty (what `begin` clears; `sibling` calls it)."""
+        raise NotImplementedError
 
     def run_in_int4(self, module: torch.nn.Module) -> None:
         """On the CPU, swap the linears of `module` (the trained weights) and of the vocabulary head for int4

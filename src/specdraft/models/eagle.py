@@ -15,6 +15,7 @@ without the cache.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 
@@ -75,6 +76,12 @@ class EagleDrafterModel(nn.Module):
         self.reset_cache(0)
 
     # ----- the cache ---------------------------------------------------------------------
+    def with_own_cache(self) -> "EagleDrafterModel":
+        """These weights (shared, not copied) with an empty cache of their own: one per sequence drafting."""
+        twin = copy.copy(self)
+        twin.reset_cache(0)
+        return twin
+
     def reset_cache(self, capacity: int) -> None:
         """An empty cache of `capacity` positions (grown on demand)."""
         self._keys = self._values = None

@@ -45,7 +45,6 @@ class ServerSettings:
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
     max_batch: int = 1  # sequences generating together (continuous batching); 1: one request at a time
     kv_budget: int | None = None  # bytes of KV cache the batch's sequences may reserve together; None: unbounded
-    batch_note: str | None = None  # why the server runs one request at a time though batching was not turned off
 
 
 class ClientGone(Exception):

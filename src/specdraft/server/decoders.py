@@ -40,6 +40,7 @@ class DecoderPool:
         self.tree_budget, self.tree_branch = tree_budget, tree_branch
         self.default = self.resolve(drafter, k)
         self._decoders: dict[DecoderKey, SpeculativeDecoder] = {}
+        self._shared: dict = {}  # trained drafters' weights, loaded once for a batch's sequences (`make_drafter`)
 
     def drafters(self) -> list[str]:
         """The drafter names this server can build (`none` included; bench-only tools never); trained ones still
@@ -63,16 +64,6 @@ class DecoderPool:
         policy = make_policy(k, self.tree_budget)  # k < 1 or not a number fails here
         return DecoderKey(drafter, policy.k if isinstance(policy, FixedK) else AUTO)
 
-    def batch_obstacle(self) -> str | None:
-        """Why the server's default speculation cannot run in a batch (None: it can): a drafter that reads the
-        target's features, whose trained weights a batch would load again for every sequence."""
-        make = self.drafter_factory(self.default)
-        drafter = make() if make is not None else None
-        if drafter is not None and drafter.needs_features:
-            return (f"the {self.default.drafter!r} drafter's trained weights would be loaded for every sequence of a "
-                    "batch")
-        return None
-
     def _options_for(self, drafter: str) -> dict[str, Any]:
         """The server's drafter options that `drafter` takes (they serve several drafters)."""
         known = drafter_options(drafter)
@@ -80,7 +71,8 @@ class DecoderPool:
 
     def drafter_factory(self, key: DecoderKey) -> Callable[[], Drafter] | None:
         """What makes a fresh drafter for one sequence of a batch under `key` (None: plain decoding); a draft
-        model gets a cache of its own over the loaded weights each time (engine thread only)."""
+        model gets a cache of its own over the loaded weights each time, a trained drafter a state of its own over
+        weights loaded once (`make_drafter`'s `shared`; engine thread only)."""
         if key.drafter == PLAIN:
             return None
         options = self._options_for(key.drafter)
@@ -88,7 +80,7 @@ class DecoderPool:
 
         def make() -> Drafter:
             own = None if draft is None else CausalLM(draft.model, draft.tokenizer, name=draft.name)
-            return make_drafter(key.drafter, options, draft_model=own, target_model=self.target)
+            return make_drafter(key.drafter, options, draft_model=own, target_model=self.target, shared=self._shared)
 
         return make
 

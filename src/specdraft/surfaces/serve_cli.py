@@ -35,11 +35,10 @@ def serve(
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
                                          help="On shutdown, seconds the running generation may take to finish."),
     seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
-    max_batch: Optional[int] = typer.Option(
-        None, "--max-batch", min=1,
-        help="Sequences that generate together, each step one target pass over all (continuous batching; chains "
-             f"and trees). 1: one request at a time. Default: {DEFAULT_MAX_BATCH}, or 1 where the drafter reads the "
-             "target's features (eagle, medusa: their trained weights would be loaded for every sequence)."),
+    max_batch: int = typer.Option(
+        DEFAULT_MAX_BATCH, "--max-batch", min=1,
+        help="Sequences that generate together, each step one target pass over all (continuous batching; every "
+             "drafter, chains and trees). 1: one request at a time."),
     kv_budget_mb: Optional[float] = typer.Option(
         None, "--kv-budget-mb", min=0.0,
         help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
@@ -66,17 +65,13 @@ def serve(
     if settings.max_batch > 1:
         room = "no KV budget" if settings.kv_budget is None else f"a KV budget of {megabytes(settings.kv_budget)}"
         err.print(f"batching up to {settings.max_batch} sequences, {room}", highlight=False)
-    elif settings.batch_note:
-        err.print(f"one request at a time: {settings.batch_note}", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, max_batch=None, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
+              max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, dtype, device, gguf_weights, **flags):
-    """Load the models as `generate` does and build the app (SpecdraftError for a bad option); `max_batch` None:
-    DEFAULT_MAX_BATCH where the default speculation runs in a batch, else 1 (`app.state.settings.batch_note` says
-    why)."""
+    """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
     from specdraft.engine import check_tree_options
     from specdraft.policy import make_policy
     from specdraft.server import DecoderPool, ServerSettings, create_app
@@ -89,19 +84,12 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                                       gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
     pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
                        tree_branch=tree_branch)
-    batch_note = None
-    if max_batch is None:
-        batch_note = pool.batch_obstacle()
-        max_batch = DEFAULT_MAX_BATCH if batch_note is None else 1
-    elif max_batch > 1 and pool.batch_obstacle() is not None:
-        raise SpecdraftError(f"Batched serving (--max-batch > 1) cannot run this: {pool.batch_obstacle()}; choose "
-                             "another drafter or serve with --max-batch 1.")
     kv_budget = (default_kv_budget(target_lm.device) if kv_budget_mb is None
                  else int(kv_budget_mb * (1 << 20)) if kv_budget_mb > 0 else None)
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
                               shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
-                              max_batch=max_batch, kv_budget=kv_budget, batch_note=batch_note)
+                              max_batch=max_batch, kv_budget=kv_budget)
     return create_app(pool, settings)
 
 
