@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[models,dev,browser]'
+	$(PY) -m pip install -q -e '.[models,dev,browser,ray]'
 	$(VENV)/bin/specdraft kernels
 	touch $@
 

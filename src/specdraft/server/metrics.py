@@ -90,6 +90,17 @@ class Metrics:
             if seconds > 0:
                 self.batch_goodput.observe(committed / seconds)
 
+    def totals(self) -> dict[str, float]:
+        """The main figures now, for a collector outside the process (`surfaces.scale_out`): counts since start
+        (`*_total`), α, τ, and the queue and running gauges."""
+        with self._lock:
+            return {"requests_total": sum(self.requests.values()), "prompt_tokens_total": self.prompt_tokens,
+                    "generation_tokens_total": self.completion_tokens, "steps_total": self.steps,
+                    "draft_tokens_total": self.drafted, "accepted_tokens_total": self.accepted,
+                    "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                    "mean_committed_per_step": self.completion_tokens / self.steps if self.steps else 0.0,
+                    "queue_depth": self._queue_depth(), "requests_running": self._in_flight()}
+
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
         with self._lock:

@@ -47,14 +47,38 @@ def serve(
     max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
                                       help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
                                            "a larger one gets 413 before it is read."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads (with --ray: of each replica, default 1; else torch's)."),
+    ray: bool = typer.Option(False, "--ray", help="Serve on Ray Serve, in replicas that each load the models once "
+                             "(needs the `ray` extra; docs/scale-out.md)."),
+    replicas: int = typer.Option(1, "--replicas", min=1, help="With --ray: how many replicas."),
+    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", min=0,
+                                               help="With --ray: autoscale from this many replicas (with --max-replicas)."),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", min=1,
+                                               help="With --ray: autoscale up to this many replicas."),
+    target_ongoing: Optional[float] = typer.Option(
+        None, "--target-ongoing", help="With --ray and autoscaling: ongoing requests per replica Ray aims at "
+                                       "(default: --max-batch)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address",
+                                              help="With --ray: join this Ray cluster (HOST:PORT of `ray start --head`; "
+                                                   "default: start a local one)."),
+    ray_metrics_port: int = typer.Option(8080, "--ray-metrics-port", min=0, max=65535,
+                                         help="With --ray and a local cluster: the port of Ray's Prometheus metrics."),
     **model_options,
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a playground at /."""
+    options = dict(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
+                   request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace, seed=seed,
+                   max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb, **model_options)
     try:
-        app = build_app(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
-                        request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace,
-                        seed=seed, max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb,
-                        **model_options)
+        if ray:
+            return serve_on_ray(options, host, port, threads, replicas, min_replicas, max_replicas, target_ongoing,
+                                ray_address, ray_metrics_port)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        app = build_app(**options)
     except SpecdraftError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False)
         raise typer.Exit(2)
@@ -68,18 +92,44 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
+def serve_on_ray(options: dict, host: str, port: int, threads: int | None, replicas: int, min_replicas: int | None,
+                 max_replicas: int | None, target_ongoing: float | None, address: str | None,
+                 metrics_port: int) -> None:
+    """`serve --ray`: check the options here, then deploy the app on Ray Serve (`scale_out`) until interrupted."""
+    from specdraft.surfaces import scale_out
+
+    scale_out.import_ray()  # a clear error before anything starts
+    scale = scale_out.Scale(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                            target_ongoing=target_ongoing or options["max_batch"], threads=threads or 1,
+                            max_ongoing=options["max_batch"] + options["max_queue"])
+    check_speculation(options["k"], options["tree_budget"], options["tree_branch"],
+                      {name: options[name] for name in flag_names()})
+    err.print(f"starting {scale.describe()} on Ray Serve", highlight=False)
+    metrics = "" if address else f"; Ray's metrics on http://127.0.0.1:{metrics_port}/metrics"
+    scale_out.run(options, scale, host, port, address, metrics_port, ready=lambda: err.print(
+        f"serving on http://{host}:{port} (playground at /){metrics}", highlight=False))
+
+
+def check_speculation(k, tree_budget: int, tree_branch: int, flags: dict) -> dict:
+    """What `build_app` checks before it loads anything (a SpecdraftError naming the option): the speculation
+    options, and the drafters' flags, returned as the drafters' options."""
+    from specdraft.engine import check_tree_options
+    from specdraft.policy import make_policy
+    from specdraft.surfaces.model_setup import drafter_flags
+
+    check_tree_options(tree_budget, tree_branch)
+    make_policy(k, tree_budget)
+    return drafter_flags(**flags)
+
+
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
               max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, dtype, device, gguf_weights, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
-    from specdraft.engine import check_tree_options
-    from specdraft.policy import make_policy
     from specdraft.server import DecoderPool, ServerSettings, create_app
-    from specdraft.surfaces.model_setup import drafter_flags, load_models
+    from specdraft.surfaces.model_setup import load_models
 
-    check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
-    make_policy(k, tree_budget)
-    options = drafter_flags(**flags)
+    options = check_speculation(k, tree_budget, tree_branch, flags)  # bad options fail before any loading
     target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
                                       gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
     pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
