@@ -10,7 +10,7 @@ import httpx
 import openai
 import uvicorn
 
-from specdraft.surfaces.serve_cli import build_app
+from specdraft.surfaces.server_app import build_app
 
 
 def make_app(dirs, **overrides):

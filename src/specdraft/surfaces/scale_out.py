@@ -6,7 +6,7 @@ specdraft serve --ray --min-replicas 1 --max-replicas 4           # autoscaled b
 specdraft serve --ray --ray-address HEAD_IP:6379 --replicas 4     # a cluster made with `ray start --head` / `--address`
 ```
 
-Each replica builds the very app `specdraft serve` builds (`serve_cli.build_app`, run by `serve.ingress` on the
+Each replica builds the very app `specdraft serve` builds (`server_app.build_app`, run by `serve.ingress` on the
 replica as it starts), so the API, streaming, the playground, `/health`, `/metrics` (that replica's) and the API key
 work as on one machine; Ray's HTTP proxy spreads the requests over the replicas. Each response names the replica
 that answered it (`x-specdraft-replica`), and each replica mirrors its speculation figures into Ray's metrics
@@ -160,7 +160,7 @@ class Replica:
         import torch
         from ray import serve
 
-        from specdraft.surfaces.serve_cli import build_app
+        from specdraft.surfaces.server_app import build_app
 
         torch.set_num_threads(self.threads)
         app = build_app(**self.app_options)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
-from specdraft.batch_engine import DEFAULT_MAX_BATCH, default_kv_budget, megabytes
+from specdraft.batch_engine import DEFAULT_MAX_BATCH, megabytes
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.model_setup import flag_names
+from specdraft.surfaces.server_app import build_app, check_speculation
 
 err = Console(stderr=True, soft_wrap=True)
 
@@ -108,39 +108,6 @@ def serve_on_ray(options: dict, host: str, port: int, threads: int | None, repli
     metrics = "" if address else f"; Ray's metrics on http://127.0.0.1:{metrics_port}/metrics"
     scale_out.run(options, scale, host, port, address, metrics_port, ready=lambda: err.print(
         f"serving on http://{host}:{port} (playground at /){metrics}", highlight=False))
-
-
-def check_speculation(k, tree_budget: int, tree_branch: int, flags: dict) -> dict:
-    """What `build_app` checks before it loads anything (a SpecdraftError naming the option): the speculation
-    options, and the drafters' flags, returned as the drafters' options."""
-    from specdraft.engine import check_tree_options
-    from specdraft.policy import make_policy
-    from specdraft.surfaces.model_setup import drafter_flags
-
-    check_tree_options(tree_budget, tree_branch)
-    make_policy(k, tree_budget)
-    return drafter_flags(**flags)
-
-
-def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
-              draft_vocab, dtype, device, gguf_weights, **flags):
-    """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
-    from specdraft.server import DecoderPool, ServerSettings, create_app
-    from specdraft.surfaces.model_setup import load_models
-
-    options = check_speculation(k, tree_budget, tree_branch, flags)  # bad options fail before any loading
-    target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
-                                      gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
-    pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
-                       tree_branch=tree_branch)
-    kv_budget = (default_kv_budget(target_lm.device) if kv_budget_mb is None
-                 else int(kv_budget_mb * (1 << 20)) if kv_budget_mb > 0 else None)
-    settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
-                              max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
-                              shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
-                              max_batch=max_batch, kv_budget=kv_budget)
-    return create_app(pool, settings)
 
 
 def with_generate_options(generate):
