@@ -19,6 +19,7 @@ server's `--shutdown-grace`.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -179,12 +180,16 @@ def application(app_options: dict[str, Any], scale: Scale):
 def run(app_options: dict[str, Any], scale: Scale, host: str, port: int, address: str | None,
         metrics_port: int | None = None, ready=None) -> None:
     """Deploy on Ray Serve (a local cluster started here, or the one at `address`), call `ready()` once every replica
-    answers, and serve until interrupted; then the application is deleted (its replicas drain) and a local cluster
-    stops. A replica that fails to start (a model that does not load) is a SpecdraftError with Ray's reason."""
+    answers, and serve until interrupted (Ctrl-C, SIGINT or SIGTERM); then the application is deleted (its replicas
+    drain) and a local cluster stops. A replica that fails to start (a model that does not load) is a SpecdraftError
+    with Ray's reason."""
     ray, serve = import_ray()
     init: dict[str, Any] = {"address": address, "namespace": APP_NAME}
     if address is None and metrics_port is not None:
         init["_metrics_export_port"] = metrics_port
+    stop = threading.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):  # a service manager stops with SIGTERM; a background job may
+        signal.signal(number, lambda *_: stop.set())  # have SIGINT ignored
     ray.init(**init)
     try:
         serve.start(http_options={"host": host, "port": port})
@@ -194,10 +199,8 @@ def run(app_options: dict[str, Any], scale: Scale, host: str, port: int, address
             raise SpecdraftError(f"The replicas did not start: {error}") from None
         if ready is not None:
             ready()
-        while True:
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
         serve.delete(APP_NAME)
         ray.shutdown()
