@@ -55,6 +55,15 @@ def test_serve_with_ray_refuses_bad_options_before_starting_anything(tiny_model_
         assert result.exit_code == 2 and says in result.output, result.output
 
 
+def test_a_taken_metrics_port_is_refused_with_the_option_to_change():
+    from specdraft.surfaces.scale_out import check_port_free
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        with pytest.raises(SpecdraftError, match="--ray-metrics-port"):
+            check_port_free(taken.getsockname()[1], "--ray-metrics-port")
+
+
 def test_the_replica_header_names_the_replica_on_every_response(tiny_model_dirs):
     from fastapi.testclient import TestClient
 
@@ -66,6 +75,9 @@ def test_the_replica_header_names_the_replica_on_every_response(tiny_model_dirs)
 
 
 # ---- a local Ray cluster ------------------------------------------------------------------------------------------
+
+KEY = "sesame"  # the cluster's API key
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -86,7 +98,7 @@ def cluster(tiny_model_dirs):
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        options = dict(api_key=None, served_model_name="tiny", max_queue=64, request_timeout=60.0, max_tokens=16,
+        options = dict(api_key=KEY, served_model_name="tiny", max_queue=64, request_timeout=60.0, max_tokens=16,
                        shutdown_grace=2.0, seed=0, max_body_mb=2.0, max_batch=4, kv_budget_mb=None,
                        target=str(tiny_model_dirs["target"]), draft=str(tiny_model_dirs["draft"]), drafter="model",
                        k="3", tree_budget=0, tree_branch=4, draft_quant="none", draft_vocab=0, dtype="float32",
@@ -105,7 +117,7 @@ def chat(url: str, prompt: str, stream: bool, timeout: float = 60.0, max_tokens:
     """(the answer, the replica that gave it) through the openai client."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, timeout=timeout, max_retries=0)
     call = client.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
         stream=stream)
@@ -137,14 +149,18 @@ def replica_pids() -> list[int]:
 def test_the_api_through_ray_answers_from_both_replicas_as_one_server(cluster, tiny_model_dirs):
     from live_server import Live
 
-    with Live(make_app(tiny_model_dirs, max_batch=1, served_model_name="tiny")) as alone:
+    with Live(make_app(tiny_model_dirs, max_batch=1, served_model_name="tiny", api_key=KEY)) as alone:
         expected = {p: chat(alone.url, p, False)[0] for p in ("hello there", "the quick brown fox")}
     jobs = [(p, stream) for p in expected for stream in (False, True)] * 4
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda job: chat(cluster["url"], *job), jobs))
     assert all(text == expected[prompt] for (prompt, _), (text, _) in zip(jobs, answers))
     assert len({replica for _, replica in answers}) == 2  # spread over both
-    assert httpx.get(f"{cluster['url']}/health").json()["status"] == "ok"
+    assert httpx.get(f"{cluster['url']}/health").json()["status"] == "ok"  # as on one machine: health, the
+    assert "<html" in httpx.get(f"{cluster['url']}/").text.lower()  # playground, the API key, the app's metrics
+    assert httpx.get(f"{cluster['url']}/v1/models").status_code == 401
+    assert "specdraft_generation_tokens_total" in httpx.get(f"{cluster['url']}/metrics",
+                                                            headers={"Authorization": f"Bearer {KEY}"}).text
     deadline, seen = time.monotonic() + 60, set()
     while time.monotonic() < deadline and len(seen) < 2:  # each replica's figures, labelled by replica
         lines = httpx.get(cluster["metrics"]).text.splitlines()

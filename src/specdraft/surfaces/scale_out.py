@@ -20,6 +20,7 @@ server's `--shutdown-grace`.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -177,6 +178,16 @@ def application(app_options: dict[str, Any], scale: Scale):
     return deployment.bind(app_options, scale.threads)
 
 
+def check_port_free(port: int, option: str) -> None:
+    """A SpecdraftError naming `option` when `port` is taken (Ray's own error is a start-up timeout)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            raise SpecdraftError(f"Port {port} is in use: a Ray cluster stopped in the last minute keeps its agents "
+                                 f"on it for up to a minute. Wait, or pass another {option}.") from None
+
+
 def run(app_options: dict[str, Any], scale: Scale, host: str, port: int, address: str | None,
         metrics_port: int | None = None, ready=None) -> None:
     """Deploy on Ray Serve (a local cluster started here, or the one at `address`), call `ready()` once every replica
@@ -186,6 +197,7 @@ def run(app_options: dict[str, Any], scale: Scale, host: str, port: int, address
     ray, serve = import_ray()
     init: dict[str, Any] = {"address": address, "namespace": APP_NAME}
     if address is None and metrics_port is not None:
+        check_port_free(metrics_port, "--ray-metrics-port")
         init["_metrics_export_port"] = metrics_port
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):  # a service manager stops with SIGTERM; a background job may
