@@ -22,8 +22,9 @@ from specdraft.surfaces.scale_out import REPLICA_HEADER, ReplicaHeader, Scale, i
 
 
 def test_a_scale_is_checked_and_turned_into_deployment_options():
-    fixed = Scale(replicas=2, threads=1, max_ongoing=72).deployment_options()
+    fixed = Scale(replicas=2, threads=1, max_ongoing=72, drain_seconds=12.5).deployment_options()
     assert fixed["num_replicas"] == 2 and fixed["max_ongoing_requests"] == 72 and "autoscaling_config" not in fixed
+    assert fixed["graceful_shutdown_timeout_s"] == 12.5
     assert fixed["ray_actor_options"] == {"num_cpus": 1, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
     auto = Scale(min_replicas=1, max_replicas=4, target_ongoing=8, threads=2).deployment_options()
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
@@ -40,7 +41,7 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
         import_ray()
 
 
-def test_serve_with_ray_refuses_bad_options_before_starting_anything(tiny_model_dirs, monkeypatch):
+def test_serve_with_ray_checks_its_options_then_deploys_them(tiny_model_dirs, monkeypatch):
     from typer.testing import CliRunner
 
     from specdraft.surfaces import scale_out
@@ -53,6 +54,14 @@ def test_serve_with_ray_refuses_bad_options_before_starting_anything(tiny_model_
                       (["--k", "zero"], "--k")):
         result = CliRunner().invoke(app, ["serve", "--ray", *target, *bad])
         assert result.exit_code == 2 and says in result.output, result.output
+    deployed = []
+    monkeypatch.setattr(scale_out, "run", lambda options, scale, *rest, **kw: deployed.append((options, scale)))
+    result = CliRunner().invoke(app, ["serve", "--ray", *target, "--replicas", "3", "--threads", "2",
+                                      "--max-batch", "4", "--max-queue", "10", "--shutdown-grace", "7"])
+    assert result.exit_code == 0, result.output
+    [(options, scale)] = deployed  # the server's options go to every replica; the scale follows them
+    assert options["max_batch"] == 4 and options["target"] == str(tiny_model_dirs["target"])
+    assert (scale.replicas, scale.threads, scale.max_ongoing, scale.drain_seconds) == (3, 2, 14, 12.0)
 
 
 def test_a_taken_metrics_port_is_refused_with_the_option_to_change():

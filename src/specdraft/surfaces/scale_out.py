@@ -48,7 +48,8 @@ def import_ray() -> tuple[Any, Any]:
 class Scale:
     """How many replicas and how big: `replicas` of them, or autoscaling between `min_replicas` and `max_replicas`
     towards `target_ongoing` requests per replica; each replica runs `threads` CPU threads (and asks Ray for as
-    many CPUs) and takes up to `max_ongoing` requests at once (its batch and queue: past them it answers 429)."""
+    many CPUs) and takes up to `max_ongoing` requests at once (its batch and queue: past them it answers 429). A
+    replica being stopped has `drain_seconds` to finish its requests (the server's shutdown grace, and a margin)."""
 
     replicas: int = 1
     min_replicas: int | None = None
@@ -56,6 +57,7 @@ class Scale:
     target_ongoing: float = 8.0
     threads: int = 1
     max_ongoing: int = 72
+    drain_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -77,6 +79,7 @@ class Scale:
         """The options of `serve.deployment` this scale asks for."""
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing,
+            "graceful_shutdown_timeout_s": self.drain_seconds,
             "ray_actor_options": {"num_cpus": self.threads,
                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(self.threads)}}},
         }

@@ -92,6 +92,9 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
+DRAIN_MARGIN_SECONDS = 5.0  # Ray waits this long past --shutdown-grace before it kills a replica being stopped
+
+
 def serve_on_ray(options: dict, host: str, port: int, threads: int | None, replicas: int, min_replicas: int | None,
                  max_replicas: int | None, target_ongoing: float | None, address: str | None,
                  metrics_port: int) -> None:
@@ -101,7 +104,8 @@ def serve_on_ray(options: dict, host: str, port: int, threads: int | None, repli
     scale_out.import_ray()  # a clear error before anything starts
     scale = scale_out.Scale(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
                             target_ongoing=target_ongoing or options["max_batch"], threads=threads or 1,
-                            max_ongoing=options["max_batch"] + options["max_queue"])
+                            max_ongoing=options["max_batch"] + options["max_queue"],
+                            drain_seconds=options["shutdown_grace"] + DRAIN_MARGIN_SECONDS)
     check_speculation(options["k"], options["tree_budget"], options["tree_branch"],
                       {name: options[name] for name in flag_names()})
     err.print(f"starting {scale.describe()} on Ray Serve", highlight=False)
