@@ -226,3 +226,27 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_ray_starts_anothe
     while time.monotonic() < deadline and len(replicas) < 2:
         replicas.add(chat(cluster["url"], "hello there", False)[1])
     assert len(replicas) == 2
+
+
+@pytest.mark.slow
+def test_deleting_the_application_drains_a_request_in_flight(cluster):
+    """Last in this module (it deletes the deployment): a stream that has begun when the application is deleted
+    still ends with its finish_reason, as Ray stops routing to the replica and waits for its requests."""
+    import threading
+
+    import openai
+    from ray import serve
+
+    from specdraft.surfaces.scale_out import APP_NAME
+
+    client = openai.OpenAI(base_url=f"{cluster['url']}/v1", api_key=KEY, timeout=60, max_retries=0)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count on"}],
+                                            max_tokens=96, temperature=0.0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)  # the request is running on a replica now
+    deleting = threading.Thread(target=serve.delete, args=(APP_NAME,))
+    deleting.start()
+    rest = [chunk for chunk in chunks if chunk.choices]
+    deleting.join(60)
+    assert first is not None and rest and rest[-1].choices[0].finish_reason in ("length", "stop")
+    assert not deleting.is_alive()
