@@ -125,7 +125,7 @@ class MetricsMirror:
 
         self.metrics, self.interval = metrics, interval
         self._counters, self._gauges, self._sent = {}, {}, {}
-        for name, value in metrics.totals().items():
+        for name in metrics.totals():
             described = f"specdraft's {name.replace('_', ' ')} on this replica"
             if name.endswith("_total"):
                 self._counters[name] = ray_metrics.Counter(f"specdraft_{name.removesuffix('_total')}", described)
