@@ -150,6 +150,11 @@ class _Sequence:
     k: int | None  # fixed, or None: chosen by the goodput rule
     kv_bytes: int = 0  # the cache memory reserved for it (`BatchedDecoder.kv_need`)
 
+    @property
+    def reads_features(self) -> bool:
+        """Whether its drafter reads the target's final hidden states (`Drafter.features`)."""
+        return self.drafter is not None and self.drafter.needs_features
+
 
 @dataclass
 class _Joining:
@@ -306,8 +311,7 @@ class BatchedDecoder:
                 self.failed.append((seq.ident, error))
 
     def _read_chunk(self, joining: _Joining, chunk: torch.Tensor) -> None:  # chunk: [n]
-        drafter = joining.sequence.drafter
-        features = drafter is not None and drafter.needs_features
+        features = joining.sequence.reads_features
         states = self._reader.prefill(chunk.unsqueeze(0), hidden=features)  # [n, H] or None
         if features:
             joining.features.append(states)
@@ -327,7 +331,7 @@ class BatchedDecoder:
         self.joining.pop(0)
         if seq.drafter is not None:
             seq.drafter.begin(seq.run.sequence)
-            if seq.drafter.needs_features:
+            if seq.reads_features:
                 hidden = target.config.hidden_size
                 seq.drafter.features(torch.cat(joining.features) if joining.features else
                                      torch.zeros(0, hidden, dtype=target.dtype, device=target.device))
@@ -526,12 +530,12 @@ class BatchedDecoder:
             if tree is not None:
                 visible[start : start + block.shape[0], cached + start : cached + start + block.shape[0]] = tree[1]
             start += block.shape[0]
-        features = any(seq.drafter is not None and seq.drafter.needs_features for seq in stepping)
+        features = any(seq.reads_features for seq in stepping)
         scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
                                 offsets=positions - cached, visible=visible)
         logits = scored.logits[0]  # [T, V]
         events, kept_rows, start = [], [], 0
-        verdicts, rows_of, paths = [], [], []
+        verdicts, rows_of, paths, decided_by = [], [], [], []
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width, tree, run = block.shape[0], draft.layout, seq.run
             rows_of.append(logits[start : start + width])  # [k + 1, V]
@@ -544,17 +548,19 @@ class BatchedDecoder:
             bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
             verdicts.append((num_accepted, next_token, bonus))
             paths.append(path)
-            kept_rows += [start] + [start + 1 + node for node in path]  # in the pass: its last and accepted rows
-            if seq.drafter is not None and seq.drafter.needs_features:  # the kept rows' states, before commit
-                seq.drafter.features(scored.hidden_states[0][[start] + [start + 1 + node for node in path]])
+            decided_by.append([0] + [1 + node for node in path])  # in the block: its last and the path's rows
+            in_pass = [start + row for row in decided_by[-1]]
+            kept_rows += in_pass
+            if seq.reads_features:  # the kept rows' states, before commit
+                seq.drafter.features(scored.hidden_states[0][in_pass])
             start += width
         pass_seconds = time.perf_counter() - t1
         self.costs.time_pass(tokens.shape[0], pass_seconds)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner += [seq.ident for seq, path in zip(stepping, paths) for _ in range(1 + len(path))]
+        self.row_owner += [seq.ident for seq, kept in zip(stepping, decided_by) for _ in kept]
         finished = []
-        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, seconds, rows in zip(
-                stepping, drafts, plans, verdicts, paths, draft_seconds, rows_of):
+        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, seconds, rows, kept in zip(
+                stepping, drafts, plans, verdicts, paths, draft_seconds, rows_of, decided_by):
             run, k = seq.run, draft.k
             prev_len = run.sequence.shape[0]
             if k > 0:
@@ -568,7 +574,7 @@ class BatchedDecoder:
                                   pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
             if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
-                add_logprobs(event, rows[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
+                add_logprobs(event, rows[kept[: len(event.token_ids)]], run.logprobs)
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)

@@ -35,12 +35,13 @@ class EagleDrafter(FeatureDrafter):
         self.model = model
         self.run_in_int4(self.model)
         self.embed = target.model.get_input_embeddings()
-        self.begin_state()
-
-    def begin_state(self) -> None:
-        self.model = self.model.with_own_cache()
         self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
         self._real = 0  # cache entries built from the target's own features
+
+    def sibling(self) -> "EagleDrafter":
+        twin = super().sibling()
+        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending features its own
+        return twin
 
     def begin(self, prompt: torch.Tensor) -> None:
         self.model.reset_cache(prompt.shape[0] + 256)

@@ -38,15 +38,11 @@ class FeatureDrafter(Drafter):
         self.min_confidence = min_confidence
 
     def sibling(self) -> "FeatureDrafter":
-        """A drafter for another sequence (of a batch) over the same trained weights and vocabulary head, with a
-        state of its own: the weights are loaded and packed once, however many sequences draft with them."""
-        twin = copy.copy(self)
-        twin.begin_state()
-        return twin
-
-    def begin_state(self) -> None:
-        """Make the drafter's per-sequence state its own and empty (what `begin` clears; `sibling` calls it)."""
-        raise NotImplementedError
+        """A drafter for another sequence (of a batch) over the same trained weights and vocabulary head: the
+        weights are loaded and packed once, however many sequences draft with them. Its state is its own once
+        `begin` sets it, which every request does first; a drafter that keeps state in its weights' module (a
+        cache) makes that its own here."""
+        return copy.copy(self)
 
     def run_in_int4(self, module: torch.nn.Module) -> None:
         """On the CPU, swap the linears of `module` (the trained weights) and of the vocabulary head for int4

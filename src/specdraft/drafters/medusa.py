@@ -47,9 +47,6 @@ class MedusaDrafter(FeatureDrafter):
         super().__init__(target, heads.config.hidden_size, vocab_ids, min_confidence)
         self.heads = heads
         self.run_in_int4(self.heads)
-        self.begin_state()
-
-    def begin_state(self) -> None:
         self._feature: torch.Tensor | None = None  # [H] the newest target feature
 
     def begin(self, prompt: torch.Tensor) -> None:

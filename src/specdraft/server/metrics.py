@@ -103,6 +103,7 @@ class Metrics:
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""
+        totals = self.totals()
         with self._lock:
             lines: list[str] = []
 
@@ -122,9 +123,9 @@ class Metrics:
             metric("specdraft_draft_tokens_total", "counter", "Draft tokens proposed.", [("", self.drafted)])
             metric("specdraft_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", self.accepted)])
             metric("specdraft_acceptance_rate", "gauge", "alpha: accepted / drafted since start.",
-                   [("", self.accepted / self.drafted if self.drafted else 0.0)])
+                   [("", totals["acceptance_rate"])])
             metric("specdraft_mean_committed_per_step", "gauge", "tau: generated tokens / steps since start.",
-                   [("", self.completion_tokens / self.steps if self.steps else 0.0)])
+                   [("", totals["mean_committed_per_step"])])
             metric("specdraft_position_drafted_total", "counter", "Steps whose draft reached position p (1-based).",
                    [(f'{{position="{i + 1}"}}', n) for i, n in enumerate(self.drafted_at)])
             metric("specdraft_position_accepted_total", "counter", "Steps whose accepted path reached position p.",
@@ -141,9 +142,9 @@ class Metrics:
                    self.batch_drafted.samples())
             metric("specdraft_batch_goodput_tokens_per_second", "histogram",
                    "Per batched step: tokens committed / its time.", self.batch_goodput.samples())
-            metric("specdraft_queue_depth", "gauge", "Requests waiting for the engine.", [("", self._queue_depth())])
+            metric("specdraft_queue_depth", "gauge", "Requests waiting for the engine.", [("", totals["queue_depth"])])
             metric("specdraft_requests_running", "gauge", "Requests the engine is generating now.",
-                   [("", self._in_flight())])
+                   [("", totals["requests_running"])])
             if self._kv_cache is not None:
                 reserved, budget = self._kv_cache()
                 metric("specdraft_kv_cache_reserved_bytes", "gauge",
