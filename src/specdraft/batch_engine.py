@@ -50,6 +50,10 @@ Trees: with a `tree_budget` each sequence's k counts nodes, as a single request'
 depths and each of its tokens sees its own ancestors (`TreeLayout.block_attention`), and the cache keeps its last
 token's row and the accepted path's. A drafter that reads the target's features gets them as alone: the prompt's
 from the chunks that read it, then each step the rows the pass kept, before its commit.
+
+Constraints (`constraints`): a sequence's drafter masks its q and its target rows are masked as alone; tokens the
+grammar alone decides are verified like any other here (the forced-token shortcut is the single decoder's), so
+the answer is the same, a pass later.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdraft.constraints import Constraint, start_grammar
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.engine import (DEFAULT_TREE_BRANCH, MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs,
                               check_tree_options, choose_source, sync_device)
@@ -127,6 +132,7 @@ class BatchRequest:
     make_drafter: Callable[[], Drafter] | None | str = DEFAULT_DRAFTER
     k: int | None = None
     logprobs: int | None = None
+    constraint: Constraint | None = None  # what the answer must match (`constraints`)
 
 
 @dataclass
@@ -215,6 +221,7 @@ class BatchedDecoder:
             raise SpecdraftError(f"The prompt has {len(ids)} tokens, but {target.name} holds {target.max_context}.")
         if request.k is not None and request.k < 1:
             raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
+        grammar = start_grammar(request.constraint, target)
         maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
         drafter = maker() if maker is not None else None
         need = self.kv_need(len(ids), request.max_new_tokens, drafter)
@@ -240,7 +247,7 @@ class BatchedDecoder:
         stats.prompt_tokens = len(ids)
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
-                       stats, time.perf_counter(), request.logprobs)
+                       stats, time.perf_counter(), request.logprobs, grammar)
         self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need)))
         return ident
 
@@ -379,10 +386,11 @@ class BatchedDecoder:
         depth = min(run.max_new_tokens - len(run.generated) - 1, room)  # the deepest a draft may go and be emitted
         if not self.tree_budget:
             limit = max(0, min(depth, seq.k or self.max_k))
-            return DraftContext(run.sequence, run.params, run.generator, run.seen, max_depth=limit), limit
+            return DraftContext(run.sequence, run.params, run.generator, run.seen, max_depth=limit,
+                                grammar=run.grammar), limit
         limit = min(self.tree_budget, room) if depth > 0 else 0
         return DraftContext(run.sequence, run.params, run.generator, run.seen, tree_branch=self.tree_branch,
-                            max_depth=min(depth, seq.k or seq.policy.max_depth)), limit
+                            max_depth=min(depth, seq.k or seq.policy.max_depth), grammar=run.grammar), limit
 
     def _stepping(self) -> list[_Sequence]:
         """The sequences this step advances: all, but at most one whose next token sits at position 0 (a one-token
@@ -488,10 +496,11 @@ class BatchedDecoder:
     @staticmethod
     def _trimmed(seq: _Sequence, draft: Draft, source: str | None) -> Draft:
         """The prefix of a scored draft (a tree, a `suffix` chain) worth verifying, by the sequence's own policy as
-        a single request trims it (a fixed k verifies all)."""
-        if draft.scores is None or seq.k is not None or not draft.k:
-            return draft
-        return draft.prefix(seq.policy.trim(draft.scores, source, draft.must_keep))
+        a single request trims it (a fixed k verifies all); under a constraint, without the point masses its grammar
+        forbids (as alone)."""
+        if draft.scores is not None and seq.k is None and draft.k:
+            draft = draft.prefix(seq.policy.trim(draft.scores, source, draft.must_keep))
+        return draft if seq.run.grammar is None else seq.run.grammar.cut(draft)
 
     def step(self) -> list[tuple[int, StepEvent]]:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
@@ -539,7 +548,8 @@ class BatchedDecoder:
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width, tree, run = block.shape[0], draft.layout, seq.run
             rows_of.append(logits[start : start + width])  # [k + 1, V]
-            p_target = target_rows(rows_of[-1], run.params, run.seen, block,
+            allowed = rows_of[-1] if run.grammar is None else run.grammar.mask_target_rows(rows_of[-1], draft)
+            p_target = target_rows(allowed, run.params, run.seen, block,
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
             num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
@@ -573,6 +583,8 @@ class BatchedDecoder:
                                   draft.layout.height if draft.layout is not None else k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+            if run.grammar is not None:
+                run.stats.mask_seconds = run.grammar.mask_seconds
             if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
                 add_logprobs(event, rows[kept[: len(event.token_ids)]], run.logprobs)
             events.append((seq.ident, event))

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specdraft.constraints import Constraint, GrammarState, start_grammar
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
@@ -37,8 +38,8 @@ DEFAULT_K = AUTO
 # Children per node of a tree draft when --tree-budget is set and --tree-branch is not.
 DEFAULT_TREE_BRANCH = 4
 
-# What happened to each emitted token.
-ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
+# What happened to each emitted token (FORCED: the constraint's grammar allowed nothing else; no pass decided it).
+ACCEPTED, RECOVERED, BONUS, TARGET, FORCED = "accepted", "recovered", "bonus", "target", "forced"
 MAX_TOP_LOGPROBS = 20  # alternatives per token a stream may ask for (OpenAI's limit)
 
 
@@ -47,7 +48,7 @@ class StepEvent:
     """What one step emitted: tokens, what happened to each, and the text they add."""
 
     token_ids: list[int]
-    kinds: list[str]  # ACCEPTED / RECOVERED / BONUS, or TARGET when nothing was drafted
+    kinds: list[str]  # ACCEPTED / RECOVERED / BONUS, or TARGET when nothing was drafted, or FORCED
     pieces: list[str]  # text each token adds (never splits a character, never shows part of a stop string)
     drafted: int
     accepted: int
@@ -110,6 +111,7 @@ class RunState:
     stats: GenerationStats
     started: float  # perf_counter() at the request's start
     logprobs: int | None
+    grammar: GrammarState | None = None  # the answer's constraint, where it has one
     generated: list[int] = field(default_factory=list)
 
     def full(self, context: int) -> bool:
@@ -117,12 +119,15 @@ class RunState:
         return len(self.generated) >= self.max_new_tokens or self.sequence.shape[0] >= context
 
     def extend(self, committed: list[int]) -> None:
-        """Append a step's emitted tokens to the sequence (and to what the repetition penalty has seen)."""
+        """Append a step's emitted tokens to the sequence (and to what the repetition penalty and the constraint
+        have seen)."""
         self.generated.extend(committed)
         tokens = self.sequence.new_tensor(committed)  # [n]
         self.sequence = torch.cat([self.sequence, tokens])
         if self.seen is not None:
             self.seen[tokens] = True
+        if self.grammar is not None:
+            self.grammar.commit(committed)
 
     def emit(self, k: int, accepted_tokens: list[int], next_token: int, bonus: bool, eos_ids: set[int],
              context: int) -> StepEvent:
@@ -130,13 +135,34 @@ class RunState:
         or a recovery) cut at EOS, a stop string or the budget, and return its event (finish_reason set on the
         last one)."""
         kinds = [ACCEPTED] * len(accepted_tokens) + [TARGET if k == 0 else BONUS if bonus else RECOVERED]
-        committed, texts, finish = self.text.cut(self.generated, accepted_tokens + [next_token], eos_ids)
+        return self._append(accepted_tokens + [next_token], kinds, k, len(accepted_tokens), eos_ids, context)
+
+    def force(self, eos_ids: set[int], context: int) -> StepEvent | None:
+        """Append the run of tokens the constraint's grammar alone decides (one legal token each: the masked
+        target's only choice), within the budget; None when the next token has a choice."""
+        room = min(self.max_new_tokens - len(self.generated), context - self.sequence.shape[0])
+        tokens: list[int] = []
+        while len(tokens) < room and (tokens[-1:] or [None])[0] not in eos_ids:
+            token = self.grammar.forced(tokens)
+            if token is None:
+                break
+            tokens.append(token)
+        if not tokens:
+            return None
+        event = self._append(tokens, [FORCED] * len(tokens), 0, 0, eos_ids, context)
+        self.stats.forced_tokens += len(event.token_ids)
+        return event
+
+    def _append(self, tokens: list[int], kinds: list[str], drafted: int, accepted: int, eos_ids: set[int],
+                context: int) -> StepEvent:
+        """Commit `tokens` (the first `accepted` of them draft tokens) cut at EOS, a stop string or the budget."""
+        committed, texts, finish = self.text.cut(self.generated, tokens, eos_ids)
         self.extend(committed)
         if finish is None and self.full(context):
             finish = "length"
         pieces = [self.text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
-        kept = min(len(accepted_tokens), len(committed))
-        return StepEvent(committed, kinds[: len(committed)], pieces, k, kept, finish)
+        kept = min(accepted, len(committed))
+        return StepEvent(committed, kinds[: len(committed)], pieces, drafted, kept, finish)
 
 
 def choose_source(drafter: Drafter, policy: FixedK | AutoK, ctx: DraftContext, limit: int, remaining: int,
@@ -209,12 +235,15 @@ class SpeculativeDecoder:
         chat: bool | None = None,
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[StepEvent]:
         """Generate step by step; each event carries the tokens and text one step committed.
 
         `stats` (optional) is filled in as the generation goes; `generate` returns it. `logprobs` N
         (0 to MAX_TOP_LOGPROBS) adds each token's log-probability and its N most likely alternatives
         to the events, read from the verification pass that decided the token (no extra pass).
+        `constraint`: the answer must match it (`constraints`); tokens its grammar alone decides come as
+        events of their own (kind FORCED, no pass), except with `logprobs`, where every token is scored.
         """
         params = sampling or SamplingParams()
         if max_new_tokens < 1:
@@ -228,6 +257,7 @@ class SpeculativeDecoder:
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt_ids)
         target, drafter, device = self.target, self.drafter, self.target.device
+        grammar = start_grammar(constraint, target)
         generator = params.make_generator(device)
         text = IncrementalText(target.tokenizer, stops)
 
@@ -248,7 +278,7 @@ class SpeculativeDecoder:
         sync_device(device)
         stats.prefill_seconds = time.perf_counter() - started
 
-        run = RunState(sequence, seen, params, generator, max_new_tokens, text, stats, started, logprobs)
+        run = RunState(sequence, seen, params, generator, max_new_tokens, text, stats, started, logprobs, grammar)
         try:
             yield from self._steps(run)
         finally:
@@ -265,21 +295,25 @@ class SpeculativeDecoder:
             return Draft.chain(run.sequence.new_empty(0)), None, 0
         ctx = DraftContext(run.sequence, run.params, run.generator, run.seen,
                            tree_branch=self.tree_branch if self.tree_budget else 1,
-                           max_depth=min(depth, self.policy.max_depth))
+                           max_depth=min(depth, self.policy.max_depth), grammar=run.grammar)
         source, k, unread = choose_source(self.drafter, self.policy, ctx, limit, remaining, len(run.generated))
         if k == 0:
             return Draft.chain(run.sequence.new_empty(0)), None, 0
         draft = self.drafter.propose(ctx, k)
         if draft.scores is not None:  # any prefix holding the drawn tokens verifies exactly
             draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
+        if run.grammar is not None:  # point masses the grammar forbids go (drawn tokens stay: the verifier rejects them)
+            draft = run.grammar.cut(draft)
         return draft, source, unread
 
     def _commit(self, run: "RunState", draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
-        """Both caches keep the accepted path; a feature drafter reads the kept rows' hidden states [1 + a, H]."""
+        """Both caches keep the accepted path; a feature drafter reads the kept rows' hidden states [u + a, H] (the
+        block's u committed tokens: the last one, after forced tokens those too; then the path's)."""
         length = run.sequence.shape[0]
         self.target.keep(length, path)
         if hidden is not None:
-            self.drafter.features(hidden[[0] + [1 + node for node in path]])
+            unread = hidden.shape[0] - draft.k
+            self.drafter.features(hidden[list(range(unread)) + [unread + node for node in path]])
         if draft.k > 0:
             self.drafter.commit(length, path)
 
@@ -288,6 +322,13 @@ class SpeculativeDecoder:
         target, drafter = self.target, self.drafter
         wants_features = drafter is not None and drafter.needs_features
         while True:
+            if run.grammar is not None and run.logprobs is None:  # 0. tokens the grammar alone decides
+                forced = run.force(target.eos_token_ids, target.max_context)
+                if forced is not None:
+                    run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+                    yield forced
+                    if forced.finish_reason is not None:
+                        return
             t0 = time.perf_counter()
             draft, source, unread = self._propose(run)  # 1. propose
             k, tree = draft.k, draft.layout
@@ -296,10 +337,11 @@ class SpeculativeDecoder:
             # 2. score every draft position in one target pass: [unread committed .., last, d1 .. dk] (a tree: by depth)
             block = torch.cat([run.sequence[target.cache_len :], draft.tokens])  # [T]
             offsets, visible = tree.block_attention(block.shape[0] - k) if tree is not None else (None, None)
-            scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=k + 1 if wants_features else 0,
+            scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=block.shape[0] if wants_features else 0,
                                     offsets=offsets, visible=visible)
             logits = scored.logits[0]  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
-            p_target = target_rows(logits, run.params, run.seen, block[block.shape[0] - k - 1 :],
+            allowed = logits if run.grammar is None else run.grammar.mask_target_rows(logits, draft)  # [k + 1, V]
+            p_target = target_rows(allowed, run.params, run.seen, block[block.shape[0] - k - 1 :],
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)  # 3. verify
             # The one host sync of the step: [num_accepted, next_token, deepest accepted node, d1 .. dk].
@@ -317,6 +359,8 @@ class SpeculativeDecoder:
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
                                   tree.height if tree is not None else k, t1 - t0, t2 - t1)
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+            if run.grammar is not None:
+                run.stats.mask_seconds = run.grammar.mask_seconds
             if run.logprobs is not None:  # from the rows that decided the emitted tokens
                 add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
             yield event
@@ -330,12 +374,13 @@ class SpeculativeDecoder:
         max_new_tokens: int = 128,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        constraint: Constraint | None = None,
     ) -> Completion:
-        """Generate to the end and return the completion with its statistics."""
+        """Generate to the end and return the completion with its statistics (`constraint`: as `stream`)."""
         stats = GenerationStats()
         prompt_ids = self._prompt_ids(prompt, chat)
         token_ids, kinds, pieces, finish = [], [], [], "length"
-        for event in self.stream(prompt_ids, sampling, max_new_tokens, stop, chat, stats):
+        for event in self.stream(prompt_ids, sampling, max_new_tokens, stop, chat, stats, constraint=constraint):
             token_ids += event.token_ids
             kinds += event.kinds
             pieces.append(event.text)

@@ -52,6 +52,8 @@ class GenerationStats:
     source_per_step: list[str | None] = field(default_factory=list)  # who drafted each step (None: plain)
     path_per_step: list[list[int]] = field(default_factory=list)
     depth_per_step: list[int] = field(default_factory=list)  # how deep each step's draft went (a chain: k)
+    forced_tokens: int = 0  # emitted without a pass: the constraint's grammar allowed nothing else
+    mask_seconds: float = 0.0  # computing the constraint's masks (within draft and verify time)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -105,7 +107,7 @@ class GenerationStats:
         """The sum of two runs' statistics (e.g. over `--n` samples)."""
         merged = GenerationStats()
         for name in ("steps", "drafted", "accepted", "new_tokens", "prompt_tokens", "wall_seconds",
-                     "prefill_seconds", "draft_seconds", "verify_seconds"):
+                     "prefill_seconds", "draft_seconds", "verify_seconds", "forced_tokens", "mask_seconds"):
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_at", "drafted_at"):
             a, b = getattr(self, name), getattr(other, name)
@@ -151,4 +153,6 @@ class GenerationStats:
             "depth_per_step": list(self.depth_per_step),
             "path_per_step": [list(path) for path in self.path_per_step],
             "by_source": self.by_source(),
+            "forced_tokens": self.forced_tokens,
+            "mask_seconds": self.mask_seconds,
         }

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import TYPE_CHECKING, Any, Generator
 
 import torch
 
 from specdraft.sampling import SamplingParams
 from specdraft.tree import TreeLayout
+
+if TYPE_CHECKING:
+    from specdraft.constraints import GrammarState
 
 
 @dataclass
@@ -36,11 +39,15 @@ class Draft:
         return int(self.tokens.shape[0])
 
     @property
+    def drawn_count(self) -> int:
+        """How many leading tokens were drawn from their q rows (the rest are point masses)."""
+        return self.k if self.drawn is None and self.q_draft is not None else self.drawn or 0
+
+    @property
     def must_keep(self) -> int:
         """How many leading tokens a cut must keep (at least 1): every drawn one. Cutting a drawn token by
         what was drawn would bias it away from its q; point masses may go by any rule of the drafter's."""
-        drawn = self.k if self.drawn is None and self.q_draft is not None else self.drawn or 0
-        return max(1, drawn)
+        return max(1, self.drawn_count)
 
     @staticmethod
     def tree(tokens: torch.Tensor, parents: list[int], q_draft: torch.Tensor | None = None,
@@ -62,12 +69,21 @@ class Draft:
     def prefix(self, n: int) -> "Draft":
         """The draft's first `n` tokens (a tree stays a tree: tokens are in topological order, so every kept
         token's parent is kept); token indices, and so paths, are unchanged."""
-        if n >= self.k:
-            return self
-        q_draft = None if self.q_draft is None else self.q_draft[:n]
-        scores = None if self.scores is None else self.scores[:n]
-        drawn = None if self.drawn is None else min(self.drawn, n)
-        return Draft.tree(self.tokens[:n], self.parents[:n].tolist(), q_draft, scores, drawn)
+        return self if n >= self.k else self.select(list(range(n)))
+
+    def select(self, nodes: list[int]) -> "Draft":
+        """The draft of the tokens at `nodes` (increasing, each token's parent among them), parents renumbered; the
+        drawn tokens lead as before (a selection that drops one of them keeps only those before it as drawn)."""
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = self.parents.tolist()
+        new_parents = [index[parents[node]] if parents[node] >= 0 else -1 for node in nodes]
+        rows = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)  # [n]
+        q_draft = None if self.q_draft is None else self.q_draft[rows]
+        scores = None if self.scores is None else [self.scores[node] for node in nodes]
+        drawn = None
+        if self.drawn is not None:
+            drawn = next((i for i, node in enumerate(nodes) if node != i or i >= self.drawn), len(nodes))
+        return Draft.tree(self.tokens[rows], new_parents, q_draft, scores, drawn)
 
 
 @dataclass
@@ -81,6 +97,12 @@ class DraftContext:
     seen: torch.Tensor | None  # [V] bool, tokens of `sequence` (only with a repetition penalty)
     tree_branch: int = 1  # children per node a tree drafter may propose; 1 = a chain
     max_depth: int | None = None  # the deepest a tree may go (None: as deep as the node budget k)
+    grammar: "GrammarState | None" = None  # the answer's constraint, where it has one
+
+    def constrain(self, logits: torch.Tensor, prefixes: list[list[int]]) -> torch.Tensor:
+        """`logits` [m, V] with the constraint's mask after each row's draft prefix (tokens past the committed
+        sequence) applied: what a drafter draws from or ranks by, like the target's rows. Unchanged without one."""
+        return logits if self.grammar is None else self.grammar.mask_rows(logits, prefixes)
 
 
 @dataclass

@@ -74,6 +74,8 @@ def grow_dynamic_tree(root_logits: torch.Tensor, expand: Expand, ctx: DraftConte
     drawn_from: dict[int, torch.Tensor] = {}  # pool index -> the q row it was drawn from (sampling)
     frontier, frontier_scores = [-1], [1.0]
     for depth in range(1, max_depth + 1):
+        if ctx.grammar is not None:  # each frontier row masked after its own path
+            logits = ctx.constrain(logits, [[tokens[i] for i in path_to(node, parents)] for node in frontier])
         probs = ranking(logits, params, seen_rows)  # [m, V]
         if params.greedy:
             top_probs, top_tokens = probs.topk(branch, dim=-1)  # [m, B]

@@ -66,14 +66,22 @@ class MedusaDrafter(FeatureDrafter):
         depth = min(k, self.heads.config.num_heads, ctx.max_depth or k)
         feature = self._feature.to(self.dtype).unsqueeze(0)  # [1, H]
         logits = self.vocab_head(self.heads(feature)[0, :depth])  # [depth, V]
-        probs = head_distributions(logits, ctx)  # [depth, V]
-        if ctx.tree_branch > 1:
-            return self._tree(probs, ctx, k, depth)
-        return self._chain(probs, ctx)
+        if ctx.tree_branch > 1:  # under a constraint, the decoder cuts the point masses it forbids
+            return self._tree(head_distributions(logits, ctx), ctx, k, depth)
+        return self._chain(logits, ctx)
 
-    def _chain(self, probs: torch.Tensor, ctx: DraftContext) -> Draft:
+    def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:  # logits: [depth, V]
         greedy = ctx.params.greedy
-        tokens = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [depth]
+        if ctx.grammar is None:
+            probs = head_distributions(logits, ctx)  # [depth, V]
+            tokens = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [depth]
+        else:  # each head's row masked after the tokens chosen above it
+            rows, chosen = [], []
+            for depth in range(logits.shape[0]):
+                row = head_distributions(ctx.constrain(logits[depth : depth + 1], [chosen]), ctx)  # [1, V]
+                chosen.append(int(row.argmax(-1) if greedy else sample(row, ctx.generator)))
+                rows.append(row)
+            probs, tokens = torch.cat(rows), torch.tensor(chosen, device=logits.device)  # [depth, V], [depth]
         if self.min_confidence:  # stop where the heads' estimate that the whole chain survives falls too low
             survival = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
             keep = max(1, int((survival >= self.min_confidence).sum()))

@@ -105,10 +105,13 @@ class ModelDrafter(Drafter):
         feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen (the prompt at first)
         seen = ctx.seen
         tokens, dists = [], []
+        chosen: list[int] = []  # the tokens so far, for a constraint's mask
         chain_confidence = 1.0
         for i in range(k):
             # a first read (the prompt's window) as a prompt pass: cheaper, and drafts are only proposals
             logits = yield DraftPass(model, feed, prompt=model.cache_len == 0)  # [1, V]
+            if ctx.grammar is not None:
+                logits = ctx.constrain(logits, [chosen])
             if seen is not None and tokens:  # the draft token just fed is part of the next prefix
                 seen = seen.index_fill(0, tokens[-1], True)
             if params.greedy and params.repetition_penalty == 1.0:
@@ -124,6 +127,8 @@ class ModelDrafter(Drafter):
                 confidence = None if not self.min_confidence else (
                     logits.float().softmax(-1).max() if params.greedy else probs[0, token[0]])
             tokens.append(token)
+            if ctx.grammar is not None:
+                chosen.append(int(token))
             if confidence is not None:
                 chain_confidence *= float(confidence)
                 if chain_confidence < self.min_confidence:
