@@ -18,6 +18,7 @@ LAYERS = [
     {"sampling", "tree", "text", "stats", "policy", "goodput", "prompts"},
     {"kernels"},
     {"models"},
+    {"constraints"},
     {"exactness", "verify", "drafters"},
     {"engine", "batch_engine"},
     {"analysis"},

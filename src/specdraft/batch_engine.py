@@ -500,7 +500,7 @@ class BatchedDecoder:
         forbids (as alone)."""
         if draft.scores is not None and seq.k is None and draft.k:
             draft = draft.prefix(seq.policy.trim(draft.scores, source, draft.must_keep))
-        return draft if seq.run.grammar is None else seq.run.grammar.cut(draft)
+        return draft if seq.run.grammar is None else draft.allowed_by(seq.run.grammar)
 
     def step(self) -> list[tuple[int, StepEvent]]:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
@@ -548,7 +548,7 @@ class BatchedDecoder:
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width, tree, run = block.shape[0], draft.layout, seq.run
             rows_of.append(logits[start : start + width])  # [k + 1, V]
-            allowed = rows_of[-1] if run.grammar is None else run.grammar.mask_target_rows(rows_of[-1], draft)
+            allowed = rows_of[-1] if run.grammar is None else run.grammar.mask_rows(rows_of[-1], [()] + draft.paths())
             p_target = target_rows(allowed, run.params, run.seen, block,
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)

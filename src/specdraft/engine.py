@@ -291,7 +291,8 @@ class SpeculativeDecoder:
         room = max(0, self.target.max_context - run.sequence.shape[0] - 1)  # draft tokens the context holds
         depth = min(remaining - 1, room)  # the deepest a draft may go and still be emitted
         limit = depth if not self.tree_budget else min(self.tree_budget, room) if depth > 0 else 0
-        if self.drafter is None:
+        unscored = run.sequence.shape[0] - self.target.cache_len - 1  # forced tokens no pass has read yet
+        if self.drafter is None or (unscored and self.drafter.needs_features):  # features come from a pass
             return Draft.chain(run.sequence.new_empty(0)), None, 0
         ctx = DraftContext(run.sequence, run.params, run.generator, run.seen,
                            tree_branch=self.tree_branch if self.tree_budget else 1,
@@ -303,7 +304,7 @@ class SpeculativeDecoder:
         if draft.scores is not None:  # any prefix holding the drawn tokens verifies exactly
             draft = draft.prefix(self.policy.trim(draft.scores, source, draft.must_keep))
         if run.grammar is not None:  # point masses the grammar forbids go (drawn tokens stay: the verifier rejects them)
-            draft = run.grammar.cut(draft)
+            draft = draft.allowed_by(run.grammar)
         return draft, source, unread
 
     def _commit(self, run: "RunState", draft: Draft, path: list[int], hidden: torch.Tensor | None) -> None:
@@ -340,7 +341,7 @@ class SpeculativeDecoder:
             scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=block.shape[0] if wants_features else 0,
                                     offsets=offsets, visible=visible)
             logits = scored.logits[0]  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
-            allowed = logits if run.grammar is None else run.grammar.mask_target_rows(logits, draft)  # [k + 1, V]
+            allowed = logits if run.grammar is None else run.grammar.mask_rows(logits, [()] + draft.paths())  # [k + 1, V]
             p_target = target_rows(allowed, run.params, run.seen, block[block.shape[0] - k - 1 :],
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)  # 3. verify

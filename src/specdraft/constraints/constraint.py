@@ -77,8 +77,19 @@ class Constraint:
             return Constraint.regex(regex)
         return Constraint.json_object() if json_object else None
 
+    def check(self) -> str:
+        """This constraint as an llguidance grammar, checked without a tokenizer (what can be known before a model
+        loads; `grammar_state.check_constraint` checks it against one): an error names what is wrong."""
+        from llguidance import LLMatcher
+
+        grammar = self.grammar_text()
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise SpecdraftError(f"The {self.label} is not valid: {messages[0].strip()}")
+        return grammar
+
     def grammar_text(self) -> str:
-        """This constraint as an llguidance grammar (not yet checked: `grammar_state.check_constraint` does)."""
+        """This constraint as an llguidance grammar, unchecked (`check` checks it)."""
         import llguidance
         from llguidance import LLMatcher
 

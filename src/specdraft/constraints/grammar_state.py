@@ -1,4 +1,4 @@
-"""One answer's place in its grammar: the mask of legal tokens after any draft prefix, and the draft cut to them.
+"""One answer's place in its grammar: the mask of legal tokens after any draft prefix.
 
 The matcher sits at the committed sequence plus `_ahead`, a draft prefix it has consumed; asking for another prefix
 rolls back to the common part and consumes the rest (tokens are checked first: a matcher that consumed an illegal
@@ -21,7 +21,6 @@ from specdraft.errors import SpecdraftError
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
-    from specdraft.drafters.base import Draft
     from specdraft.models.causal_lm import CausalLM
 
 _BIT = torch.arange(32, dtype=torch.int32)  # [32]: a mask word's bits
@@ -53,7 +52,7 @@ def check_constraint(constraint: Constraint, target: "CausalLM") -> str:
     llguidance cannot follow is a SpecdraftError naming what is wrong."""
     from llguidance import LLMatcher
 
-    grammar = constraint.grammar_text()
+    grammar = constraint.check()
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, grammar_tokenizer(target))
     if failed:
         raise SpecdraftError(f"The {constraint.label} is not valid: {messages[0].strip()}")
@@ -71,16 +70,6 @@ def start_grammar(constraint: Constraint | None, target: "CausalLM") -> "Grammar
     if matcher.is_error():
         raise SpecdraftError(f"The {constraint.label} is not valid: {matcher.get_error()}")
     return GrammarState(matcher, target.vocab_size, target.device, target.eos_token_ids)
-
-
-def node_prefixes(draft: "Draft") -> list[tuple[int, ...]]:
-    """Each draft token's path from the committed sequence: its ancestors' tokens and its own (a chain: the first
-    i + 1 tokens)."""
-    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
-    prefixes: list[tuple[int, ...]] = []
-    for token, parent in zip(tokens, parents):
-        prefixes.append((prefixes[parent] if parent >= 0 else ()) + (token,))
-    return prefixes
 
 
 class GrammarState:
@@ -148,18 +137,6 @@ class GrammarState:
         allowed = torch.stack([mask if mask is not None else torch.ones(self.vocab, dtype=torch.bool, device=self.device)
                                for mask in masks])  # [m, V]
         return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
-
-    def mask_target_rows(self, logits: torch.Tensor, draft: "Draft") -> torch.Tensor:
-        """The target's rows of a verification pass [k + 1, V] masked: row 0 after the committed sequence, row
-        1 + i after draft token i's path."""
-        return self.mask_rows(logits, [()] + node_prefixes(draft))
-
-    def cut(self, draft: "Draft") -> "Draft":
-        """`draft` without the tokens the grammar forbids on their path (and their descendants), except tokens drawn
-        from a q (the verifier rejects those; cutting by a drawn value would bias it)."""
-        drawn = draft.drawn_count
-        keep = [i for i, prefix in enumerate(node_prefixes(draft)) if i < drawn or self.legal(prefix)]
-        return draft if len(keep) == draft.k else draft.select(keep)
 
     def forced(self, prefix: Sequence[int] = ()) -> int | None:
         """The one token the grammar allows after the committed sequence + `prefix`, or None (several, or none)."""

@@ -71,6 +71,21 @@ class Draft:
         token's parent is kept); token indices, and so paths, are unchanged."""
         return self if n >= self.k else self.select(list(range(n)))
 
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each token's path from the committed sequence: its ancestors' tokens and its own (a chain: the first
+        i + 1 tokens)."""
+        paths: list[tuple[int, ...]] = []
+        for token, parent in zip(self.tokens.tolist(), self.parents.tolist()):
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        return paths
+
+    def allowed_by(self, grammar: "GrammarState") -> "Draft":
+        """The draft without the tokens `grammar` forbids on their path (and their descendants), except tokens drawn
+        from a q: cutting by a drawn value would bias it; the verifier rejects those (p = 0 there)."""
+        drawn = self.drawn_count
+        keep = [i for i, path in enumerate(self.paths()) if i < drawn or grammar.legal(path)]
+        return self if len(keep) == self.k else self.select(keep)
+
     def select(self, nodes: list[int]) -> "Draft":
         """The draft of the tokens at `nodes` (increasing, each token's parent among them), parents renumbered; the
         drawn tokens lead as before (a selection that drops one of them keeps only those before it as drawn)."""

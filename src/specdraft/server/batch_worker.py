@@ -143,7 +143,7 @@ class BatchWorker(Worker):
                 ident = self.batch.add(BatchRequest(generation.prompt_ids, sampling, generation.max_tokens,
                                                     generation.stop, make_drafter=make,
                                                     k=key.k if isinstance(key.k, int) and key.k > 0 else None,
-                                                    logprobs=generation.logprobs))
+                                                    logprobs=generation.logprobs, constraint=generation.constraint))
                 admitted.idents.append(ident)
                 admitted.left.add(ident)
                 admitted.stats.append(self.batch.stats(ident))

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
+from specdraft.constraints import Constraint
+from specdraft.constraints.grammar_state import check_constraint
 from specdraft.engine import MAX_TOP_LOGPROBS
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
 from specdraft.server.decoders import DecoderKey, DecoderPool
 from specdraft.server.errors import ApiError
-from specdraft.server.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest
+from specdraft.server.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest, ResponseFormat
 from specdraft.text import encode_messages, encode_prompt
 
 
@@ -36,6 +38,7 @@ class Generation:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # alternatives per token returned with its log-probability; None: none
+    constraint: Constraint | None = None  # what the answer must match (`response_format`)
 
 
 def _bad(error: SpecdraftError | str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -79,6 +82,32 @@ def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
     return request.logprobs
 
 
+def _constraint(response_format: ResponseFormat | None, target) -> Constraint | None:
+    """The constraint `response_format` asks for, checked against the target's tokenizer (None: any text)."""
+    if response_format is None or response_format.type == "text":
+        fields = [] if response_format is None else [name for name in ("json_schema", "regex", "grammar")
+                                                      if getattr(response_format, name) is not None]
+        if fields:
+            raise _bad(f"response_format of type text takes no {fields[0]}; set type to {fields[0]}.",
+                       param="response_format")
+        return None
+    kind = response_format.type
+    given = {name: getattr(response_format, name) for name in ("json_schema", "regex", "grammar")}
+    extra = [name for name, value in given.items() if value is not None and name != kind]
+    if extra:
+        raise _bad(f"response_format of type {kind} takes no {extra[0]}.", param="response_format")
+    if kind != "json_object" and given[kind] is None:
+        raise _bad(f"response_format of type {kind} needs its {kind} field.", param="response_format")
+    try:
+        constraint = (Constraint.json_object() if kind == "json_object" else
+                      Constraint.json_schema(given[kind].json_schema) if kind == "json_schema" else
+                      Constraint.regex(given[kind]) if kind == "regex" else Constraint.grammar(given[kind]))
+        check_constraint(constraint, target)
+    except SpecdraftError as error:
+        raise _bad(error, param="response_format") from None
+    return constraint
+
+
 def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPool, served_model: str,
             default_max_tokens: int, seeds: random.Random) -> Generation:
     """Check `request` against the loaded models and turn it into a `Generation` (ApiError otherwise)."""
@@ -118,6 +147,7 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
                                     seed=seed + i) for i in range(request.n)]
     except SpecdraftError as error:
         raise _bad(error) from None
+    constraint = _constraint(request.response_format, target)
     speculative = request.speculative
     try:
         decoder = pool.resolve(speculative.drafter if speculative else None, speculative.k if speculative else None)
@@ -126,5 +156,5 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
     return Generation(chat=chat, model=served_model, prompt_ids=prompt_ids, samplings=samplings,
                       max_tokens=max_tokens, stop=stops, decoder=decoder, stream=request.stream,
                       include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                      logprobs=logprobs)
+                      logprobs=logprobs, constraint=constraint)
 

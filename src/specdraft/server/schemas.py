@@ -1,12 +1,13 @@
 """Request bodies of /v1/chat/completions and /v1/completions (unknown fields are refused).
 
 Ranges follow OpenAI's where it has one; `top_k`, `min_p`, `repetition_penalty` and
-`speculative` are this server's extensions.
+`speculative` are this server's extensions, and so are `response_format` types `regex` and `grammar`
+(and `response_format` on /v1/completions).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -21,6 +22,27 @@ class Speculative(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drafter: Optional[StrictStr] = None
     k: Optional[Union[Annotated[StrictInt, Field(ge=1)], Literal["auto"]]] = None
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a name and the schema (always followed: `strict` or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """What the answer must match: `text` (anything), `json_object`, `json_schema` (OpenAI's), or this server's
+    `regex` (the whole answer matches `regex`) and `grammar` (`grammar` in Lark or GBNF syntax)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: Optional[JsonSchemaFormat] = None
+    regex: Optional[StrictStr] = None
+    grammar: Optional[StrictStr] = None
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +68,7 @@ class SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None  # accepted and ignored, as OpenAI only logs it
     speculative: Optional[Speculative] = None
+    response_format: Optional[ResponseFormat] = None
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (OpenAI allows one string or a list)."""

@@ -201,10 +201,10 @@ class Worker:
                 stats = GenerationStats()
                 choices.append(stats)
                 events = decoder.stream(generation.prompt_ids, sampling, generation.max_tokens, generation.stop,
-                                        stats=stats, logprobs=generation.logprobs)
+                                        stats=stats, logprobs=generation.logprobs, constraint=generation.constraint)
                 with closing(events):  # closing ends the drafter's request even when stopped early
                     for event in events:
-                        job.put(Step(index, event, stats.depth_per_step[-1]))
+                        job.put(Step(index, event, stats.depth_per_step[-1] if event.drafted else 0))
                         if job.cancelled:
                             return
                         if job.expired:

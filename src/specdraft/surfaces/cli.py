@@ -31,7 +31,7 @@ GGUF_WEIGHTS_OPTION = typer.Option(  # one definition for every command that loa
 err = Console(stderr=True, soft_wrap=True)
 
 # Colour of each token by what happened to it.
-KIND_STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "target": ""}
+KIND_STYLES = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "target": "", "forced": "magenta"}
 
 
 class Method(str, Enum):
@@ -72,6 +72,12 @@ def generate(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: if the model has one)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="The answer is JSON valid under the "
+                                               "schema in this file (output stays exact under the constraint)."),
+    json_object: bool = typer.Option(False, "--json-object", help="The answer is a JSON object."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="The answer matches this regex (Rust regex syntax)."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="The answer follows the grammar in this file "
+                                           "(Lark or GBNF syntax)."),
     n: int = typer.Option(1, "--n", min=1, help="Independent samples."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
@@ -87,8 +93,9 @@ def generate(
 
 
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_budget, tree_branch, draft_quant,
-              draft_vocab, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, chat, n,
-              dtype, device, gguf_weights, as_json, drafter_options) -> None:
+              draft_vocab, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, chat,
+              json_schema, json_object, regex, grammar, n, dtype, device, gguf_weights, as_json, drafter_options) -> None:
+    from specdraft.constraints import Constraint
     from specdraft.engine import build_decoder, check_tree_options
     from specdraft.policy import make_policy
     from specdraft.stats import peak_memory_bytes
@@ -107,6 +114,9 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_bu
     if prompt is None or not prompt.strip():
         raise SpecdraftError("The prompt is empty; give some text (or --prompt-file with text in it).")
     check_tree_options(tree_budget, tree_branch)  # bad options fail before any loading
+    constraint = Constraint.from_options(json_schema, regex, grammar, json_object)
+    if constraint is not None:
+        constraint.check()
     policy = make_policy(k, tree_budget) if method == Method.spec else None
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed)
@@ -127,7 +137,8 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_bu
         tokens, pieces, finish = [], [], "length"
         if n > 1 and not as_json:
             out.print(f"[bold]--- sample {i + 1} of {n} ---[/]")
-        for event in decoder.stream(prompt_ids, run_sampling, max_new_tokens, stop, chat, stats):
+        for event in decoder.stream(prompt_ids, run_sampling, max_new_tokens, stop, chat, stats,
+                                    constraint=constraint):
             tokens += event.token_ids
             pieces.append(event.text)
             finish = event.finish_reason or finish
@@ -155,8 +166,11 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_bu
         f"  peak memory {peak_gb:.2f} GB",
         highlight=False,
     )
-    if method == Method.spec:
-        err.print("[green]accepted[/] [yellow]recovered[/] [cyan]bonus[/]", highlight=False)
+    if total.forced_tokens:
+        err.print(f"{total.forced_tokens} tokens forced by the constraint (no pass)", highlight=False)
+    if method == Method.spec or total.forced_tokens:
+        err.print("[green]accepted[/] [yellow]recovered[/] [cyan]bonus[/]" + (" [magenta]forced[/]" if constraint else ""),
+                  highlight=False)
 
 
 @app.command()
