@@ -30,8 +30,7 @@ from specdraft.exactness import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import sample, warp
 
-SCHEMA = {  # bounded, without free whitespace: a random model's answer must end within the budget
-    "x-guidance": {"whitespace_flexible": False},
+SCHEMA = {  # bounded (and compact: no free whitespace by default): a random model's answer must end within the budget
     "type": "object",
     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]},
                    "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
@@ -64,7 +63,7 @@ def valid(kind: str, text: str) -> bool:
     if kind == "regex":
         return re.fullmatch(LIST_REGEX, text) is not None
     try:
-        jsonschema.validate(json.loads(text), {k: v for k, v in SCHEMA.items() if k != "x-guidance"})
+        jsonschema.validate(json.loads(text), SCHEMA)
     except (json.JSONDecodeError, jsonschema.ValidationError):
         return False
     return True
@@ -277,3 +276,16 @@ def test_a_grammar_state_not_rolled_back_is_caught(two_token_setup, monkeypatch)
     monkeypatch.setattr(GrammarState, "commit", commit_on_top)
     decoder = SpeculativeDecoder(target, TableDrafter(logits), k=3)
     assert sampled_pvalue(decoder, expected, prompt) < P_REJECT
+
+
+def test_a_draft_row_the_grammar_leaves_empty_becomes_uniform_over_the_allowed(lm, tokenizer):
+    """A narrowed draft head scores only common tokens (the rest -inf); where the grammar allows none of them, the
+    drafter draws from the allowed tokens uniformly instead of from NaNs."""
+    state = start_grammar(Constraint.regex("[a-d][a-d]"), lm("target"))
+    allowed = state.allowed(())
+    logits = torch.full((2, state.vocab), float("-inf"))
+    logits[:, tokenizer.convert_tokens_to_ids("z")] = 3.0  # the head's only scored token: forbidden
+    logits[1, tokenizer.convert_tokens_to_ids("a")] = 1.0
+    rows = state.mask_rows(logits, [(), ()])
+    assert torch.equal(rows[0].softmax(-1) > 0, allowed) and torch.allclose(rows[0].softmax(-1)[allowed], torch.tensor(0.2))
+    assert rows[1].softmax(-1)[tokenizer.convert_tokens_to_ids("a")] == 1.0

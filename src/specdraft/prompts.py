@@ -1,5 +1,6 @@
 """Prompt sets in Spec-Bench's JSONL format: one `{"question_id", "category", "turns"}` per line, read by the bench,
-`diagnose` and the drafter training data alike.
+`diagnose` and the drafter training data alike. A line may add `"schema"`: a JSON schema its answer must follow
+(the bench then generates under that constraint: `constraints`).
 
 The package ships a small set of its own (`bench/data/prompts.jsonl`, 6 "code" and 6 "prose"
 prompts); any Spec-Bench `question.jsonl` works the same way.
@@ -23,6 +24,7 @@ class Prompt:
     question_id: int | str
     category: str
     turns: tuple[str, ...]
+    schema: str | None = None  # the JSON schema (as JSON text) its answer must follow, if any
 
 
 def default_prompts_path() -> Path:
@@ -44,7 +46,10 @@ def _parse_line(line: str, where: str) -> Prompt:
         raise SpecdraftError(f"{where}: category must be a non-empty string, got {category!r}.")
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise SpecdraftError(f"{where}: turns must be a non-empty list of non-empty strings.")
-    return Prompt(qid, category, tuple(turns))
+    schema = item.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise SpecdraftError(f"{where}: schema must be a JSON schema (an object), got {type(schema).__name__}.")
+    return Prompt(qid, category, tuple(turns), None if schema is None else json.dumps(schema))
 
 
 def load_prompts(path: str | Path | None = None) -> list[Prompt]:

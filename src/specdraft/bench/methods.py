@@ -15,6 +15,10 @@ see exactly the same input.
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
 | `llama-cpp`        | llama.cpp (llama-cpp-python) plain decoding of the target's GGUF    |
 
+A prompt with a `schema` (`prompts`) is answered under that JSON schema by `ar` and `spec`, the only methods that
+follow one (`constraints`); `schema=0` runs them on the same prompts without it (`spec:schema=0`, the speed of the
+unconstrained answer). The other methods refuse such prompts.
+
 `spec:drafter=oracle;oracle-alpha=A` (greedy only) is a synthetic-acceptance measurement, not a
 drafter: before each timed run an untimed `ar` run of the same prompt and budget is recorded,
 and the `oracle` drafter proposes those very tokens, each wrong with probability 1 − A
@@ -41,6 +45,7 @@ from typing import Callable, Iterator
 import torch
 
 from specdraft.bench.runs import Models, RunOutput, RunParams
+from specdraft.constraints import Constraint
 from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, drafter_parts, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.oracle import OracleDrafter
@@ -63,7 +68,7 @@ def k_value(text: str) -> int | str:
 
 OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k": int, "top-p": float, "seed": int,
                                  "draft-quant": str, "draft-vocab": draft_vocab_value, "drafter": str, "tree-budget": int,
-                                 "tree-branch": int, "draft": str}
+                                 "tree-branch": int, "draft": str, "schema": int}
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
 OPTION_TYPES.update({key: type(option.default) for info in DRAFTERS.values() for key, option in info.options.items()})
@@ -86,6 +91,7 @@ class MethodInfo:
     run: Callable[[Models, list[int], RunParams], RunOutput]
     check: Callable[[str], None] | None = None
     own_numerics: bool = False
+    constrains: bool = False  # it follows a prompt's JSON schema (`run` takes `constraint=`)
 
 
 @dataclass
@@ -100,6 +106,11 @@ class MethodSpec:
     def info(self) -> MethodInfo:
         """The registry entry of this method."""
         return METHODS[self.name]
+
+    @property
+    def follows_schema(self) -> bool:
+        """Whether it answers a prompt with a schema under that schema (`schema=0` turns it off)."""
+        return self.info.constrains and self.options.get("schema", 1) != 0
 
     @property
     def needs_draft(self) -> bool:
@@ -181,7 +192,8 @@ def _drafter(models: Models, params: RunParams) -> Drafter:
     return models.drafters[params]
 
 
-def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool) -> RunOutput:
+def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter: bool,
+              constraint: Constraint | None = None) -> RunOutput:
     target = models.target
     if drafter:
         k = params.k or DEFAULT_K
@@ -197,7 +209,7 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
         decoder = build_decoder(target)
     sync_device(target.device)
     started = time.perf_counter()
-    completion = decoder.generate(prompt_ids, params.sampling, params.max_new_tokens)
+    completion = decoder.generate(prompt_ids, params.sampling, params.max_new_tokens, constraint=constraint)
     sync_device(target.device)
     wall = time.perf_counter() - started
     stats = completion.stats
@@ -205,22 +217,24 @@ def _run_ours(models: Models, prompt_ids: list[int], params: RunParams, drafter:
                      accepted_at=list(stats.accepted_at), drafted_at=list(stats.drafted_at),
                      draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
                      k=max(stats.k_per_step, default=0) or None, k_per_step=list(stats.k_per_step),
-                     by_source=stats.by_source(), prefill_seconds=stats.prefill_seconds)
+                     by_source=stats.by_source(), prefill_seconds=stats.prefill_seconds,
+                     forced_tokens=stats.forced_tokens, mask_seconds=stats.mask_seconds)
 
 
-def run_ar(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+def run_ar(models: Models, prompt_ids: list[int], params: RunParams, constraint: Constraint | None = None) -> RunOutput:
     """Plain decoding with our loop (no drafter)."""
-    return _run_ours(models, prompt_ids, params, drafter=False)
+    return _run_ours(models, prompt_ids, params, drafter=False, constraint=constraint)
 
 
-def run_spec(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:
+def run_spec(models: Models, prompt_ids: list[int], params: RunParams,
+             constraint: Constraint | None = None) -> RunOutput:
     """Speculative decoding: the method's drafter proposes up to `k` tokens a step. The `oracle` drafter first
     gets an untimed `ar` run of the prompt under the same settings to read its tokens from."""
     drafter = _drafter(models, params)
     if isinstance(drafter, OracleDrafter):
-        recorded = _run_ours(models, prompt_ids, params, drafter=False)
+        recorded = _run_ours(models, prompt_ids, params, drafter=False, constraint=constraint)
         drafter.record(prompt_ids + recorded.token_ids)
-    return _run_ours(models, prompt_ids, params, drafter=True)
+    return _run_ours(models, prompt_ids, params, drafter=True, constraint=constraint)
 
 
 def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
@@ -335,10 +349,11 @@ def check_llama_cpp(target_spec: str) -> None:
 
 
 METHODS: dict[str, MethodInfo] = {
-    "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS, False, run_ar),
+    "ar": MethodInfo("plain decoding with specdraft's loop", SAMPLING_KEYS + ("schema",), False, run_ar,
+                     constrains=True),
     "spec": MethodInfo("specdraft speculative decoding (drafter=NAME, default the draft model, int4 on CPU)",
-                       ("k", "drafter", "draft", "draft-quant", "draft-vocab", "tree-budget", "tree-branch") + DRAFTER_KEYS
-                       + SAMPLING_KEYS, True, run_spec),
+                       ("k", "drafter", "draft", "draft-quant", "draft-vocab", "tree-budget", "tree-branch", "schema")
+                       + DRAFTER_KEYS + SAMPLING_KEYS, True, run_spec, constrains=True),
     "hf-ar": MethodInfo("transformers generate", SAMPLING_KEYS, False, run_hf_ar),
     "hf-assisted": MethodInfo("transformers assisted generation with the draft model (bf16 unless draft-quant)",
                               ("k", "draft", "draft-quant") + SAMPLING_KEYS,

@@ -41,7 +41,9 @@ from specdraft.bench.methods import MethodSpec, parse_methods
 from specdraft.bench.runs import Models, RunOutput
 from specdraft.bench.plots import write_plots
 from specdraft.prompts import Prompt, default_prompts_path, load_prompt_files, select_prompts
-from specdraft.bench.summary import ExactnessError, Key, find_mismatches, is_greedy, render_report, summarize
+from specdraft.bench.summary import (ExactnessError, Key, comparable, find_mismatches, is_greedy, render_report,
+                                     summarize)
+from specdraft.constraints import Constraint
 from specdraft.errors import SpecdraftError
 from specdraft.exactness import compare_greedy
 from specdraft.kernels.prebuild import build_all, in_use as kernels_in_use
@@ -241,8 +243,29 @@ def _encode_second_turn(prompt: Prompt, answer_ids: list[int], models: Models, c
     return _check_room(prompt.question_id, encode_messages(tokenizer, messages), models, config)
 
 
+def prompt_constraint(prompt: Prompt, spec: MethodSpec) -> Constraint | None:
+    """What `spec`'s answer to `prompt` must follow: the prompt's schema, where it has one and the method follows it."""
+    return Constraint.json_schema(prompt.schema) if prompt.schema and spec.follows_schema else None
+
+
+def _check_schemas(prompts: Sequence[Prompt], methods: Sequence[MethodSpec]) -> None:
+    """Prompts with a schema need methods that follow one, and schemas llguidance can follow: clear errors first."""
+    with_schema = [p for p in prompts if p.schema]
+    if not with_schema:
+        return
+    refusing = [s.label for s in methods if not s.info.constrains]
+    if refusing:
+        raise SpecdraftError(f"Method {refusing[0]!r} cannot answer under a JSON schema, and {len(with_schema)} of the "
+                             "prompts have one; compare ar and spec on them (spec:schema=0 runs without it).")
+    for prompt in with_schema:
+        try:
+            Constraint.json_schema(prompt.schema).check()
+        except SpecdraftError as error:
+            raise SpecdraftError(f"Question {prompt.question_id!r}: {error}") from None
+
+
 def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], outputs: Sequence[RunOutput], temperature: float,
-            sid: str) -> dict:
+            sid: str, constraint: Constraint | None = None, answer: str = "") -> dict:
     """The record of the run of median time among `outputs` (one per repeat; the lower median of an even count); with
     repeats it also lists every run's time and whether they all gave the same tokens (they should: a seed fixes
     sampling, and greedy has no choice)."""
@@ -250,6 +273,10 @@ def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], outputs: Sequence[
     repeated = {} if len(outputs) == 1 else {
         "repeat_seconds": [o.wall_seconds for o in outputs],
         "repeats_agree": all(o.token_ids == outputs[0].token_ids for o in outputs),
+    }
+    constrained = {} if constraint is None else {
+        "constrained": True, "valid": constraint.validates(answer), "forced_tokens": output.forced_tokens,
+        "mask_seconds": output.mask_seconds,
     }
     return {
         "question_id": prompt.question_id,
@@ -272,7 +299,12 @@ def _record(prompt: Prompt, spec: MethodSpec, ids: list[int], outputs: Sequence[
         "prompt_tokens": len(ids),
         "temperature": temperature,
         "settings_id": sid,
-    } | repeated
+    } | repeated | constrained
+
+
+def _constraint_argument(constraint: Constraint | None) -> dict:
+    """The keyword a method's run takes a constraint by (none without one: every method runs unconstrained)."""
+    return {} if constraint is None else {"constraint": constraint}
 
 
 def _progress(console: Console | None) -> Progress:
@@ -294,7 +326,8 @@ def judge_divergences(records: Sequence[dict], reference: str | None, target: Ca
     refs = {r["question_id"]: r for r in records if r["method"] == reference and is_greedy(r)}
     for record in records:
         ref = refs.get(record["question_id"])
-        if ref is None or record is ref or not is_greedy(record) or record["token_ids"] == ref["token_ids"]:
+        if (ref is None or record is ref or not is_greedy(record) or record["token_ids"] == ref["token_ids"]
+                or not comparable(record, ref)):
             continue
         comparison = compare_greedy(target, prompt_ids[record["question_id"]], ref["token_ids"], record["token_ids"])
         near_tie = not comparison.equal and comparison.near_tie
@@ -326,6 +359,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     paths = [config.prompts] if isinstance(config.prompts, (str, Path)) else list(config.prompts or [])
     prompts_paths = [Path(p) for p in paths] or [default_prompts_path()]
     prompts = select_prompts(load_prompt_files(paths), config.categories, config.max_prompts)
+    _check_schemas(prompts, methods)
     for info in {spec.name: spec.info for spec in methods}.values():
         if info.check is not None:
             info.check(config.target)
@@ -361,8 +395,9 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         if todo:  # one short, unrecorded generation per method that still has work
             first_ids = prompt_ids[prompts[0].question_id]
             warmup = max(1, min(config.warmup_tokens, config.max_new_tokens))
-            for spec in {s.label: s for _, s in todo}.values():
-                spec.info.run(models, first_ids, dataclasses.replace(params[spec.label], max_new_tokens=warmup))
+            for spec in {s.label: s for _, s in todo}.values():  # with a constraint: its tokenizer is built here
+                spec.info.run(models, first_ids, dataclasses.replace(params[spec.label], max_new_tokens=warmup),
+                              **_constraint_argument(prompt_constraint(prompts[0], spec)))
 
         with _progress(console) as progress:
             task = progress.add_task("", total=len(todo) * config.repeats)
@@ -374,11 +409,15 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
                     for spec in specs:
                         progress.update(task, description=f"question {prompt.question_id} / {spec.label}"
                                                           + (f" ({repeat + 1}/{config.repeats})" if config.repeats > 1 else ""))
-                        outputs[spec.label].append(spec.info.run(models, ids, params[spec.label]))
+                        outputs[spec.label].append(spec.info.run(models, ids, params[spec.label],
+                                                                 **_constraint_argument(prompt_constraint(prompt, spec))))
                         progress.advance(task)
                 for spec in specs:
+                    constraint = prompt_constraint(prompt, spec)
+                    answer = "" if constraint is None else models.target.tokenizer.decode(
+                        outputs[spec.label][0].token_ids, skip_special_tokens=True)
                     record = _record(prompt, spec, ids, outputs[spec.label], params[spec.label].sampling.temperature,
-                                     sids[spec.label])
+                                     sids[spec.label], constraint, answer)
                     append_record(results_path, record)
                     done[(prompt.question_id, spec.label)] = record
 

@@ -72,3 +72,5 @@ class RunOutput:
     k_per_step: list[int] | None = None  # draft tokens of each step (our loop only)
     by_source: dict[str, dict[str, int]] | None = None  # steps, drafted, accepted per draft source (our loop only)
     prefill_seconds: float | None = None  # time spent in the target's prompt pass (our loop only)
+    forced_tokens: int | None = None  # tokens a constraint's grammar decided alone, without a pass (our loop only)
+    mask_seconds: float | None = None  # time computing a constraint's masks (our loop only)

@@ -42,7 +42,8 @@ from specdraft.errors import SpecdraftError
 Key = tuple[Hashable, str]  # (question_id, method label)
 SYNTHETIC_SOURCE = "oracle"  # the draft source of synthetic acceptance (`drafters.oracle`): the report says so
 FIELDS = ("tokens_per_second", "speedup_vs_ar", "acceptance_rate", "mean_committed_per_step", "greedy_exact",
-          "agreement", "cost_ratio", "k", "mean_k", "prefill_share", "decode_speedup_vs_ar")
+          "agreement", "cost_ratio", "k", "mean_k", "prefill_share", "decode_speedup_vs_ar", "valid", "forced_share",
+          "mask_share")
 
 
 class ExactnessError(SpecdraftError):
@@ -155,6 +156,23 @@ def max_k(records: Sequence[Mapping]) -> int | None:
     return max(ks) if ks else None
 
 
+def comparable(record: Mapping, reference: Mapping) -> bool:
+    """Whether a run's tokens can be held to the reference's: both under the prompt's constraint, or neither."""
+    return bool(record.get("constrained")) == bool(reference.get("constrained"))
+
+
+def constrained_figures(records: Sequence[Mapping]) -> dict[str, float | None]:
+    """Over the runs under a constraint (None without any): the share of answers valid by an independent validator,
+    of tokens the grammar forced (no pass), and of the time after the prompt pass spent computing masks."""
+    constrained = [r for r in records if r.get("constrained")]
+    checked = [r for r in constrained if r.get("valid") is not None]
+    decoding = sum(r["wall_seconds"] - (r.get("prefill_seconds") or 0.0) for r in constrained)
+    return {"valid": _ratio(sum(bool(r["valid"]) for r in checked), len(checked)),
+            "forced_share": _ratio(sum(r["forced_tokens"] or 0 for r in constrained),
+                                   sum(r["new_tokens"] for r in constrained)),
+            "mask_share": _ratio(sum(r["mask_seconds"] or 0.0 for r in constrained), decoding)}
+
+
 def _exact(record: Mapping, reference: Mapping, near_ties: Mapping[Key, bool]) -> bool:
     if record["token_ids"] == reference["token_ids"]:
         return True
@@ -170,7 +188,8 @@ def greedy_exact(records: Sequence[Mapping], reference: Mapping[Hashable, Mappin
     if not all(is_greedy(r) for r in records):
         return None
     pairs = [(r, reference[r["question_id"]]) for r in records
-             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])]
+             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])
+             and comparable(r, reference[r["question_id"]])]
     if not pairs:
         return None
     return sum(_exact(r, ref, near_ties) for r, ref in pairs) / len(pairs)
@@ -193,7 +212,8 @@ def agreement(records: Sequence[Mapping], reference: Mapping[Hashable, Mapping])
     if not all(is_greedy(r) for r in records):
         return None
     pairs = [(r["token_ids"], reference[r["question_id"]]["token_ids"]) for r in records
-             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])]
+             if r["question_id"] in reference and is_greedy(reference[r["question_id"]])
+             and comparable(r, reference[r["question_id"]])]
     longest = sum(max(len(a), len(b)) for a, b in pairs)
     if not pairs or not longest:
         return None
@@ -224,6 +244,7 @@ def _figures(records: Sequence[Mapping], reference_records: Sequence[Mapping],
     figures["greedy_exact"] = greedy_exact(records, by_prompt, near_ties) if judged else None
     figures["agreement"] = agreement(records, by_prompt) if reference_records else None
     figures["cost_ratio"], figures["k"], figures["mean_k"] = cost_ratio(records), max_k(records), mean_k(records)
+    figures |= constrained_figures(records)
     return {name: figures[name] for name in FIELDS}
 
 
@@ -283,7 +304,8 @@ def find_mismatches(
     return [
         (r["question_id"], r["method"]) for r in records
         if r["method"] != reference and r["method"] not in own_numerics and is_greedy(r)
-        and r["question_id"] in by_prompt and not _exact(r, by_prompt[r["question_id"]], near_ties)
+        and r["question_id"] in by_prompt and comparable(r, by_prompt[r["question_id"]])
+        and not _exact(r, by_prompt[r["question_id"]], near_ties)
     ]
 
 
@@ -377,6 +399,14 @@ def render_report(summary: Mapping, plots: Sequence[str] = ()) -> str:
         lines += _table(["method", *[f"{i + 1}" for i in range(depth)]],
                         [[f"`{m}`", *[_fmt(rates_[i] if i < len(rates_) else None, ".2f") for i in range(depth)]]
                          for m, rates_ in by_position.items()])
+    constrained = {m: f for m, f in methods.items() if f.get("forced_share") is not None}
+    if constrained:
+        lines += ["", "## Answers under the prompts' JSON schemas", "",
+                  "valid: answers `jsonschema` accepts; forced: tokens the grammar alone decided (appended without a "
+                  "pass); masks: time computing the grammar's masks, as a share of the time after the prompt pass.", ""]
+        lines += _table(["method", "valid", "forced", "masks"],
+                        [[f"`{m}`", _fmt(f.get("valid"), ".0%"), _fmt(f["forced_share"], ".1%"),
+                          _fmt(f.get("mask_share"), ".1%")] for m, f in constrained.items()])
     sources = {m: f["by_source"] for m, f in methods.items() if set(f.get("by_source") or {}) - {"none"}}
     if sources:
         lines += ["", "## Who drafted", "",

@@ -11,6 +11,11 @@ from specdraft.errors import SpecdraftError
 # json_schema: a JSON schema (an object); json_object: any JSON object; regex: the whole answer matches it;
 # grammar: a context-free grammar in Lark or GBNF (llama.cpp's) syntax.
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+# How JSON answers are laid out unless a schema's "x-guidance" says otherwise (llguidance's JSON options): compact,
+# with no free whitespace. With free whitespace a model may keep choosing spaces where the token it wants is not
+# allowed (measured on the bundled pair: 2 of 24 schema prompts ran to the budget in spaces); compact JSON also
+# takes about half the tokens.
+JSON_LAYOUT = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,21 @@ class Constraint:
             return Constraint.regex(regex)
         return Constraint.json_object() if json_object else None
 
+    def validates(self, text: str) -> bool | None:
+        """Whether `text` is a valid answer, by a validator independent of the masks (a JSON schema: `jsonschema`;
+        any JSON object: the JSON parser); None for a regex or a grammar (not checked here)."""
+        if self.kind not in ("json_schema", "json_object"):
+            return None
+        import jsonschema
+
+        try:
+            value = json.loads(text)
+            if self.kind == "json_schema":
+                jsonschema.validate(value, json.loads(self.text))
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            return False
+        return self.kind == "json_schema" or isinstance(value, dict)
+
     def check(self) -> str:
         """This constraint as an llguidance grammar, checked without a tokenizer (what can be known before a model
         loads; `grammar_state.check_constraint` checks it against one): an error names what is wrong."""
@@ -95,9 +115,9 @@ class Constraint:
 
         try:
             if self.kind == "json_schema":
-                return LLMatcher.grammar_from_json_schema(self.text)
+                return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_LAYOUT)
             if self.kind == "json_object":
-                return LLMatcher.grammar_from_json_schema({"type": "object"})
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
             if self.kind == "regex":
                 return LLMatcher.grammar_from_regex(self.text)
             return llguidance.grammar_from("grammar", self.text)

@@ -130,13 +130,19 @@ class GrammarState:
 
     def mask_rows(self, logits: torch.Tensor, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
         """`logits` [m, V] with -inf at the tokens the grammar forbids after each row's prefix (a row whose prefix is
-        forbidden stays as it is: no accepted path reaches it)."""
+        forbidden stays as it is: no accepted path reaches it). A row left with no finite logit (a draft head that
+        scores only common tokens, where the grammar allows only others) becomes uniform over the allowed tokens:
+        a drafter still proposes a legal token, from a q it can report."""
         masks = [self.allowed(prefix) for prefix in prefixes]
         if all(mask is None for mask in masks):
             return logits
         allowed = torch.stack([mask if mask is not None else torch.ones(self.vocab, dtype=torch.bool, device=self.device)
-                               for mask in masks])  # [m, V]
-        return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
+                               for mask in masks])[:, : logits.shape[-1]]  # [m, V]
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        dead = ~torch.isfinite(masked).any(-1)  # [m]
+        if dead.any():
+            masked[dead] = torch.zeros_like(masked[dead]).masked_fill(~allowed[dead], float("-inf"))
+        return masked
 
     def forced(self, prefix: Sequence[int] = ()) -> int | None:
         """The one token the grammar allows after the committed sequence + `prefix`, or None (several, or none)."""
