@@ -116,6 +116,7 @@ def test_masks_cuts_rollback_and_forced_tokens(lm, tokenizer):
     state.commit([ids["a"]])
     assert state.allowed(()).nonzero().flatten().tolist() == sorted(ids[t] for t in ("a", "b", "c", "d"))
     assert state.forced() is None and state.forced((ids["d"],)) == eos
+    assert state.forced_run((ids["d"],)) == [eos] and state.forced_run(()) == []
     state.commit([ids["d"], eos])
     assert state.accepting
 
@@ -241,13 +242,17 @@ def two_token_setup(models, tokenizer):
     return target, prompt, logits, masked_two_tokens(target, prompt)
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "model chain", "tree"])
 def test_sampled_answers_follow_the_masked_target(two_token_setup, models, tokenizer, shape):
+    """A chain drawn from a fixed q; the draft model's chain (the tokens the grammar forces after a drawn one go
+    into the draft without a pass: here the EOS after two letters); a draft model's tree."""
     target, prompt, logits, expected = two_token_setup
+    draft = CausalLM(perturbed(models["target"], noise=1.0, seed=5), tokenizer)
     if shape == "chain":
         decoder = SpeculativeDecoder(target, TableDrafter(logits), k=3)
+    elif shape == "model chain":
+        decoder = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=3)
     else:
-        draft = CausalLM(perturbed(models["target"], noise=1.0, seed=5), tokenizer)
         decoder = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k="auto", tree_budget=4,
                                      tree_branch=2)
     assert sampled_pvalue(decoder, expected, prompt) > P_PASS
@@ -289,3 +294,19 @@ def test_a_draft_row_the_grammar_leaves_empty_becomes_uniform_over_the_allowed(l
     rows = state.mask_rows(logits, [(), ()])
     assert torch.equal(rows[0].softmax(-1) > 0, allowed) and torch.allclose(rows[0].softmax(-1)[allowed], torch.tensor(0.2))
     assert rows[1].softmax(-1)[tokenizer.convert_tokens_to_ids("a")] == 1.0
+
+
+def test_the_draft_model_drafts_forced_tokens_without_a_pass(lm, tokenizer):
+    """After each token it draws, the draft model appends the run the grammar forces and reads it in its next pass:
+    a schema's keys and punctuation cost no draft passes; the answer stays ar's."""
+    target = lm("target")
+    passes = []
+    drafter = ModelDrafter(lm("draft"), min_confidence=0.0)
+    forward = drafter.model.forward
+    drafter.model.forward = lambda tokens, *a, **kw: passes.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+    constraint = CONSTRAINTS["schema"]
+    out = SpeculativeDecoder(target, drafter, k=4).generate([1, 2, 3], max_new_tokens=48, constraint=constraint)
+    assert out.token_ids == SpeculativeDecoder(lm("target")).generate([1, 2, 3], max_new_tokens=48,
+                                                                       constraint=constraint).token_ids
+    assert out.stats.drafted > len(passes) - out.stats.steps  # more draft tokens than passes made them
+    assert max(passes[1:]) > 1  # a pass read a drawn token and the forced ones after it

@@ -141,12 +141,7 @@ class RunState:
         """Append the run of tokens the constraint's grammar alone decides (one legal token each: the masked
         target's only choice), within the budget; None when the next token has a choice."""
         room = min(self.max_new_tokens - len(self.generated), context - self.sequence.shape[0])
-        tokens: list[int] = []
-        while len(tokens) < room and (tokens[-1:] or [None])[0] not in eos_ids:
-            token = self.grammar.forced(tokens)
-            if token is None:
-                break
-            tokens.append(token)
+        tokens = self.grammar.forced_run((), room)
         if not tokens:
             return None
         event = self._append(tokens, [FORCED] * len(tokens), 0, 0, eos_ids, context)

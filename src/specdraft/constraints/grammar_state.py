@@ -139,7 +139,7 @@ class GrammarState:
         allowed = torch.stack([mask if mask is not None else torch.ones(self.vocab, dtype=torch.bool, device=self.device)
                                for mask in masks])[:, : logits.shape[-1]]  # [m, V]
         masked = logits.masked_fill(~allowed, float("-inf"))
-        dead = ~torch.isfinite(masked).any(-1)  # [m]
+        dead = masked.amax(-1) == float("-inf")  # [m]
         if dead.any():
             masked[dead] = torch.zeros_like(masked[dead]).masked_fill(~allowed[dead], float("-inf"))
         return masked
@@ -147,10 +147,22 @@ class GrammarState:
     def forced(self, prefix: Sequence[int] = ()) -> int | None:
         """The one token the grammar allows after the committed sequence + `prefix`, or None (several, or none)."""
         mask = self.allowed(prefix)
-        if mask is None:
+        if mask is None or int(mask.sum()) != 1:
             return None
-        legal = mask.nonzero()
-        return int(legal[0, 0]) if legal.shape[0] == 1 else None
+        return int(mask.int().argmax())
+
+    def forced_run(self, prefix: Sequence[int] = (), limit: int = 1 << 30) -> list[int]:
+        """The tokens the grammar alone decides, one after another, after the committed sequence + `prefix`: at most
+        `limit`, ending with an EOS if the grammar forces one."""
+        run: list[int] = []
+        while len(run) < limit:
+            token = self.forced(tuple(prefix) + tuple(run))
+            if token is None:
+                break
+            run.append(token)
+            if token in self.eos_ids:
+                break
+        return run
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The sequence grew by `tokens` (each allowed in turn; an EOS, if any, last): they become the committed

@@ -104,16 +104,20 @@ class ModelDrafter(Drafter):
         model, params = self.model, ctx.params
         feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen (the prompt at first)
         seen = ctx.seen
-        tokens, dists = [], []
+        tokens, dists = [], []  # each [n]: a drawn token, then the tokens a constraint forces after it
         chosen: list[int] = []  # the tokens so far, for a constraint's mask
+        most = max(k, ctx.max_depth or k)  # with forced tokens a chain may pass k, never the budget
+        drafted = fed = 0
         chain_confidence = 1.0
         for i in range(k):
             # a first read (the prompt's window) as a prompt pass: cheaper, and drafts are only proposals
             logits = yield DraftPass(model, feed, prompt=model.cache_len == 0)  # [1, V]
+            if i:
+                fed += feed.shape[1]
             if ctx.grammar is not None:
                 logits = ctx.constrain(logits, [chosen])
-            if seen is not None and tokens:  # the draft token just fed is part of the next prefix
-                seen = seen.index_fill(0, tokens[-1], True)
+            if seen is not None and i:  # the draft tokens just fed are part of the next prefix
+                seen = seen.index_fill(0, feed[0], True)
             if params.greedy and params.repetition_penalty == 1.0:
                 token = logits.argmax(-1)  # [1]
                 confidence = logits.float().softmax(-1).max() if self.min_confidence else None
@@ -127,15 +131,26 @@ class ModelDrafter(Drafter):
                 confidence = None if not self.min_confidence else (
                     logits.float().softmax(-1).max() if params.greedy else probs[0, token[0]])
             tokens.append(token)
-            if ctx.grammar is not None:
+            if ctx.grammar is not None:  # the tokens the grammar alone decides next: drafted without passes
                 chosen.append(int(token))
+                forced = ctx.grammar.forced_run(chosen, most - len(chosen))
+                if forced:
+                    chosen += forced
+                    token = torch.cat([token, token.new_tensor(forced)])  # [1 + m]
+                    tokens.append(token[1:])
+                    if dists:  # point masses, drawn from one-hot rows (accepted for sure: p = 1 there)
+                        dists.append(torch.zeros(len(forced), logits.shape[-1], device=logits.device).scatter_(
+                            1, token[1:, None], 1.0))
+            drafted += token.shape[0]
             if confidence is not None:
                 chain_confidence *= float(confidence)
                 if chain_confidence < self.min_confidence:
                     break
+            if drafted >= most or (chosen and chosen[-1] in ctx.grammar.eos_ids):
+                break
             if i < k - 1:
-                feed = token.view(1, 1)
-        self._fed_draft = len(tokens) - 1
+                feed = token.view(1, -1)
+        self._fed_draft = fed
         draft_tokens = torch.cat(tokens) if tokens else ctx.sequence.new_empty(0)  # [k]
         q_draft = torch.cat(dists) if dists else None  # [k, V]
         return Draft.chain(draft_tokens, q_draft)
