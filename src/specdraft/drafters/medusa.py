@@ -34,6 +34,7 @@ class _Node:
 
     score: float
     q_row: torch.Tensor | None = None  # [V]
+    path: tuple[int, ...] = ()  # its tokens from the root, for a constraint's mask
 
 
 class MedusaDrafter(FeatureDrafter):
@@ -66,8 +67,8 @@ class MedusaDrafter(FeatureDrafter):
         depth = min(k, self.heads.config.num_heads, ctx.max_depth or k)
         feature = self._feature.to(self.dtype).unsqueeze(0)  # [1, H]
         logits = self.vocab_head(self.heads(feature)[0, :depth])  # [depth, V]
-        if ctx.tree_branch > 1:  # under a constraint, the decoder cuts the point masses it forbids
-            return self._tree(head_distributions(logits, ctx), ctx, k, depth)
+        if ctx.tree_branch > 1:
+            return self._tree(logits, ctx, k, depth)
         return self._chain(logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:  # logits: [depth, V]
@@ -88,21 +89,32 @@ class MedusaDrafter(FeatureDrafter):
             tokens, probs = tokens[:keep], probs[:keep]
         return Draft.chain(tokens, None if greedy else probs)
 
-    def _tree(self, probs: torch.Tensor, ctx: DraftContext, budget: int, max_depth: int) -> Draft:
+    def _tree(self, logits: torch.Tensor, ctx: DraftContext, budget: int, max_depth: int) -> Draft:  # [depth, V]
         branch, greedy = ctx.tree_branch, ctx.params.greedy
+        probs = head_distributions(logits, ctx)  # [depth, V]
         top_probs, top_tokens = probs.topk(branch, dim=-1)  # [depth, B]
         top_probs, top_tokens = top_probs.tolist(), top_tokens.tolist()
+
+        def row_of(node: _Node, depth: int) -> tuple[torch.Tensor, list[int], list[float]]:
+            """What a node's children are drawn from ([V]) and its likeliest children: the head's row, or under a
+            constraint that row masked after the node's own path."""
+            if ctx.grammar is None:
+                return probs[depth], top_tokens[depth], top_probs[depth]
+            row = head_distributions(ctx.constrain(logits[depth : depth + 1], [list(node.path)]), ctx)[0]  # [V]
+            values, ids = row.topk(branch)
+            return row, ids.tolist(), values.tolist()
 
         def children(node: _Node, depth: int, priority: float):
             if depth >= max_depth:
                 return []
+            row, likeliest, likeliest_probs = row_of(node, depth)
             offered = []
             if not greedy:  # first child drawn from q_{depth+1}, placed by its parent's score, not its own
-                drawn = int(sample(probs[depth:depth + 1], ctx.generator)[0])
-                offered.append((drawn, priority, _Node(node.score * float(probs[depth, drawn]), probs[depth])))
-            for token, p in zip(top_tokens[depth], top_probs[depth]):
+                drawn = int(sample(row.unsqueeze(0), ctx.generator)[0])
+                offered.append((drawn, priority, _Node(node.score * float(row[drawn]), row, node.path + (drawn,))))
+            for token, p in zip(likeliest, likeliest_probs):
                 if len(offered) < branch and p > 0 and all(token != other for other, *_ in offered):
-                    offered.append((token, node.score * p, _Node(node.score * p)))
+                    offered.append((token, node.score * p, _Node(node.score * p, None, node.path + (token,))))
             return offered
 
         tokens, parents, _, nodes = grow_best_first(_Node(1.0), children, budget)
