@@ -66,3 +66,15 @@ def test_a_wrong_constraint_is_a_400_naming_it(live, response_format, message):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["param"] == "response_format"
+
+
+def test_logprobs_under_a_constraint_cover_every_token(live):
+    """With logprobs every token is scored (none is forced past a pass), so each has its log-probability."""
+    client = live.client()
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A record."}], temperature=0, logprobs=True,
+        top_logprobs=2, response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens  # the answer's tokens, its closing EOS included
+    assert "".join(item.token for item in content).removesuffix("<|im_end|>") == chat.choices[0].message.content
+    assert all(item.logprob <= 0 and len(item.top_logprobs) == 2 for item in content)
