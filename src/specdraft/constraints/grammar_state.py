@@ -3,8 +3,8 @@
 The matcher sits at the committed sequence plus `_ahead`, a draft prefix it has consumed; asking for another prefix
 rolls back to the common part and consumes the rest (tokens are checked first: a matcher that consumed an illegal
 token would be in an error state for good). An EOS token is never consumed: the answer ends there, so nothing after
-it is masked, and whether the grammar allows it is read from the mask before it. Masks are kept for the step by prefix, so the drafter's masks are the
-verifier's; `commit` moves to the committed tokens and forgets them.
+it is masked, and whether the grammar allows it is read from the mask before it. Masks are kept for the step by
+prefix, so the drafter's masks are the verifier's; `commit` moves to the committed tokens and forgets them.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ class GrammarState:
         masks = [self.allowed(prefix) for prefix in prefixes]
         if all(mask is None for mask in masks):
             return logits
-        allowed = torch.stack([mask if mask is not None else torch.ones(self.vocab, dtype=torch.bool, device=self.device)
-                               for mask in masks])[:, : logits.shape[-1]]  # [m, V]
+        everything = torch.ones(self.vocab, dtype=torch.bool, device=self.device)  # [V]: a row no path reaches
+        allowed = torch.stack([everything if mask is None else mask for mask in masks])[:, : logits.shape[-1]]  # [m, V]
         masked = logits.masked_fill(~allowed, float("-inf"))
         dead = masked.amax(-1) == float("-inf")  # [m]
         if dead.any():

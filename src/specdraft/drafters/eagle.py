@@ -79,7 +79,10 @@ class EagleDrafter(FeatureDrafter):
         survival = 1.0
         depth = min(k, ctx.max_depth or k)
         for i in range(depth):
-            probs = head_distributions(ctx.constrain(self.vocab_head(predicted), [[int(t) for t in tokens]]), ctx)  # [1, V]
+            logits = self.vocab_head(predicted)  # [1, V]
+            if ctx.grammar is not None:  # masked after the tokens drafted so far
+                logits = ctx.constrain(logits, [[int(t) for t in tokens]])
+            probs = head_distributions(logits, ctx)  # [1, V]
             token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
             tokens.append(token)
             rows.append(probs)
