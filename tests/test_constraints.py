@@ -145,17 +145,23 @@ def test_every_drafter_answers_validly_and_greedy_equals_ar(lm, tokenizer, kind)
             assert sum(out.stats.drafted for out in sampled) > 0 or name in ("ngram", "suffix"), name
 
 
-def test_the_batch_decoder_answers_as_a_single_request(lm, tokenizer, models):
+@pytest.mark.parametrize("name", [None, "model", "eagle", "medusa"])
+def test_the_batch_decoder_answers_as_a_single_request(lm, tokenizer, name):
+    """Batched, each answer under the schema equals its single-request answer (plain, a draft model's chains and
+    trees, feature drafters), and the tokens the grammar forces are appended without a pass there too."""
     constraint = CONSTRAINTS["schema"]
     prompts = [tokenizer.encode(PROMPT_TEXT), [1, 2, 3], [7]]
     expected = [SpeculativeDecoder(lm("target")).generate(p, max_new_tokens=48, constraint=constraint).token_ids
                 for p in prompts]
-    for tree_budget in (0, 5):
+    for tree_budget in (0, 5) if name else (0,):
         target = lm("target")
-        batch = BatchedDecoder(target, lambda: ModelDrafter(lm("draft"), min_confidence=0.0), tree_budget=tree_budget)
+        make = None if name is None else lambda: build(name, target, lm("draft"))
+        batch = BatchedDecoder(target, make, tree_budget=tree_budget)
         outs = batch.generate_all([BatchRequest(p, max_new_tokens=48, constraint=constraint) for p in prompts])
-        assert [out.token_ids for out in outs] == expected
+        assert [out.token_ids for out in outs] == expected, (name, tree_budget)
         assert all(valid("schema", out.text) for out in outs)
+        assert all(out.stats.forced_tokens == out.kinds.count(FORCED) > 0 for out in outs)
+        assert sum(out.stats.steps for out in outs) < sum(len(out.token_ids) for out in outs)
     with pytest.raises(SpecdraftError, match="regex is not valid"):
         batch.add(BatchRequest([1, 2], constraint=Constraint.regex("(")))
 

@@ -51,9 +51,8 @@ depths and each of its tokens sees its own ancestors (`TreeLayout.block_attentio
 token's row and the accepted path's. A drafter that reads the target's features gets them as alone: the prompt's
 from the chunks that read it, then each step the rows the pass kept, before its commit.
 
-Constraints (`constraints`): a sequence's drafter masks its q and its target rows are masked as alone; tokens the
-grammar alone decides are verified like any other here (the forced-token shortcut is the single decoder's), so
-the answer is the same, a pass later.
+Constraints (`constraints`): a sequence's drafter masks its q and its target rows are masked as alone; before each
+step, the tokens its grammar alone decides are appended without a pass (`_force`) and lead its next block, unscored.
 """
 
 from __future__ import annotations
@@ -155,6 +154,7 @@ class _Sequence:
     policy: AutoK
     k: int | None  # fixed, or None: chosen by the goodput rule
     kv_bytes: int = 0  # the cache memory reserved for it (`BatchedDecoder.kv_need`)
+    unscored: int = 1  # tokens at its end no pass has read: the last committed one, and forced ones after it
 
     @property
     def reads_features(self) -> bool:
@@ -377,6 +377,26 @@ class BatchedDecoder:
         self.row_owner = [self.row_owner[row] for row in kept]
 
     # ----- one step -----------------------------------------------------------------------------------
+    def _force(self) -> list[tuple[int, StepEvent]]:
+        """Each active sequence under a constraint (without logprobs) appends the tokens its grammar alone decides
+        (`RunState.force`), to be read in its next block; a sequence they finish leaves. A sequence whose next token
+        sits at position 0 waits for its first pass (`_stepping`)."""
+        events, finished = [], []
+        for seq in self.active:
+            run = seq.run
+            if run.grammar is None or run.logprobs is not None or run.sequence.shape[0] == 1:
+                continue
+            forced = run.force(self.target.eos_token_ids, self.target.max_context)
+            if forced is None:
+                continue
+            seq.unscored += len(forced.token_ids)
+            run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+            events.append((seq.ident, forced))
+            if forced.finish_reason is not None:
+                finished.append(seq)
+        self._leave(finished)
+        return events
+
     def _context(self, seq: _Sequence) -> tuple[DraftContext, int]:
         """What the sequence's drafter may read this step, and the most draft tokens it may take (a tree: nodes):
         within its budget, the context and max_k or the tree budget; a tree at most its fixed k or the policy's
@@ -507,8 +527,9 @@ class BatchedDecoder:
         finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
         are in `take_failed()`."""
         self._read_joining()
+        forced = self._force()  # 1. tokens the grammar alone decides
         if not self.active:
-            return []
+            return forced
         target = self.target
         stepping = self._stepping()
         self.largest_batch = max(self.largest_batch, len(stepping))
@@ -516,19 +537,22 @@ class BatchedDecoder:
         contexts, limits = zip(*(self._context(seq) for seq in stepping))
         # where drafting has given less than plain steps at this batch size, the auto sequences step plain
         gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
-        plans = [self._plan(seq, ctx, limit, gated) for seq, ctx, limit in zip(stepping, contexts, limits)]
+        plans = [(None, 0, 0) if seq.unscored > 1 and seq.reads_features else self._plan(seq, ctx, limit, gated)
+                 for seq, ctx, limit in zip(stepping, contexts, limits)]  # features of forced tokens come from a pass
         ks = self._choose(stepping, plans)
         drafts, draft_seconds = self._propose_all(stepping, contexts, ks)  # 2. draft passes shared by depth
         drafts = [self._trimmed(seq, draft, source) for seq, draft, (source, _, _) in zip(stepping, drafts, plans)]
         ks = [draft.k for draft in drafts]
-        # 3. one target pass over [last, d1 .. dk] of every sequence, each at its own positions (a tree: by depth)
-        blocks = [torch.cat([seq.run.sequence[-1:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
+        # 3. one target pass over [last, d1 .. dk] of every sequence (forced tokens after its last), each at its own
+        # positions (a tree: by depth)
+        blocks = [torch.cat([seq.run.sequence[-seq.unscored:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
         owners = [seq.ident for seq, block in zip(stepping, blocks) for _ in range(block.shape[0])]
         which = [i for i, block in enumerate(blocks) for _ in range(block.shape[0])]
-        trees = [draft.layout.block_attention(1) if draft.layout is not None else None for draft in drafts]
-        positions = torch.cat([seq.run.sequence.shape[0] - 1 + (tree[0] if tree is not None else
-                                                                 torch.arange(block.shape[0], device=block.device))
-                               for seq, block, tree in zip(stepping, blocks, trees)])  # [T]
+        trees = [draft.layout.block_attention(seq.unscored) if draft.layout is not None else None
+                 for seq, draft in zip(stepping, drafts)]
+        positions = torch.cat([seq.run.sequence.shape[0] - seq.unscored + (
+            tree[0] if tree is not None else torch.arange(block.shape[0], device=block.device))
+            for seq, block, tree in zip(stepping, blocks, trees)])  # [T]
         tokens = torch.cat(blocks)  # [T]
         cached = target.cache_len
         sync_device(target.device)
@@ -543,13 +567,13 @@ class BatchedDecoder:
         scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
                                 offsets=positions - cached, visible=visible)
         logits = scored.logits[0]  # [T, V]
-        events, kept_rows, start = [], [], 0
+        events, kept_rows, start = forced, [], 0
         verdicts, rows_of, paths, decided_by = [], [], [], []
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
-            width, tree, run = block.shape[0], draft.layout, seq.run
-            rows_of.append(logits[start : start + width])  # [k + 1, V]
+            width, tree, run, unscored = block.shape[0], draft.layout, seq.run, seq.unscored
+            rows_of.append(logits[start + unscored - 1 : start + width])  # [k + 1, V]: after its last, then the draft
             allowed = rows_of[-1] if run.grammar is None else run.grammar.mask_rows(rows_of[-1], [()] + draft.paths())
-            p_target = target_rows(allowed, run.params, run.seen, block,
+            p_target = target_rows(allowed, run.params, run.seen, block[unscored - 1 :],
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
             num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
@@ -558,7 +582,8 @@ class BatchedDecoder:
             bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
             verdicts.append((num_accepted, next_token, bonus))
             paths.append(path)
-            decided_by.append([0] + [1 + node for node in path])  # in the block: its last and the path's rows
+            # in the block: its unscored rows (its last, and forced ones) and the path's
+            decided_by.append(list(range(unscored)) + [unscored + node for node in path])
             in_pass = [start + row for row in decided_by[-1]]
             kept_rows += in_pass
             if seq.reads_features:  # the kept rows' states, before commit
@@ -586,7 +611,9 @@ class BatchedDecoder:
             if run.grammar is not None:
                 run.stats.mask_seconds = run.grammar.mask_seconds
             if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
-                add_logprobs(event, rows[kept[: len(event.token_ids)]], run.logprobs)
+                decided = [row - seq.unscored + 1 for row in kept[seq.unscored - 1 :]]  # in `rows`
+                add_logprobs(event, rows[decided[: len(event.token_ids)]], run.logprobs)
+            seq.unscored = 1  # the pass read everything but the token it emitted last
             events.append((seq.ident, event))
             if event.finish_reason is not None:
                 finished.append(seq)
