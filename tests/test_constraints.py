@@ -30,7 +30,8 @@ from specdraft.exactness import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import sample, warp
 
-SCHEMA = {  # bounded (and compact: no free whitespace by default): a random model's answer must end within the budget
+SCHEMA = {  # bounded and compact (llguidance's own key): a random model's answer must end within the budget
+    "x-guidance": {"whitespace_flexible": False},
     "type": "object",
     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]},
                    "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
@@ -119,6 +120,15 @@ def test_masks_cuts_rollback_and_forced_tokens(lm, tokenizer):
     assert state.forced_run((ids["d"],)) == [eos] and state.forced_run(()) == []
     state.commit([ids["d"], eos])
     assert state.accepting
+
+
+def test_json_whitespace_is_bounded_by_default(lm, tokenizer):
+    """Between two JSON tokens: nothing, one space, or a newline and an indent (a model cannot run on in spaces)."""
+    state = start_grammar(Constraint.json_object(), lm("target"))
+    brace, space, newline = (tokenizer.convert_tokens_to_ids(t) for t in ("{", "Ġ", "Ċ"))
+    assert state.allowed((brace,))[space] and state.allowed((brace,))[newline]
+    assert not state.allowed((brace, space))[space] and not state.allowed((brace, space))[newline]
+    assert state.allowed((brace, newline))[space]
 
 
 # ----- every drafter: valid answers, greedy spec == greedy ar ---------------------------------------

@@ -1,5 +1,6 @@
 """specdraft: lossless speculative decoding for causal language models."""
 
+from specdraft.constraints import Constraint
 from specdraft.drafters import DRAFTERS, Draft, Drafter, ModelDrafter, make_drafter
 from specdraft.engine import Completion, SpeculativeDecoder, StepEvent
 from specdraft.errors import SpecdraftError
@@ -11,7 +12,7 @@ from specdraft.stats import GenerationStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "CausalLM", "Completion", "DRAFTERS", "Draft", "Drafter", "GenerationStats", "ModelDrafter",
+    "CausalLM", "Completion", "Constraint", "DRAFTERS", "Draft", "Drafter", "GenerationStats", "ModelDrafter",
     "SamplingParams", "SpecdraftError", "SpeculativeDecoder", "StepEvent", "check_compatible",
     "load_model", "make_drafter",
 ]
