@@ -179,3 +179,28 @@ def test_batched_greedy_equals_each_request_alone(pair):
         for prompt_ids, reference, completion in zip(ids, alone, got):
             verdict = compare_greedy(target, prompt_ids, reference, completion.token_ids)
             assert verdict.acceptable, verdict
+
+
+@pytest.mark.parametrize("question", ["json-01", "json-09", "json-17"])
+def test_greedy_spec_equals_ar_under_a_schema(pair, question):
+    """The shipped JSON-by-schema prompts (one of each kind): valid answers, the default `spec` (ngram+model, int4
+    draft, k auto) token for token `ar`'s under the same schema, and fewer target passes."""
+    from pathlib import Path
+
+    import specdraft.bench
+    from specdraft.constraints import Constraint
+    from specdraft.engine import build_decoder
+    from specdraft.models.loading import prepare_draft
+    from specdraft.prompts import load_prompts
+
+    target, draft = pair
+    shipped = Path(specdraft.bench.__file__).parent / "data" / "json_prompts.jsonl"
+    prompts = {p.question_id: p for p in load_prompts(shipped)}
+    constraint = Constraint.json_schema(prompts[question].schema)
+    ids = encode_prompt(target.tokenizer, prompts[question].turns[0])
+    ar = SpeculativeDecoder(target).generate(ids, max_new_tokens=256, constraint=constraint)
+    spec = build_decoder(target, "ngram+model", draft_model=prepare_draft(draft, "auto")).generate(
+        ids, max_new_tokens=256, constraint=constraint)
+    assert ar.finish_reason == "stop" and constraint.validates(ar.text)
+    assert spec.token_ids == ar.token_ids
+    assert ar.stats.forced_tokens > 0 and spec.stats.steps < ar.stats.steps
