@@ -176,6 +176,24 @@ def test_the_batch_decoder_answers_as_a_single_request(lm, tokenizer, name):
         batch.add(BatchRequest([1, 2], constraint=Constraint.regex("(")))
 
 
+def test_a_batch_mixes_constrained_and_free_answers(lm, tokenizer):
+    """Sequences under a schema, a regex and none step together, each answering as alone (greedy, and seeded
+    sampling with a fixed k)."""
+    requests = [BatchRequest([1, 2, 3], max_new_tokens=40, constraint=CONSTRAINTS["schema"]),
+                BatchRequest([1, 2, 3], max_new_tokens=40),
+                BatchRequest([7, 8], SamplingParams(temperature=1.0, seed=4), 40, constraint=CONSTRAINTS["regex"], k=3),
+                BatchRequest([7, 8], SamplingParams(temperature=1.0, seed=4), 40, k=3)]
+    target = lm("target")
+    outs = BatchedDecoder(target, lambda: ModelDrafter(lm("draft"), min_confidence=0.0)).generate_all(requests)
+    for request, out in zip(requests, outs):
+        alone = SpeculativeDecoder(lm("target"), ModelDrafter(lm("draft"), min_confidence=0.0), k=3).generate(
+            request.prompt_ids, request.sampling, 40, constraint=request.constraint)
+        assert out.token_ids == alone.token_ids  # a seeded sample too: its k is fixed
+        if request.constraint is not None:
+            assert valid("schema" if request.constraint.kind == "json_schema" else "regex", out.text)
+    assert outs[1].stats.forced_tokens == 0 and outs[0].stats.forced_tokens > 0
+
+
 # ----- sampled answers follow the masked target (tier 2) ----------------------------------------------
 TWO_CHARS = Constraint.regex("[a-d][a-d]")  # 5 first tokens (a, b, c, d, dd), then a choice or EOS
 SAMPLES = 1200  # the naive cut scores p ~ 1e-10 at 1,000 samples, 1e-32 at 2,500
