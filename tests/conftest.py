@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from specdraft.models.causal_lm import CausalLM  # noqa: E402
+from specdraft.bench.device_check import tiny_tokenizer as train_tokenizer  # noqa: E402
 
 # The tests share two cores with nothing else: one intra-op thread avoids oversubscription.
 torch.set_num_threads(1)
@@ -89,17 +90,7 @@ def int16_activation_grid(x: torch.Tensor) -> torch.Tensor:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on a few lines, with chat and end-of-text specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = train_tokenizer(CORPUS, vocab=320)
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 

@@ -23,3 +23,5 @@ def test_dry_run_measures_every_part_and_finds_the_cuda_path_exact(tmp_path):
     first, grown = results["greedy_spec_equals_ar"]["cache_grows"]["capacity"]
     assert grown > first
     assert all(row["p_value"] > 1e-3 for row in results["chi_square"].values())
+    for row in results["constrained"].values():
+        assert row["identical"] == row["valid"] == row["runs"] > 0

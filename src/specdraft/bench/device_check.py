@@ -18,7 +18,11 @@ prints a table:
 4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
    probability 1 - α) at α = 0.6 / 0.8 / 0.95, k auto: speedup over our `ar`, measured α and τ;
 5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees), and the
-   chi-square test of the first two sampled tokens against the target's exact distribution.
+   chi-square test of the first two sampled tokens against the target's exact distribution;
+6. structured output on the device: answers of a tiny target with a byte-level tokenizer under a regex and a JSON
+   schema, valid and greedy `spec` == `ar` (chains, k auto, trees). It needs llguidance, which a GPU machine lacks:
+   carry its wheel (`pip download llguidance==1.9.1 --no-deps -d wheels`, then `pip install wheels/*.whl` there);
+   without it the part says it was skipped.
 
 `--dry-run` runs every part at tiny shapes with few tokens (on the CPU unless --device says otherwise), so
 the script is tested in the quick test set and cannot rot.
@@ -28,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -42,7 +48,7 @@ from unittest import mock
 import numpy as np
 import torch
 import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from specdraft.drafters import ModelDrafter, make_drafter
 from specdraft.drafters.oracle import OracleDrafter
@@ -362,6 +368,58 @@ def sampled_part(device: torch.device, results: dict, samples: int) -> None:
     results["chi_square"] = rows
 
 
+def tiny_tokenizer(corpus: list[str], vocab: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `corpus` (`vocab` ids), with chat specials; <|im_end|> ends an answer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+LIST_REGEX = r"(yes|no)(, (yes|no)){0,3}"
+RECORD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                  "b": {"enum": ["x", "y"]}},
+                 "required": ["a", "b"], "additionalProperties": False,
+                 "x-guidance": {"whitespace_flexible": False}}  # compact: a random model's answer ends
+
+
+def constrained_part(device: torch.device, results: dict, prompts: int) -> None:
+    """Answers under a regex and a JSON schema through the device's path: valid, and greedy spec == ar."""
+    if importlib.util.find_spec("llguidance") is None:
+        results["constrained"] = {"skipped": "llguidance is not installed here; carry its wheel (module doc)"}
+        return
+    from specdraft.constraints import Constraint
+
+    tokenizer = tiny_tokenizer(['{"a":12,"b":"x"}', "yes, no, yes"] * 20, vocab=300)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target_model = tiny_sharp(device, torch.float32, vocab=len(tokenizer))
+    target_model.config.eos_token_id = target_model.generation_config.eos_token_id = eos
+    draft_model = perturbed(target_model, noise=0.3, seed=1)
+    draft_model.config.eos_token_id = draft_model.generation_config.eos_token_id = eos
+    target = CausalLM(target_model, tokenizer, name="tiny", static_cache=True)
+    draft = CausalLM(draft_model, tokenizer, name="tiny draft", static_cache=True)
+    rows = {}
+    for name, constraint in (("regex", Constraint.regex(LIST_REGEX)), ("schema", Constraint.json_schema(RECORD_SCHEMA))):
+        same = valid = total = 0
+        for index in range(prompts):
+            prompt = torch.randint(0, len(tokenizer) - 3, (8,), generator=torch.Generator().manual_seed(index)).tolist()
+            expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40, constraint=constraint).token_ids
+            for k, tree in ((3, 0), ("auto", 0), (3, 8)):
+                out = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=k, tree_budget=tree).generate(
+                    prompt, max_new_tokens=40, constraint=constraint)
+                same += out.token_ids == expected
+                valid += out.finish_reason == "stop" and (re.fullmatch(LIST_REGEX, out.text) is not None
+                                                          if name == "regex" else bool(constraint.validates(out.text)))
+                total += 1
+        rows[name] = {"identical": same, "valid": valid, "runs": total}
+    results["constrained"] = rows
+
+
 def table(results: dict) -> str:
     """The check's numbers as a few plain-text lines."""
     lines = [f"device: {results['device']}  torch {results['torch']}  transformers {results['transformers']}"]
@@ -389,10 +447,10 @@ def table(results: dict) -> str:
                         if isinstance(row.get(name), float))
         lines.append(f"{key}: {row['tok_s']:.1f} tok/s ({row['tokens']} tokens){extra}"
                      + (f"  same as ar: {row['same_tokens_as_ar']}" if "same_tokens_as_ar" in row else ""))
-    for key in ("speed_part", "greedy_part", "sampled_part"):
+    for key in ("speed_part", "greedy_part", "sampled_part", "constrained_part"):
         if key in results:
             lines.append(f"{key}: {results[key]}")
-    for key in ("greedy_spec_equals_ar", "chi_square"):
+    for key in ("greedy_spec_equals_ar", "chi_square", "constrained"):
         if key in results:
             lines.append(f"{key}: {json.dumps(results[key])}")
     return "\n".join(lines)
@@ -403,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and few tokens (CPU unless --device)")
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled, and "
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: speed, greedy, sampled, "
+                        "constrained, and "
                         "within speed: eager (transformers' eager pass and generate), hf (transformers' "
                         "static-cache compiled generate), profile (the kernel profiles), long (passes over 4,000 and 12,000 "
                         "cached tokens), host (a host-side profile of `ar`), unfused (the passes on "
@@ -419,7 +478,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     parts = {             "speed": lambda: speed_part(shapes, device, dtype, results, skip),
              "greedy": lambda: greedy_part(device, results, prompts=1 if args.dry_run else 5),
-             "sampled": lambda: sampled_part(device, results, shapes.samples)}
+             "sampled": lambda: sampled_part(device, results, shapes.samples),
+             "constrained": lambda: constrained_part(device, results, prompts=1 if args.dry_run else 4)}
     for name, part in parts.items():
         if name not in skip:
             print(f"{name} ...", file=sys.stderr, flush=True)
