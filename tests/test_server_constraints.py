@@ -30,6 +30,7 @@ def test_a_json_schema_answer_is_valid_streamed_or_not(live):
     answer = chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(answer), SCHEMA)
+    assert 0 < chat.usage.model_extra["forced_tokens"] < chat.usage.completion_tokens
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, stream=True,
                                                  response_format=response_format))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer

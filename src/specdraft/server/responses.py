@@ -64,7 +64,7 @@ class ResponseShape:
                 "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
                 "mean_committed_per_step": stats.mean_committed_per_step,
                 "accepted_at": list(stats.accepted_at), "drafted_at": list(stats.drafted_at),
-                "tokens_per_second": stats.tokens_per_second,
+                "tokens_per_second": stats.tokens_per_second, "forced_tokens": stats.forced_tokens,
                 "drafter": self.generation.decoder.drafter, "k": self.generation.decoder.k}
 
     def chunk(self, step: Step) -> dict:
