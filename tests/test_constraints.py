@@ -276,10 +276,12 @@ def two_token_setup(models, tokenizer):
     return target, prompt, logits, masked_two_tokens(target, prompt)
 
 
-@pytest.mark.parametrize("shape", ["chain", "model chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", pytest.param("model chain", marks=pytest.mark.slow),
+                                   pytest.param("tree", marks=pytest.mark.slow)])
 def test_sampled_answers_follow_the_masked_target(two_token_setup, models, tokenizer, shape):
     """A chain drawn from a fixed q; the draft model's chain (the tokens the grammar forces after a drawn one go
-    into the draft without a pass: here the EOS after two letters); a draft model's tree."""
+    into the draft without a pass: here the EOS after two letters) and a draft model's tree (`slow`: the chain's
+    test, quick, covers the same verification)."""
     target, prompt, logits, expected = two_token_setup
     draft = CausalLM(perturbed(models["target"], noise=1.0, seed=5), tokenizer)
     if shape == "chain":
