@@ -390,7 +390,6 @@ class BatchedDecoder:
             if forced is None:
                 continue
             seq.unscored += len(forced.token_ids)
-            run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
             events.append((seq.ident, forced))
             if forced.finish_reason is not None:
                 finished.append(seq)
@@ -572,8 +571,7 @@ class BatchedDecoder:
         for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
             width, tree, run, unscored = block.shape[0], draft.layout, seq.run, seq.unscored
             rows_of.append(logits[start + unscored - 1 : start + width])  # [k + 1, V]: after its last, then the draft
-            allowed = rows_of[-1] if run.grammar is None else run.grammar.mask_rows(rows_of[-1], [()] + draft.paths())
-            p_target = target_rows(allowed, run.params, run.seen, block[unscored - 1 :],
+            p_target = target_rows(run.masked(rows_of[-1], draft), run.params, run.seen, block[unscored - 1 :],
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
             num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
@@ -608,8 +606,6 @@ class BatchedDecoder:
                                   draft.layout.height if draft.layout is not None else k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-            if run.grammar is not None:
-                run.stats.mask_seconds = run.grammar.mask_seconds
             if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
                 decided = [row - seq.unscored + 1 for row in kept[seq.unscored - 1 :]]  # in `rows`
                 add_logprobs(event, rows[decided[: len(event.token_ids)]], run.logprobs)

@@ -146,13 +146,21 @@ class RunState:
             return None
         event = self._append(tokens, [FORCED] * len(tokens), 0, 0, eos_ids, context)
         self.stats.forced_tokens += len(event.token_ids)
+        self.stats.new_tokens, self.stats.wall_seconds = len(self.generated), time.perf_counter() - self.started
         return event
+
+    def masked(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """A verification pass's rows [k + 1, V] under the constraint: row 0 after the committed sequence, row
+        1 + i after draft token i's path (the logits themselves without one)."""
+        return logits if self.grammar is None else self.grammar.mask_rows(logits, [()] + draft.paths())
 
     def _append(self, tokens: list[int], kinds: list[str], drafted: int, accepted: int, eos_ids: set[int],
                 context: int) -> StepEvent:
         """Commit `tokens` (the first `accepted` of them draft tokens) cut at EOS, a stop string or the budget."""
         committed, texts, finish = self.text.cut(self.generated, tokens, eos_ids)
         self.extend(committed)
+        if self.grammar is not None:
+            self.stats.mask_seconds = self.grammar.mask_seconds
         if finish is None and self.full(context):
             finish = "length"
         pieces = [self.text.delta(t, final=finish is not None and j == len(texts) - 1) for j, t in enumerate(texts)]
@@ -321,7 +329,6 @@ class SpeculativeDecoder:
             if run.grammar is not None and run.logprobs is None:  # 0. tokens the grammar alone decides
                 forced = run.force(target.eos_token_ids, target.max_context)
                 if forced is not None:
-                    run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
                     yield forced
                     if forced.finish_reason is not None:
                         return
@@ -336,8 +343,7 @@ class SpeculativeDecoder:
             scored = target.forward(block.unsqueeze(0), k + 1, hidden_to_keep=block.shape[0] if wants_features else 0,
                                     offsets=offsets, visible=visible)
             logits = scored.logits[0]  # [k + 1, V]: row j predicts after [last, d1 .. dk][j]
-            allowed = logits if run.grammar is None else run.grammar.mask_rows(logits, [()] + draft.paths())  # [k + 1, V]
-            p_target = target_rows(allowed, run.params, run.seen, block[block.shape[0] - k - 1 :],
+            p_target = target_rows(run.masked(logits, draft), run.params, run.seen, block[block.shape[0] - k - 1 :],
                                    None if tree is None else tree.rows_ancestors())  # [k + 1, V]
             verdict = verify(draft, p_target, None if run.params.greedy else run.generator)  # 3. verify
             # The one host sync of the step: [num_accepted, next_token, deepest accepted node, d1 .. dk].
@@ -355,8 +361,6 @@ class SpeculativeDecoder:
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
                                   tree.height if tree is not None else k, t1 - t0, t2 - t1)
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-            if run.grammar is not None:
-                run.stats.mask_seconds = run.grammar.mask_seconds
             if run.logprobs is not None:  # from the rows that decided the emitted tokens
                 add_logprobs(event, logits[([0] + [1 + node for node in path])[: len(event.token_ids)]], run.logprobs)
             yield event

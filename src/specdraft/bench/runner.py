@@ -404,16 +404,17 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
             for prompt in dict.fromkeys(p for p, _ in todo):
                 specs = [s for p, s in todo if p == prompt]
                 ids = ids_of(prompt)
+                constraints = {s.label: prompt_constraint(prompt, s) for s in specs}
                 outputs: dict[str, list[RunOutput]] = {s.label: [] for s in specs}
                 for repeat in range(config.repeats):
                     for spec in specs:
                         progress.update(task, description=f"question {prompt.question_id} / {spec.label}"
                                                           + (f" ({repeat + 1}/{config.repeats})" if config.repeats > 1 else ""))
                         outputs[spec.label].append(spec.info.run(models, ids, params[spec.label],
-                                                                 **_constraint_argument(prompt_constraint(prompt, spec))))
+                                                                 **_constraint_argument(constraints[spec.label])))
                         progress.advance(task)
                 for spec in specs:
-                    constraint = prompt_constraint(prompt, spec)
+                    constraint = constraints[spec.label]
                     answer = "" if constraint is None else models.target.tokenizer.decode(
                         outputs[spec.label][0].token_ids, skip_special_tokens=True)
                     record = _record(prompt, spec, ids, outputs[spec.label], params[spec.label].sampling.temperature,

@@ -52,7 +52,7 @@ def check_constraint(constraint: Constraint, target: "CausalLM") -> str:
     llguidance cannot follow is a SpecdraftError naming what is wrong."""
     from llguidance import LLMatcher
 
-    grammar = constraint.check()
+    grammar = constraint.grammar_text()
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, grammar_tokenizer(target))
     if failed:
         raise SpecdraftError(f"The {constraint.label} is not valid: {messages[0].strip()}")
@@ -60,13 +60,13 @@ def check_constraint(constraint: Constraint, target: "CausalLM") -> str:
 
 
 def start_grammar(constraint: Constraint | None, target: "CausalLM") -> "GrammarState | None":
-    """A fresh state at the start of an answer under `constraint` (None: no constraint)."""
+    """A fresh state at the start of an answer under `constraint` (None: no constraint); a grammar llguidance cannot
+    follow leaves its matcher in an error state, which is a SpecdraftError naming what is wrong."""
     if constraint is None:
         return None
     from llguidance import LLMatcher
 
-    grammar = check_constraint(constraint, target)
-    matcher = LLMatcher(grammar_tokenizer(target), grammar, log_level=0)
+    matcher = LLMatcher(grammar_tokenizer(target), constraint.grammar_text(), log_level=0)
     if matcher.is_error():
         raise SpecdraftError(f"The {constraint.label} is not valid: {matcher.get_error()}")
     return GrammarState(matcher, target.vocab_size, target.device, target.eos_token_ids)
@@ -81,6 +81,7 @@ class GrammarState:
         self._ahead: list[int] = []  # draft tokens consumed past the committed sequence
         self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}  # this step's, by prefix
         self._words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)  # [W] llguidance's bitmask
+        self._everything = torch.ones(vocab, dtype=torch.bool, device=device)  # [V]: a row no accepted path reaches
         self.mask_seconds = 0.0  # spent computing masks (and moving the matcher to them)
 
     def _move(self, prefix: Sequence[int]) -> bool:
@@ -136,8 +137,8 @@ class GrammarState:
         masks = [self.allowed(prefix) for prefix in prefixes]
         if all(mask is None for mask in masks):
             return logits
-        everything = torch.ones(self.vocab, dtype=torch.bool, device=self.device)  # [V]: a row no path reaches
-        allowed = torch.stack([everything if mask is None else mask for mask in masks])[:, : logits.shape[-1]]  # [m, V]
+        allowed = torch.stack([self._everything if mask is None else mask
+                               for mask in masks])[:, : logits.shape[-1]]  # [m, V]
         masked = logits.masked_fill(~allowed, float("-inf"))
         dead = masked.amax(-1) == float("-inf")  # [m]
         if dead.any():
