@@ -344,5 +344,4 @@ def test_the_draft_model_drafts_forced_tokens_without_a_pass(lm, tokenizer):
     out = SpeculativeDecoder(target, drafter, k=4).generate([1, 2, 3], max_new_tokens=48, constraint=constraint)
     assert out.token_ids == SpeculativeDecoder(lm("target")).generate([1, 2, 3], max_new_tokens=48,
                                                                        constraint=constraint).token_ids
-    assert out.stats.drafted > len(passes) - out.stats.steps  # more draft tokens than passes made them
-    assert max(passes[1:]) > 1  # a pass read a drawn token and the forced ones after it
+    assert out.stats.drafted > len(passes)  # more draft tokens than draft passes: a drawn one costs a pass each
