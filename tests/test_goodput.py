@@ -8,7 +8,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specdraft.goodput import REALIZED_STEPS, RETRY_STEPS, RealizedGoodput, batch_rate, choose_batch_k
+from specdraft.goodput import MAX_RETRY_STEPS, REALIZED_STEPS, RETRY_STEPS, RealizedGoodput, batch_rate, choose_batch_k
 from specdraft.policy import AutoK
 
 
@@ -126,3 +126,31 @@ def test_realized_rates_stop_drafting_where_it_gave_less_and_try_again_later():
     assert realized.allows_drafting(2)  # one try, which counts more than the old drafting steps, decayed
     realized.record(2, True, 6, 0.10)  # 60 tokens/s this time
     assert realized.drafting_pays(2)
+
+
+def _plain_steps_until_a_try(realized: RealizedGoodput, size: int) -> int:
+    """Plain steps (40 tokens/s) recorded at `size` until drafting may be tried there."""
+    waited = 0
+    while not realized.allows_drafting(size):
+        realized.record(size, False, 2, 0.05)
+        waited += 1
+    return waited
+
+
+def test_each_try_that_loses_doubles_the_wait_and_a_try_that_pays_resets_it():
+    realized = RealizedGoodput()
+    for _ in range(REALIZED_STEPS):
+        realized.record(4, False, 2, 0.05)  # plain: 40 tokens/s
+        realized.record(4, True, 1, 0.10)  # drafting: 10 tokens/s
+    waits = []
+    for _ in range(6):
+        waits.append(_plain_steps_until_a_try(realized, 4))
+        realized.record(4, True, 1, 0.10)  # the try loses
+    assert waits == [RETRY_STEPS, 2 * RETRY_STEPS, 4 * RETRY_STEPS, MAX_RETRY_STEPS, MAX_RETRY_STEPS, MAX_RETRY_STEPS]
+    assert _plain_steps_until_a_try(realized, 4) == MAX_RETRY_STEPS
+    realized.record(4, True, 12, 0.10)  # this try pays: 120 tokens/s
+    assert realized.drafting_pays(4)
+    for _ in range(3):
+        realized.record(4, True, 1, 0.10)  # and then drafting loses again
+    assert not realized.drafting_pays(4)
+    assert _plain_steps_until_a_try(realized, 4) == RETRY_STEPS  # the wait starts over

@@ -29,6 +29,9 @@ the per-sequence work of drafting, acceptance estimates that lag) shows only in 
 `RealizedGoodput` keeps, per batch size, the committed tokens per second that steps which drafted and steps
 which did not actually gave; where drafting has given less than plain steps there (each kind measured on at
 least REALIZED_STEPS steps), the batch steps plain at that size and tries drafting again RETRY_STEPS steps later.
+A try that loses again doubles the wait there, up to MAX_RETRY_STEPS (a try is dear where it loses: a draft model
+must first read every token it missed, for every sequence at once; measured, steps of 8 sequences that drafted gave
+126 tokens/s against 172 for plain steps); a try that pays sets it back to RETRY_STEPS.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ DINKELBACH_ROUNDS = 32  # far more than it takes: λ stops rising after a few ro
 REALIZED_DECAY = 0.95  # the weight of each older step at a batch size in its realized rates (about the last 20)
 REALIZED_STEPS = 8  # steps of each kind at a batch size before its realized rates may stop drafting there
 RETRY_STEPS = 32  # once drafting lost at a batch size, plain steps there before it may draft again
+MAX_RETRY_STEPS = 256  # the longest wait, after tries that lost in a row (each doubles it)
 
 
 def batch_rate(ks: Sequence[int], curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
@@ -116,6 +120,7 @@ class _Rates:
     seconds: list[float]
     steps: list[int]
     waited: int = 0  # plain steps since drafting was last judged to lose here
+    retry_after: int = RETRY_STEPS  # plain steps to wait before the next try: doubled by each try that loses
 
     def rate(self, drafting: bool) -> float:
         return self.tokens[drafting] / self.seconds[drafting] if self.seconds[drafting] > 0 else 0.0
@@ -130,15 +135,21 @@ class RealizedGoodput:
     def record(self, size: int, drafting: bool, tokens: int, seconds: float) -> None:
         """A step of `size` sequences that drafted (or not) committed `tokens` in `seconds`."""
         rates = self._sizes.setdefault(size, _Rates([0.0, 0.0], [0.0, 0.0], [0, 0]))
+        was_paying = self.drafting_pays(size)
         for kind in (False, True):  # both decay, so the kind not taken lately weighs little once it is taken again
             rates.tokens[kind] *= REALIZED_DECAY
             rates.seconds[kind] *= REALIZED_DECAY
         rates.tokens[drafting] += tokens
         rates.seconds[drafting] += seconds
         rates.steps[drafting] += 1
+        pays = self.drafting_pays(size)
         if drafting:
             rates.waited = 0
-        elif not self.drafting_pays(size):
+            if pays:
+                rates.retry_after = RETRY_STEPS
+            elif not was_paying:  # a try, and it lost again
+                rates.retry_after = min(2 * rates.retry_after, MAX_RETRY_STEPS)
+        elif not pays:
             rates.waited += 1
 
     def drafting_pays(self, size: int) -> bool:
@@ -150,8 +161,9 @@ class RealizedGoodput:
         return rates.rate(True) >= rates.rate(False)
 
     def allows_drafting(self, size: int) -> bool:
-        """Whether a step of `size` sequences may draft: drafting pays there, or it lost and has waited RETRY_STEPS
-        plain steps (then one try measures it again)."""
+        """Whether a step of `size` sequences may draft: drafting pays there, or it lost and has waited its plain
+        steps (RETRY_STEPS, doubled by each try that lost since; then one try measures it again)."""
         if self.drafting_pays(size):
             return True
-        return self._sizes[size].waited >= RETRY_STEPS
+        rates = self._sizes[size]
+        return rates.waited >= rates.retry_after
