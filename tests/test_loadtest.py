@@ -38,6 +38,27 @@ def test_loadtest_reports_each_level_and_method_with_outputs_unchanged_by_load(t
     assert "| `spec` | 4 |" in (tmp_path / REPORT).read_text()
 
 
+def test_loadtest_methods_take_turns_at_each_level_and_rounds_flip_their_order_and_pool(tiny_model_dirs, tmp_path):
+    with Live(make_app(tiny_model_dirs, max_tokens=4)) as server:
+        summary = run_loadtest(server.url, PROMPTS[:2], ["ar", "spec"], [2, 1], tmp_path, max_tokens=4, requests=2,
+                               rounds=2)
+    records = [json.loads(line) for line in (tmp_path / RESULTS).read_text().splitlines()]
+    turns = [(r["round"], r["concurrency"], r["method"]) for r in records]
+    assert list(dict.fromkeys(turns)) == [(0, 1, "ar"), (0, 1, "spec"), (0, 2, "ar"), (0, 2, "spec"),
+                                          (1, 1, "spec"), (1, 1, "ar"), (1, 2, "spec"), (1, 2, "ar")]
+    assert summary["rounds"] == 2
+    for method, levels in summary["methods"].items():
+        for clients, figures in levels.items():
+            mine = [r for r in records if (r["method"], str(r["concurrency"])) == (method, clients)]
+            assert figures["requests"] == 4 and figures["tokens"] == sum(r["tokens"] for r in mine)  # both rounds
+            assert figures["same_as_alone"] == 1.0
+    report = (tmp_path / REPORT).read_text()
+    assert "2 rounds pooled" in report and "| vs `ar` |" in report
+    ratio = summary["methods"]["spec"]["2"]["tokens_per_second"] / summary["methods"]["ar"]["2"]["tokens_per_second"]
+    assert f"| `ar` | 2 | 4 | 0 | {summary['methods']['ar']['2']['tokens_per_second']:.1f} | 1.00x |" in report
+    assert f"| {ratio:.2f}x |" in report
+
+
 def test_loadtest_refuses_bad_options_and_a_missing_server(tmp_path):
     with pytest.raises(SpecdraftError, match="--methods"):
         parse_methods("ar,medusa")
@@ -49,3 +70,5 @@ def test_loadtest_refuses_bad_options_and_a_missing_server(tmp_path):
         port = sock.getsockname()[1]
     with pytest.raises(SpecdraftError, match="No server answers"):
         run_loadtest(f"http://127.0.0.1:{port}", PROMPTS, ["ar"], [1], tmp_path)
+    with pytest.raises(SpecdraftError, match="--rounds"):
+        run_loadtest(f"http://127.0.0.1:{port}", PROMPTS, ["ar"], [1], tmp_path, rounds=0)

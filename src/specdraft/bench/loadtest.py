@@ -1,8 +1,9 @@
 """`specdraft loadtest`: many clients at once against a live server, as users of a serving system measure it.
 
-For each method and each concurrency C, `requests` chat requests (default 2·C) go out C at a time through the
-official `openai` client, streamed, greedy, prompts taken in turn from the prompt files. Methods are what each
-request asks of the server: `ar` sends `speculative: {"drafter": "none"}` (plain decoding), `spec` nothing (the
+At each concurrency C, for each method in turn, `requests` chat requests (default 2·C) go out C at a time
+through the official `openai` client, streamed, greedy, prompts taken in turn from the prompt files. The methods
+alternate level by level, and `rounds` repeats the sweep with their order flipped, so the machine's drift weighs
+on them alike. Methods are what each request asks of the server: `ar` sends `speculative: {"drafter": "none"}` (plain decoding), `spec` nothing (the
 server's default speculation).
 
 Per request: time to first token (TTFT: from sending to the first chunk with text), time per output token after
@@ -158,33 +159,42 @@ def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dic
 
 def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], levels: Sequence[int], out: Path,
                  max_tokens: int = 128, requests: int | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, progress=None) -> dict:
+                 timeout: float = 600.0, rounds: int = 1, progress=None) -> dict:
     """Drive the server at `url` at each concurrency of `levels` for each method; write OUT/ and return the summary.
 
-    `requests` per level (None: 2 x the concurrency, at least one per prompt at concurrency 1); `progress(text)`,
-    if given, hears of each level as it starts."""
+    The methods take turns at each level (a level's methods run one after the other, before the next level), so
+    the machine's drift over the run weighs on them alike; with `rounds` > 1 the whole sweep runs again, the
+    methods' order flipped each round, and a level's figures pool its requests and seconds over the rounds.
+    `requests` per level and round (None: 2 x the concurrency, at least one per prompt at concurrency 1);
+    `progress(text)`, if given, hears of each level as it starts."""
     if not prompts:
         raise SpecdraftError("No prompts to send; check --prompts and --categories.")
-    if max_tokens < 1 or (requests is not None and requests < 1):
-        raise SpecdraftError("--max-tokens and --requests must be >= 1.")
+    if max_tokens < 1 or (requests is not None and requests < 1) or rounds < 1:
+        raise SpecdraftError("--max-tokens, --requests and --rounds must be >= 1.")
     client = client_for(url, api_key, timeout)
     model = served_model(client)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "methods": {}}
+    pooled: dict[tuple[str, int], tuple[list[RequestResult], float]] = {}
+    alone: dict[str, dict[str, str]] = {}  # by method: each prompt's answer at the lowest level, first round
     with open(out / RESULTS, "w", encoding="utf-8") as records:
-        for method in methods:
-            alone: dict[str, str] = {}
-            figures = summary["methods"][method] = {}
+        for round_ in range(rounds):
             for concurrency in sorted(levels):
-                count = requests or max(2 * concurrency, len(prompts) if concurrency == 1 else 0)
-                if progress is not None:
-                    progress(f"{method}: {count} requests, {concurrency} at a time")
-                results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
-                for result in results:
-                    records.write(json.dumps({**asdict(result), "tpot": result.tpot}) + "\n")
-                if concurrency == min(levels):
-                    alone = {r.question_id: r.text for r in results if r.error is None}
-                figures[str(concurrency)] = summarize_level(results, seconds, alone)
+                for method in (methods if round_ % 2 == 0 else list(reversed(methods))):
+                    count = requests or max(2 * concurrency, len(prompts) if concurrency == 1 else 0)
+                    if progress is not None:
+                        turn = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
+                        progress(f"{method}: {count} requests, {concurrency} at a time{turn}")
+                    results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
+                    for result in results:
+                        records.write(json.dumps({**asdict(result), "round": round_, "tpot": result.tpot}) + "\n")
+                    if method not in alone:
+                        alone[method] = {r.question_id: r.text for r in results if r.error is None}
+                    earlier, spent = pooled.get((method, concurrency), ([], 0.0))
+                    pooled[(method, concurrency)] = (earlier + results, spent + seconds)
+    summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                     "methods": {method: {str(concurrency): summarize_level(*pooled[(method, concurrency)],
+                                                                           alone[method])
+                                          for concurrency in sorted(levels)} for method in methods}}
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     plot_loadtest(summary, out)
     (out / REPORT).write_text(render_report(summary), encoding="utf-8")
@@ -215,16 +225,23 @@ def render_report(summary: dict) -> str:
     def ms(value):
         return "-" if value is None else f"{value * 1000:.0f}"
 
+    rounds = summary.get("rounds", 1)
+    methods = summary["methods"]
+    first = next(iter(methods), None)
+    pooled = f", {rounds} rounds pooled (the methods' order flipped each round)" if rounds > 1 else ""
     lines = ["# specdraft loadtest", "",
-             f"Server `{summary['url']}`, model `{summary['model']}`, greedy, {summary['max_tokens']} tokens at most.", "",
-             "| method | clients | requests | errors | tokens/s | TTFT p50 / p95 (ms) | TPOT p50 / p95 (ms) "
-             "| ITL p50 / p95 (ms) | same as alone |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for method, levels in summary["methods"].items():
+             f"Server `{summary['url']}`, model `{summary['model']}`, greedy, {summary['max_tokens']} tokens at most; "
+             f"the methods take turns at each level{pooled}.", "",
+             f"| method | clients | requests | errors | tokens/s | vs `{first}` | TTFT p50 / p95 (ms) "
+             "| TPOT p50 / p95 (ms) | ITL p50 / p95 (ms) | same as alone |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for method, levels in methods.items():
         for clients, f in levels.items():
             same = "-" if f["same_as_alone"] is None else f"{f['same_as_alone']:.0%}"
             rate = "-" if f["tokens_per_second"] is None else f"{f['tokens_per_second']:.1f}"
-            lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} "
+            base = methods[first][clients]["tokens_per_second"]
+            ratio = "-" if not base or f["tokens_per_second"] is None else f"{f['tokens_per_second'] / base:.2f}x"
+            lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} | {ratio} "
                          f"| {ms(f['ttft']['p50'])} / {ms(f['ttft']['p95'])} | {ms(f['tpot']['p50'])} / "
                          f"{ms(f['tpot']['p95'])} | {ms(f['itl']['p50'])} / {ms(f['itl']['p95'])} | {same} |")
     lines += ["", "TTFT: sending to the first streamed text; TPOT: time per output token after the first; ITL: gaps "

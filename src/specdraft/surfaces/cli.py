@@ -293,8 +293,11 @@ def loadtest(
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="At most N prompts per category."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Token budget of each request."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1,
-                                           help="Requests per level (default: 2 x the concurrency, and at least "
-                                                "one per prompt at the lowest)."),
+                                           help="Requests per level and round (default: 2 x the concurrency, "
+                                                "and at least one per prompt at the lowest)."),
+    rounds: int = typer.Option(1, "--rounds", min=1,
+                               help="Run the sweep N times, the methods' order flipped each round; a level's figures "
+                                    "pool its rounds (methods alternate level by level either way)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDRAFT_API_KEY", help="The server's key."),
     out: Path = typer.Option(Path("loadtest_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
@@ -307,7 +310,7 @@ def loadtest(
                                 [c.strip() for c in categories.split(",") if c.strip()] if categories else None,
                                 max_prompts)
         summary = run_loadtest(url, chosen, parse_methods(methods), parse_concurrency(concurrency), out,
-                               max_tokens=max_tokens, requests=requests, api_key=api_key,
+                               max_tokens=max_tokens, requests=requests, api_key=api_key, rounds=rounds,
                                progress=lambda text: err.print(text, highlight=False))
     except SpecdraftError as error:
         _fail(str(error))
