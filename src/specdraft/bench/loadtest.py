@@ -157,6 +157,15 @@ def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dic
     }
 
 
+def summarize_rounds(rounds: Sequence[tuple[Sequence[RequestResult], float]], alone: dict[str, str]) -> dict:
+    """A level's figures over its rounds (their requests and seconds pooled), with each round's tokens/s."""
+    figures = summarize_level([r for results, _ in rounds for r in results], sum(seconds for _, seconds in rounds),
+                              alone)
+    figures["tokens_per_second_by_round"] = [summarize_level(results, seconds, alone)["tokens_per_second"]
+                                             for results, seconds in rounds]
+    return figures
+
+
 def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], levels: Sequence[int], out: Path,
                  max_tokens: int = 128, requests: int | None = None, api_key: str | None = None,
                  timeout: float = 600.0, rounds: int = 1, progress=None) -> dict:
@@ -174,7 +183,7 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
     client = client_for(url, api_key, timeout)
     model = served_model(client)
     out.mkdir(parents=True, exist_ok=True)
-    pooled: dict[tuple[str, int], tuple[list[RequestResult], float]] = {}
+    rounds_run: dict[tuple[str, int], list[tuple[list[RequestResult], float]]] = {}  # each round's results, seconds
     alone: dict[str, dict[str, str]] = {}  # by method: each prompt's answer at the lowest level, first round
     with open(out / RESULTS, "w", encoding="utf-8") as records:
         for round_ in range(rounds):
@@ -189,10 +198,9 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                         records.write(json.dumps({**asdict(result), "round": round_, "tpot": result.tpot}) + "\n")
                     if method not in alone:
                         alone[method] = {r.question_id: r.text for r in results if r.error is None}
-                    earlier, spent = pooled.get((method, concurrency), ([], 0.0))
-                    pooled[(method, concurrency)] = (earlier + results, spent + seconds)
+                    rounds_run.setdefault((method, concurrency), []).append((results, seconds))
     summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
-                     "methods": {method: {str(concurrency): summarize_level(*pooled[(method, concurrency)],
+                     "methods": {method: {str(concurrency): summarize_rounds(rounds_run[(method, concurrency)],
                                                                            alone[method])
                                           for concurrency in sorted(levels)} for method in methods}}
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -228,7 +236,8 @@ def render_report(summary: dict) -> str:
     rounds = summary.get("rounds", 1)
     methods = summary["methods"]
     first = next(iter(methods), None)
-    pooled = f", {rounds} rounds pooled (the methods' order flipped each round)" if rounds > 1 else ""
+    pooled = (f", {rounds} rounds pooled (the methods' order flipped each round; each round's tokens/s in brackets)"
+              if rounds > 1 else "")
     lines = ["# specdraft loadtest", "",
              f"Server `{summary['url']}`, model `{summary['model']}`, greedy, {summary['max_tokens']} tokens at most; "
              f"the methods take turns at each level{pooled}.", "",
@@ -239,6 +248,9 @@ def render_report(summary: dict) -> str:
         for clients, f in levels.items():
             same = "-" if f["same_as_alone"] is None else f"{f['same_as_alone']:.0%}"
             rate = "-" if f["tokens_per_second"] is None else f"{f['tokens_per_second']:.1f}"
+            by_round = f.get("tokens_per_second_by_round") or []
+            if len(by_round) > 1:
+                rate += " (" + " / ".join("-" if r is None else f"{r:.1f}" for r in by_round) + ")"
             base = methods[first][clients]["tokens_per_second"]
             ratio = "-" if not base or f["tokens_per_second"] is None else f"{f['tokens_per_second'] / base:.2f}x"
             lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} | {ratio} "
