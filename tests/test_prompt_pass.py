@@ -8,7 +8,7 @@ import torch
 
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.kernels import (avx2_prompt, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, prompt_pass, tiles,
+from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, prompt_pass, tiles,
                                vnni_tiles)
 from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
@@ -167,17 +167,22 @@ def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
 
 
 
-# ----- every pass on int8 activations (the default on the AVX2 kernels) ----------------------------------------
+# ----- every pass on int8 activations (the default on the AVX2 and AVX-512 kernels) ----------------------------------------
 def test_the_modes_and_their_defaults(monkeypatch, prompt_tiles):
-    """Unset: every pass where the AVX2 tiles run, prompt passes elsewhere; `every` off AVX2 and a wrong name are
-    clear errors."""
+    """Unset: every pass where the AVX2 or AVX-512 tiles run (with their int8 kernels), prompt passes elsewhere (AMX,
+    PyTorch); `every` there and a wrong name are clear errors."""
     monkeypatch.delenv(prompt_pass.VARIABLE)
-    assert tiles.int8_every_pass() == (prompt_tiles[0] is avx2_tiles)
+    assert tiles.int8_every_pass()
+    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")
+    assert not tiles.int8_every_pass()
     monkeypatch.setenv(prompt_pass.VARIABLE, "every")
-    if prompt_tiles[0] is avx2_tiles:
-        assert tiles.int8_every_pass()
-    else:
-        with pytest.raises(SpecdraftError, match="every runs on the AVX2 kernels only"):
+    assert tiles.int8_every_pass()
+    for other in (amx_tiles, None):
+        monkeypatch.setattr(tiles, "tile_kernel", lambda: other)
+        monkeypatch.delenv(prompt_pass.VARIABLE)
+        assert not tiles.int8_every_pass()
+        monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+        with pytest.raises(SpecdraftError, match="every runs on the AVX2 and AVX-512 VNNI kernels only"):
             tiles.int8_every_pass()
     monkeypatch.setenv(prompt_pass.VARIABLE, "sometimes")
     with pytest.raises(SpecdraftError, match="SPECDRAFT_INT8_ACTIVATIONS must be one of every, prompt, none"):
@@ -185,8 +190,6 @@ def test_the_modes_and_their_defaults(monkeypatch, prompt_tiles):
 
 
 def every_pass_tiles(prompt_tiles, monkeypatch):
-    if prompt_tiles[0] is not avx2_tiles:
-        pytest.skip("every pass on int8 activations runs on the AVX2 kernels")
     monkeypatch.setenv(prompt_pass.VARIABLE, "every")
 
 

@@ -5,8 +5,10 @@
  * PyTorch dispatch, conversions and allocations, some 20 operations a layer. Here a layer is
  * norm -> stacked q|k|v -> rotary -> cache append -> attention -> o -> residual -> norm ->
  * stacked gate|up -> SiLU·up -> down -> residual, calling the same kernels as the PyTorch path
- * (`avx512_tiles.c`, `layer_ops.c`, `attention_avx512.c`, included below) with the same roundings:
- *   - projections in float32, plus the bias in float32, rounded to bf16 (nearest even);
+ * (`avx512_tiles.c` and `vnni_tiles.c`, `layer_ops.c`, `attention_avx512.c`, included below) with the same
+ * roundings:
+ *   - projections in float32 (on int16 activations, or int8 ones after `use_int8_activations(1)`), plus the
+ *     bias in float32, rounded to bf16 (nearest even);
  *   - residual sums of two bf16 values in float32, rounded to bf16;
  *   - SiLU as PyTorch computes it for bf16, x / (1 + exp(−x)) in float32 with PyTorch's own exp
  *     (`use_exp`), rounded; times up, rounded.
@@ -23,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "avx512_tiles.c"
+#include "vnni_tiles.c"  /* the int16 tiles (`avx512_tiles.c`) and the int8 ones */
 #include "layer_ops.c"
 #include "attention_avx512.c"
 #ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit runs may name the AMX kernel */
@@ -75,8 +77,18 @@ static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
 
 #include "decoder_layers.h"
 
-/* Every run goes through the tile kernels of the header's loop. */
+/* Projections of 4-bit and Q6_K runs on int8 activations (`vnni_tiles.c`) while set: every pass of a model
+ * whose matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path
+ * computes. Runs on the AMX kernels keep their own way. */
+static int int8_activations = 0;
+
+void use_int8_activations(int64_t on) { int8_activations = (int)on; }
+
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
-    (void)run; (void)x; (void)y; (void)tokens; (void)in; (void)ldy;
-    return 0;
+    if (!int8_activations || run->kind > 1) return 0;
+    if (run->kind == 0)
+        q8_passes(run->tiles, run->scale, run->zero, x, y, run->rows, in, 0, tokens, ldy);
+    else
+        q8_passes(run->tiles, run->scale, NULL, x, y, run->rows, in, 0, tokens, ldy);
+    return 1;
 }

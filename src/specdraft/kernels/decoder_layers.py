@@ -87,8 +87,7 @@ def _built(chosen: str, flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # 
     library.silu_mul_bf16.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
     library.silu_mul_bf16.restype = None
     library.use_exp.argtypes, library.use_exp.restype = [_POINTER], None
-    if chosen == "avx2":
-        library.use_int8_activations.argtypes, library.use_int8_activations.restype = [_SIZE], None
+    library.use_int8_activations.argtypes, library.use_int8_activations.restype = [_SIZE], None
     torch_exp = _torch_exp(chosen)
     if torch_exp is not None:
         library.use_exp(torch_exp)
@@ -144,9 +143,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def int8_projections(chosen: str | None = None) -> bool:
     """Whether this pass's projections run on int8 activations: inside a pass context (`prompt_pass`) with no
-    precise leading row, where the loaded build (`chosen`, default `level()`) has them (AVX2), as the tile kernels
-    of the PyTorch path would."""
-    return prompt_pass.precise_rows() == 0 and (chosen or level()) == "avx2"
+    precise leading row, as the tile kernels of the PyTorch path would there (every build has them: AVX2 on
+    `avx2_prompt.c`, AVX-512 on `vnni_tiles.c`; `chosen`, default `level()`, is the loaded build's level)."""
+    return prompt_pass.precise_rows() == 0 and (chosen or level()) is not None
 
 
 def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int, int, int, int], eps: float,
@@ -160,8 +159,7 @@ def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int
     """
     chosen = level()
     library = _for_level(chosen)
-    if chosen == "avx2":
-        library.use_int8_activations(int8_projections(chosen))
+    library.use_int8_activations(int8_projections(chosen))
     library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
                                    *sizes, eps, scaling, cache_len, cos.data_ptr(), sin.data_ptr(),
                                    0 if mask is None else mask.data_ptr())

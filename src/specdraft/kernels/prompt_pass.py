@@ -6,11 +6,12 @@ different function (activations keep about 8 bits per group of 32, as llama.cpp'
 must run every pass that decodes or scores a draft on the same one, or speculation would part from plain
 decoding. `SPECDRAFT_INT8_ACTIVATIONS` chooses:
 - `prompt`: only prompt passes (`CausalLM.prefill`, a draft's first read): plain and speculative decoding prefill
-  alike, and every pass that scores a draft keeps the 16-bit kernels. The default where AVX-512 runs, whose
-  16-bit kernels are fast enough for passes of a few tokens.
-- `every`: every pass of a model whose matmuls run on the AVX2 kernels (`CausalLM.forward` opens the context
-  for each). The default there: each token beyond the first of a verify pass costs about half as much as on
-  the 16-bit kernels (8960x1536 4-bit, 2 cores, Zen 3: 3 tokens 0.62 against 1.04 ms).
+  alike, and every pass that scores a draft keeps the 16-bit kernels. The default where AMX runs.
+- `every`: every pass of a model whose matmuls run on the AVX2 or AVX-512 tile kernels (`CausalLM.forward` opens
+  the context for each; the fused decoder layers run their projections so too). The default there: each token
+  beyond the first of a pass costs about half as much as on the 16-bit kernels (8960x1536 4-bit, 2 cores, Zen 3:
+  3 tokens 0.62 against 1.04 ms), and a one-token pass, bound by memory, no more (the bundled 1.5B target on a
+  2-core Zen 5: 8 tokens 31.9-34.3 against 41.5-43.0 ms, one token 22.9-26.7 against 22.9-24.3 ms).
 - `none`: every pass on the 16-bit kernels.
 The first token of a sequence (position 0) always stays on the 16-bit kernels (`prompt_pass`).
 """

@@ -154,10 +154,10 @@ static void release(QuantizedActivations act) {
     free(act.sums16);
 }
 
-/* y [tokens, N] float32 for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K tiles (`zero`
- * NULL, `scale` its d), passes of up to VNNI_TOKENS tokens. */
+/* y [tokens][ldy] float32 (columns 0 .. N - 1) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or
+ * Q6_K tiles (`zero` NULL, `scale` its d), passes of up to VNNI_TOKENS tokens. */
 static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                      int64_t N, int64_t K, int64_t first, int64_t tokens) {
+                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     QuantizedActivations act = quantized(x, K, tokens);
     for (int64_t t0 = first; t0 < tokens; t0 += VNNI_TOKENS) {
@@ -166,17 +166,17 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
         const float *a = act.scale + t0 * groups, *sums = act.sums16 + t0 * 2 * groups;
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            float *out = y + t0 * N + nb * 16;
+            float *out = y + t0 * ldy + nb * 16;
             if (zero != NULL) {
                 const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                 const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, N)
+#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy)
                 WITH_CONSTANT_TOKENS_16(chunk, INT4_Q8_BLOCK)
 #undef INT4_Q8_BLOCK
             } else {
                 const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
                 const float *bd = (const float *)scale + nb * (K / 256) * 16;
-#define Q6_Q8_BLOCK(T) q6_block_q8(block, bd, xq, a, sums, K, groups, T, out, N)
+#define Q6_Q8_BLOCK(T) q6_block_q8(block, bd, xq, a, sums, K, groups, T, out, ldy)
                 WITH_CONSTANT_TOKENS_16(chunk, Q6_Q8_BLOCK)
 #undef Q6_Q8_BLOCK
             }
@@ -191,7 +191,7 @@ void int4_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t 
                     int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
     int4_avx512_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
-    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens);
+    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; K % 256 == 0, N % 16 == 0; the first
@@ -200,5 +200,5 @@ void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, floa
                    int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
     q6k_matmul(tiles, d, x, y, N, K, precise_tokens);
-    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens);
+    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
 }

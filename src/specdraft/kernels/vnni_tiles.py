@@ -1,8 +1,8 @@
 """Prompt passes on int8 activations (`vnni_tiles.c`): the 4-bit and Q6_K tiles of `avx512_tiles`
 times activations quantized per group of 32, on AVX-512 VNNI integer dot products.
 
-They run only inside `prompt_pass.prompt_pass()` (see there why); every pass that scores a draft keeps the
-16-bit kernels (`amx_tiles` on bf16, `avx512_tiles` on int16 activations).
+They run inside `prompt_pass.prompt_pass()`: by default every pass where the AVX-512 tiles run (see there why),
+prompt passes only where AMX runs (its passes that score a draft stay on `amx_tiles`' bf16).
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ class CausalLM:
         `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
         AVX-512 VNNI or AVX2 (`kernels/vnni_tiles`, `kernels/avx2_prompt`: faster kernels, a slightly different
         function). For the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft, unless
-        every pass runs so (`kernels/prompt_pass`: the default on the AVX2 kernels).
+        every pass runs so (`kernels/prompt_pass`: the default on the AVX2 and AVX-512 kernels).
         """
         if self._static is None and (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
             first_position = self.cache_len + (int(offsets[0]) if offsets is not None else 0)
