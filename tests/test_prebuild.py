@@ -34,13 +34,24 @@ def test_build_all_under_torch_builds_nothing(monkeypatch):
     monkeypatch.setenv(isa.VARIABLE, "torch")
     ready = prebuild.build_all()
     assert ready and not any(ready.values())
-    assert prebuild.in_use() == {"isa": "torch", "tiles": "torch", isa.VARIABLE: "torch"}
+    assert prebuild.in_use() == {"isa": "torch", "tiles": "torch", "int8_activations": "none", isa.VARIABLE: "torch"}
     assert prebuild.in_use_text() == "kernels: torch level, torch tiles (forced by SPECDRAFT_ISA=torch)"
 
 
 def test_in_use_text_names_the_override():
     line = prebuild.in_use_text({"isa": "avx2", "tiles": "avx2", isa.VARIABLE: None})
     assert line == "kernels: avx2 level, avx2 tiles (SPECDRAFT_ISA=torch|avx2|avx512|amx forces a level)"
+    line = prebuild.in_use_text({"isa": "avx512", "tiles": "avx512", "int8_activations": "every", isa.VARIABLE: None})
+    assert line.startswith("kernels: avx512 level, avx512 tiles, int8 activations on every pass (")
+
+
+def test_in_use_names_which_passes_run_on_int8_activations(monkeypatch):
+    monkeypatch.setenv(isa.VARIABLE, "avx2")  # every x86-64 machine of the project runs it
+    for mode, named in (("every", "every"), ("prompt", "prompt"), ("none", "none")):
+        monkeypatch.setenv("SPECDRAFT_INT8_ACTIVATIONS", mode)
+        assert prebuild.in_use()["int8_activations"] == named
+    monkeypatch.delenv("SPECDRAFT_INT8_ACTIVATIONS")
+    assert prebuild.in_use()["int8_activations"] == "every"  # the default on the AVX2 kernels
 
 
 def test_kernels_command(monkeypatch):

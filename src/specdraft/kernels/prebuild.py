@@ -40,10 +40,15 @@ def build_all() -> dict[str, bool]:
 
 def in_use() -> dict:
     """The level the kernels run at (`isa.isa()`), the tile kernel that multiplies 4-bit and Q6_K weights (`torch`
-    where none runs), and `SPECDRAFT_ISA` (None where unset)."""
-    from specdraft.kernels.tiles import kernel_name, tile_kernel
+    where none runs), which passes multiply int8 activations (`every`, `prompt` or `none`: `prompt_pass`), and
+    `SPECDRAFT_ISA` (None where unset)."""
+    from specdraft.kernels import prompt_pass
+    from specdraft.kernels.tiles import int8_every_pass, kernel_name, tile_kernel
 
-    return {"isa": isa.isa(), "tiles": kernel_name(tile_kernel()), isa.VARIABLE: os.environ.get(isa.VARIABLE) or None}
+    tiles = kernel_name(tile_kernel())
+    int8 = "none" if tiles == "torch" or not prompt_pass.enabled() else "every" if int8_every_pass() else "prompt"
+    return {"isa": isa.isa(), "tiles": tiles, "int8_activations": int8,
+            isa.VARIABLE: os.environ.get(isa.VARIABLE) or None}
 
 
 def in_use_text(kernels: dict | None = None) -> str:
@@ -52,4 +57,6 @@ def in_use_text(kernels: dict | None = None) -> str:
     forced = kernels.get(isa.VARIABLE)
     note = (f"forced by {isa.VARIABLE}={forced}" if forced
             else f"{isa.VARIABLE}={'|'.join(isa.LEVELS)} forces a level")
-    return f"kernels: {kernels['isa']} level, {kernels['tiles']} tiles ({note})"
+    int8 = {"every": ", int8 activations on every pass", "prompt": ", int8 activations on prompt passes"}.get(
+        kernels.get("int8_activations") or "", "")
+    return f"kernels: {kernels['isa']} level, {kernels['tiles']} tiles{int8} ({note})"

@@ -142,7 +142,7 @@ typedef struct {
 static QuantizedActivations quantized(const uint16_t *x, int64_t K, int64_t tokens) {
     QuantizedActivations act = {malloc((size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * K / GROUP)),
                                 malloc(sizeof(float) * (size_t)(tokens * K / SUB))};
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (tokens > 1)  /* a decoding step's one token: no parallel region */
     for (int64_t t = 0; t < tokens; t++)
         quantize_activations(x + t * K, K, 1, act.q + t * K, act.scale + t * (K / GROUP), act.sums16 + t * (K / SUB));
     return act;
