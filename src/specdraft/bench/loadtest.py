@@ -3,8 +3,8 @@
 At each concurrency C, for each method in turn, `requests` chat requests (default 2·C) go out C at a time
 through the official `openai` client, streamed, greedy, prompts taken in turn from the prompt files. The methods
 alternate level by level, and `rounds` repeats the sweep with their order flipped, so the machine's drift weighs
-on them alike. Methods are what each request asks of the server: `ar` sends `speculative: {"drafter": "none"}` (plain decoding), `spec` nothing (the
-server's default speculation).
+on them alike. Methods are what each request asks of the server: `ar` sends `speculative: {"drafter": "none"}`
+(plain decoding), `spec` nothing (the server's default speculation).
 
 Per request: time to first token (TTFT: from sending to the first chunk with text), time per output token after
 the first (TPOT: (end - first) / (tokens - 1)), and the gaps between chunks (ITL; a speculative step sends
