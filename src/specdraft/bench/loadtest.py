@@ -142,14 +142,18 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
 
 
+def _tokens_per_second(results: Sequence[RequestResult], seconds: float) -> float | None:
+    """Completion tokens of the requests that did not fail, over `seconds` (None for no time)."""
+    return sum(r.tokens for r in results if r.error is None) / seconds if seconds > 0 else None
+
+
 def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dict[str, str]) -> dict:
     """A level's figures; `alone` maps question ids to the answer at concurrency 1 (outputs must not change)."""
     done = [r for r in results if r.error is None]
-    tokens = sum(r.tokens for r in done)
     compared = [r for r in done if r.question_id in alone]
     return {
-        "requests": len(results), "errors": len(results) - len(done), "tokens": tokens, "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else None,
+        "requests": len(results), "errors": len(results) - len(done), "tokens": sum(r.tokens for r in done),
+        "seconds": seconds, "tokens_per_second": _tokens_per_second(results, seconds),
         "ttft": _percentiles([r.ttft for r in done if r.ttft is not None]),
         "tpot": _percentiles([r.tpot for r in done if r.tpot is not None]),
         "itl": _percentiles([gap for r in done for gap in r.chunk_gaps]),
@@ -161,8 +165,7 @@ def summarize_rounds(rounds: Sequence[tuple[Sequence[RequestResult], float]], al
     """A level's figures over its rounds (their requests and seconds pooled), with each round's tokens/s."""
     figures = summarize_level([r for results, _ in rounds for r in results], sum(seconds for _, seconds in rounds),
                               alone)
-    figures["tokens_per_second_by_round"] = [summarize_level(results, seconds, alone)["tokens_per_second"]
-                                             for results, seconds in rounds]
+    figures["tokens_per_second_by_round"] = [_tokens_per_second(results, seconds) for results, seconds in rounds]
     return figures
 
 

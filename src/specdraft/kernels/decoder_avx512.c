@@ -76,19 +76,3 @@ static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
 }
 
 #include "decoder_layers.h"
-
-/* Projections of 4-bit and Q6_K runs on int8 activations (`vnni_tiles.c`) while set: every pass of a model
- * whose matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path
- * computes. Runs on the AMX kernels keep their own way. */
-static int int8_activations = 0;
-
-void use_int8_activations(int64_t on) { int8_activations = (int)on; }
-
-static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
-    if (!int8_activations || run->kind > 1) return 0;
-    if (run->kind == 0)
-        q8_passes(run->tiles, run->scale, run->zero, x, y, run->rows, in, 0, tokens, ldy);
-    else
-        q8_passes(run->tiles, run->scale, NULL, x, y, run->rows, in, 0, tokens, ldy);
-    return 1;
-}

@@ -6,7 +6,7 @@
  * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_heads` (and through its
  * attention file `attention_items.h`: which query heads a work item takes together), `silu_mul_bf16`,
  * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))),
- * and `project_run` (1 where it computed a run's rows itself, e.g. on int8 activations; else 0).
+ * and `q8_passes` (a 4-bit or Q6_K matrix times int8 activations: `avx2_prompt.c`, `vnni_tiles.c`).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
@@ -39,8 +39,19 @@ typedef struct {
     int64_t capacity;                         /* tokens the cache buffers hold room for */
 } Layer;
 
-/* Provided by the including file, after this header: 1 where it computed the run's rows y [tokens][ldy] itself. */
-static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy);
+/* Projections of 4-bit and Q6_K runs on int8 activations (`q8_passes`) while set: every pass of a model whose
+ * matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path computes.
+ * Runs on the AMX kernels (kinds 2 and 3) keep their own way. */
+static int int8_activations = 0;
+
+void use_int8_activations(int64_t on) { int8_activations = (int)on; }
+
+/* 1 where the run's rows y [tokens][ldy] were computed here, on int8 activations; else 0 (the tile kernels' loop). */
+static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
+    if (!int8_activations || run->kind > 1) return 0;
+    q8_passes(run->tiles, run->scale, run->kind == 0 ? run->zero : NULL, x, y, run->rows, in, 0, tokens, ldy);
+    return 1;
+}
 
 /* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns, in passes of
  * as many tokens as its kernel takes. */
