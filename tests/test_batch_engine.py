@@ -12,6 +12,7 @@ from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBud
 from specdraft.drafters import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import REALIZED_STEPS
+from specdraft.models.causal_lm import CausalLM
 from specdraft.models.packed_cache import PackedCache
 
 PROMPTS = [[5, 17, 42, 8, 59, 3], [7, 7, 7, 1], [11, 12, 13, 14, 15, 11, 12, 13], [30], [2, 40, 2, 40, 2],
@@ -380,3 +381,33 @@ def test_a_long_prompt_is_read_a_chunk_between_steps_and_answers_as_alone(tiny_t
             tokens[ident] += event.token_ids
     assert [tokens[first], tokens[second]] == expected
     assert batch.stats(second) is None and batch.target.cache_len == 0
+
+
+@pytest.mark.parametrize("drafter,tree_budget", [("none", 0), ("model", 0), ("model", 6), ("ngram", 6)])
+def test_a_batch_on_static_caches_answers_as_alone(tiny_target, drafts, monkeypatch, drafter, tree_budget):
+    """The GPU's static cache (run eagerly here, `SPECDRAFT_STATIC_CACHE=1`) holds a packed batch too: prompts read
+    into a static cache of their own join it, draft models share one static packed cache, rows leave as their
+    sequences do, and the cache grows past its first slots (a small capacity) on the way. Before, every request of
+    a batch failed on a GPU ("the static one is not supported")."""
+    from specdraft.models import graph_decoder
+
+    monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "1")
+    monkeypatch.setattr(graph_decoder, "DEFAULT_CAPACITY", 64)
+    target = CausalLM(tiny_target, name="tiny")
+    assert target.static
+    makers = {"none": None, "ngram": lambda: NgramDrafter(),
+              "model": lambda: ModelDrafter(CausalLM(drafts["close"], name="draft", static_cache=False))}
+    expected = [SpeculativeDecoder(target, makers[drafter]() if makers[drafter] else None, tree_budget=tree_budget)
+                .generate(p, SamplingParams(temperature=0.0), max_new_tokens=b).token_ids
+                for p, b in zip(PROMPTS, BUDGETS)]
+    packed_static, init = [], PackedCache.__init__
+    monkeypatch.setattr(PackedCache, "__init__", lambda self, lm: (packed_static.append(lm.static), init(self, lm))[1])
+    batch = BatchedDecoder(target, makers[drafter], max_batch=3, tree_budget=tree_budget)
+    got = batch.generate_all(requests())
+    assert [c.token_ids for c in got] == expected
+    assert batch.largest_batch == 3 and target.cache_len == 0 and not batch.row_owner
+    assert batch._reader.static and target._static.cache.capacity > 64  # grown on the way
+    if drafter == "model":
+        assert sum(c.stats.accepted for c in got) > 0
+        assert packed_static and all(packed_static)
+        assert not batch._draft_caches  # every sequence left, and the packed draft cache with the last of them

@@ -20,6 +20,13 @@ def test_dry_run_measures_every_part_and_finds_the_cuda_path_exact(tmp_path):
         assert row["same_tokens_as_ar"] and row["speedup"] > 0 and row["alpha"] is not None
     for row in results["greedy_spec_equals_ar"].values():
         assert row["identical"] == row["runs"] > 0
+    batch = results["batch"]
+    for size in device_check.BATCH_SIZES:  # every request joins at once; on the CPU each answers as alone
+        for method in ("ar", "oracle_0.8"):
+            row = batch[f"{method}_{size}"]
+            assert row["largest_batch"] == size and row["same_as_alone"] == size and row["tok_s"] > 0
+    assert batch["oracle_0.8_16"]["alpha"] > 0 and batch["oracle_0.8_16"]["vs_ar"] > 0
+    assert results["greedy_spec_equals_ar"]["batch_float32"]["drafted"] > 0
     first, grown = results["greedy_spec_equals_ar"]["cache_grows"]["capacity"]
     assert grown > first
     assert all(row["p_value"] > 1e-3 for row in results["chi_square"].values())

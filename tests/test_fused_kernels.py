@@ -122,3 +122,23 @@ def test_greedy_speculation_on_fused_kernels_equals_plain_decoding():
     expected = SpeculativeDecoder(CausalLM(target_model, static_cache=False)).generate(prompt, max_new_tokens=12)
     got = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=3, tree_budget=6)
     assert got.generate(prompt, max_new_tokens=12).token_ids == expected.token_ids
+
+
+def test_a_batch_on_fused_kernels_answers_as_alone(monkeypatch):
+    """A packed batch on the static cache through the fused kernels (the GPU's path): three requests at once, a
+    draft model each in one packed static draft cache, every answer its answer alone."""
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+    from specdraft.sampling import SamplingParams
+
+    monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "1")  # the packed draft cache takes the static one too
+    target_model = wide_heads_model(seed=4)
+    draft_model = perturbed(target_model, noise=0.3, seed=1)
+    target = CausalLM(target_model)
+    assert target._static.fused
+    prompts, greedy = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3, 3]], SamplingParams(temperature=0.0)
+    expected = [SpeculativeDecoder(target, ModelDrafter(CausalLM(draft_model), min_confidence=0.0), k=3).generate(
+        p, greedy, max_new_tokens=12).token_ids for p in prompts]
+    batch = BatchedDecoder(target, lambda: ModelDrafter(CausalLM(draft_model, static_cache=False), min_confidence=0.0))
+    got = batch.generate_all([BatchRequest(p, greedy, 12, k=3) for p in prompts])
+    assert [c.token_ids for c in got] == expected and batch.largest_batch == 3
+    assert sum(c.stats.drafted for c in got) > 0

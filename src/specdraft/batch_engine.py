@@ -199,7 +199,9 @@ class BatchedDecoder:
         self.last_step: BatchStep | None = None  # for the metrics
         self.largest_batch = 0
         self._next_ident = 0
-        self._reader = CausalLM(target.model, target.tokenizer, name=target.name)  # reads joining prompts alone
+        # reads joining prompts alone, on the kind of cache the target's is (growing, or a GPU's static one)
+        self._reader = CausalLM(target.model, target.tokenizer, name=target.name, static_cache=target.static,
+                                warm=False)
         self._draft_caches: dict[int, PackedCache] = {}  # by draft weights (id of the module): sequences' draft rows
         target.reset()
 
@@ -256,11 +258,11 @@ class BatchedDecoder:
         the sequences drafting with the same weights run their draft tokens of a depth in one pass (module doc)."""
         for part in drafter.model_parts():
             lm = part.model
-            if not isinstance(lm, CausalLM) or lm.static:  # a GPU's static cache holds one sequence
+            if not isinstance(lm, CausalLM):
                 continue
             packed = self._draft_caches.get(id(lm.model))
-            if packed is None:
-                packed = PackedCache(CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=False))
+            if packed is None:  # on the cache the device wants (a GPU's static one, with its captured passes)
+                packed = PackedCache(CausalLM(lm.model, lm.tokenizer, name=lm.name, warm=False))
                 self._draft_caches[id(lm.model)] = packed
             part.model = packed.view(ident)
 
@@ -563,8 +565,9 @@ class BatchedDecoder:
                 visible[start : start + block.shape[0], cached + start : cached + start + block.shape[0]] = tree[1]
             start += block.shape[0]
         features = any(seq.reads_features for seq in stepping)
+        reach = max(seq.run.sequence.shape[0] - seq.unscored + block.shape[0] for seq, block in zip(stepping, blocks))
         scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
-                                offsets=positions - cached, visible=visible)
+                                offsets=positions - cached, visible=visible, reach=reach)
         logits = scored.logits[0]  # [T, V]
         events, kept_rows, start = forced, [], 0
         verdicts, rows_of, paths, decided_by = [], [], [], []

@@ -17,8 +17,10 @@ prints a table:
    the forward) on the same model, in the same process;
 4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
    probability 1 - α) at α = 0.6 / 0.8 / 0.95, k auto: speedup over our `ar`, measured α and τ;
-5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees), and the
-   chi-square test of the first two sampled tokens against the target's exact distribution;
+   continuous batching on the static cache (`batch_engine`): aggregate tokens/s of 1 .. 16 requests at once,
+   plain and with the oracle at α = 0.8, and how many answers equal their answer alone;
+5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees; in a batch, each answer
+   as alone), and the chi-square test of the first two sampled tokens against the target's exact distribution;
 6. structured output on the device: answers of a tiny target with a byte-level tokenizer under a regex and a JSON
    schema, valid and greedy `spec` == `ar` (chains, k auto, trees). It needs llguidance, which a GPU machine lacks:
    carry its wheel (`pip download llguidance==1.9.1 --no-deps -d wheels`, then `pip install wheels/*.whl` there);
@@ -50,6 +52,7 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import ModelDrafter, make_drafter
 from specdraft.drafters.oracle import OracleDrafter
 from specdraft.engine import SpeculativeDecoder, sync_device
@@ -59,6 +62,7 @@ from specdraft.sampling import SamplingParams
 
 ALPHAS = (0.6, 0.8, 0.95)
 PASS_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -229,9 +233,6 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         guarded(results, "ar_host_profile", lambda: host_profile(SpeculativeDecoder(target), prompt, shapes.new_tokens))
     if "eager" not in skip:
         guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
-    if shapes.compiled_generate and "hf" not in skip:
-        guarded(results, "hf_generate_static_compiled", lambda: hf_generate(
-            target_model, prompt, shapes.new_tokens, cache_implementation="static")[1])
     for alpha in ALPHAS:
         def oracle_run(alpha=alpha):
             drafter = OracleDrafter(alpha=alpha, seed=0)
@@ -242,12 +243,87 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
             row["first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b), None)
             return row
         guarded(results, f"oracle_{alpha}", oracle_run)
+    oracle_again = oracle_run
     def model_spec():
         tokens, row = generate_timed(SpeculativeDecoder(target, ModelDrafter(draft), k="auto"), prompt,
                                      shapes.new_tokens)
         row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
         return row
     guarded(results, "spec_model_drafter_random_weights", model_spec)
+    if "batch" not in skip:  # in float32: see `batch_speed`
+        guarded(results, "batch", lambda: batch_speed(CausalLM(
+            random_model(shapes.target, torch.float32, device, seed=0), name="target", static_cache=True), shapes))
+    if shapes.compiled_generate and "hf" not in skip:
+        # last: a run where it came before our passes (and after the long caches) failed with an illegal memory
+        # access in the next spec run; the oracle again after it tells whether the two can share a process
+        guarded(results, "hf_generate_static_compiled", lambda: hf_generate(
+            target_model, prompt, shapes.new_tokens, cache_implementation="static")[1])
+        guarded(results, f"oracle_{ALPHAS[-1]}_after_hf_compiled", oracle_again)
+
+
+def batch_speed(target: CausalLM, shapes: Shapes, alpha: float = 0.8) -> dict:
+    """Continuous batching on the device's cache (a GPU's static one): B requests of distinct random prompts,
+    greedy, all joining at once, at each batch size of `BATCH_SIZES`; aggregate tokens/s with plain steps and with
+    `spec` (each request an `oracle` drafter of its own at `alpha`, k chosen by the goodput rule), and how many
+    answers in the batch equal the same request's answer alone.
+
+    In float32: a GPU's kernels add in another order in a batch than alone (a pass's width and its rows' keys
+    differ), and on random weights, whose logits are near-ties everywhere, bf16's rounding then turns every answer
+    of a batch away from its answer alone within a few tokens (measured on an H200), where the oracle's recordings
+    end. In float32 the answers hold, so the oracle drafts through the whole answer as it does alone."""
+    size_most, new_tokens = max(BATCH_SIZES), shapes.new_tokens // 2
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, target.vocab_size, (shapes.prompt_tokens,), generator=generator).tolist()
+               for _ in range(size_most)]
+    greedy = SamplingParams(temperature=0.0)
+    started = time.perf_counter()
+    alone = [SpeculativeDecoder(target).generate(p, greedy, max_new_tokens=new_tokens).token_ids for p in prompts]
+    rows = {"alone_ar_tok_s": size_most * new_tokens / (time.perf_counter() - started), "new_tokens": new_tokens}
+
+    def oracle(prompt: list[int], answer: list[int]):
+        def make():
+            drafter = OracleDrafter(alpha=alpha, seed=0)
+            drafter.record(prompt + answer)
+            return drafter
+        return make
+
+    def run(size: int, drafting: bool) -> tuple[dict, list[list[int]]]:
+        batch = BatchedDecoder(target, None, max_batch=size)
+        requests = [BatchRequest(p, greedy, new_tokens, make_drafter=oracle(p, a) if drafting else None)
+                    for p, a in zip(prompts[:size], alone)]
+        sync_device(target.device)
+        began = time.perf_counter()
+        done = batch.generate_all(requests)
+        sync_device(target.device)
+        seconds = time.perf_counter() - began
+        tokens = sum(len(c.token_ids) for c in done)
+        drafted, accepted = sum(c.stats.drafted for c in done), sum(c.stats.accepted for c in done)
+        steps = sum(c.stats.steps for c in done)
+        return {"tok_s": tokens / seconds, "seconds": seconds, "largest_batch": batch.largest_batch,
+                "alpha": accepted / drafted if drafted else None,
+                "tau": tokens / steps if steps else None}, [c.token_ids for c in done]
+
+    run(2, drafting=True)  # warm-up: the widths past the captured ones, the oracle's first draws
+    for drafting, method in ((False, "ar"), (True, f"oracle_{alpha}")):
+        for size in BATCH_SIZES:
+            row, answers = run(size, drafting)
+            row["same_as_alone"] = sum(a == b for a, b in zip(answers, alone))
+            rows[f"{method}_{size}"] = row
+    for size in BATCH_SIZES:
+        rows[f"oracle_{alpha}_{size}"]["vs_ar"] = rows[f"oracle_{alpha}_{size}"]["tok_s"] / rows[f"ar_{size}"]["tok_s"]
+    return rows
+
+
+def batch_greedy(target: CausalLM, draft: CausalLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Each request's greedy answer in a batch of them (3 at a time, a draft model each, k auto) against its answer
+    alone with the same drafter."""
+    expected = [SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0)).generate(
+        p, max_new_tokens=new_tokens).token_ids for p in prompts]
+    batch = BatchedDecoder(target, lambda: ModelDrafter(CausalLM(draft.model, static_cache=False), min_confidence=0.0),
+                           max_batch=3)
+    got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), new_tokens) for p in prompts])
+    return {"identical": sum(c.token_ids == e for c, e in zip(got, expected)), "runs": len(prompts),
+            "drafted": sum(c.stats.drafted for c in got)}
 
 
 def perturbed(model: Qwen2ForCausalLM, noise: float, seed: int) -> Qwen2ForCausalLM:
@@ -270,8 +346,10 @@ def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
         draft_model = perturbed(target_model, noise=0.3, seed=1)
         target, draft = CausalLM(target_model, static_cache=True), CausalLM(draft_model, static_cache=True)
         same = total = 0
+        batch_prompts = []
         for index in range(prompts):
             prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(index)).tolist()
+            batch_prompts.append(prompt)
             expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids
             for k, tree in ((1, 0), (3, 0), ("auto", 0), (3, 8)):
                 got = SpeculativeDecoder(target, ModelDrafter(draft, min_confidence=0.0), k=k,
@@ -279,6 +357,7 @@ def greedy_part(device: torch.device, results: dict, prompts: int) -> None:
                 same += got == expected
                 total += 1
         rows[str(dtype).removeprefix("torch.")] = {"identical": same, "runs": total}
+        rows[f"batch_{str(dtype).removeprefix('torch.')}"] = batch_greedy(target, draft, batch_prompts * 2, 40)
     rows["cache_grows"] = grown_cache_run(device, prompt_tokens=2040)
     results["greedy_spec_equals_ar"] = rows
 
@@ -436,7 +515,7 @@ def table(results: dict) -> str:
         if key in results:
             lines.append(f"{key}: {results[key]}")
     for key in ("ar", "hf_generate_eager", "hf_generate_static_compiled", "spec_model_drafter_random_weights",
-                *(f"oracle_{a}" for a in ALPHAS)):
+                *(f"oracle_{a}" for a in ALPHAS), f"oracle_{ALPHAS[-1]}_after_hf_compiled"):
         row = results.get(key)
         if row is None:
             continue
@@ -447,6 +526,18 @@ def table(results: dict) -> str:
                         if isinstance(row.get(name), float))
         lines.append(f"{key}: {row['tok_s']:.1f} tok/s ({row['tokens']} tokens){extra}"
                      + (f"  same as ar: {row['same_tokens_as_ar']}" if "same_tokens_as_ar" in row else ""))
+    batch = results.get("batch", {})
+    if "error" in batch:
+        lines.append(f"batch: {batch['error']}")
+    elif batch:
+        lines.append(f"batch (float32), {batch['new_tokens']} tokens a request (tok/s; alone, one after another: "
+                     f"{batch['alone_ar_tok_s']:.1f}):")
+        for method in [key.removesuffix("_1") for key in batch if key.endswith("_1")]:
+            cells = [batch[f"{method}_{size}"] for size in BATCH_SIZES]
+            lines.append(f"  {method}: " + " / ".join(f"{row['tok_s']:.1f}" for row in cells)
+                         + "".join(f"  (x{row['vs_ar']:.2f} ar, tau {row['tau']:.2f})" for row in cells[-1:]
+                                   if "vs_ar" in row)
+                         + f"  same as alone: {sum(r['same_as_alone'] for r in cells)}/{sum(BATCH_SIZES)}")
     for key in ("speed_part", "greedy_part", "sampled_part", "constrained_part"):
         if key in results:
             lines.append(f"{key}: {results[key]}")
@@ -466,7 +557,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "within speed: eager (transformers' eager pass and generate), hf (transformers' "
                         "static-cache compiled generate), profile (the kernel profiles), long (passes over 4,000 and 12,000 "
                         "cached tokens), host (a host-side profile of `ar`), unfused (the passes on "
-                        "the torch formulas beside the fused kernels)")
+                        "the torch formulas beside the fused kernels), batch (continuous batching at 1 .. 16 "
+                        "requests)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
     shapes = DRY if args.dry_run else FULL
@@ -476,10 +568,10 @@ def main(argv: list[str] | None = None) -> dict:
                "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
                "dry_run": args.dry_run, "shapes": {"target": shapes.target, "draft": shapes.draft}}
     started = time.perf_counter()
-    parts = {             "speed": lambda: speed_part(shapes, device, dtype, results, skip),
-             "greedy": lambda: greedy_part(device, results, prompts=1 if args.dry_run else 5),
-             "sampled": lambda: sampled_part(device, results, shapes.samples),
-             "constrained": lambda: constrained_part(device, results, prompts=1 if args.dry_run else 4)}
+    parts = {"greedy": lambda: greedy_part(device, results, prompts=1 if args.dry_run else 5),  # speed last: a
+             "sampled": lambda: sampled_part(device, results, shapes.samples),  # fault there ends CUDA for the rest
+             "constrained": lambda: constrained_part(device, results, prompts=1 if args.dry_run else 4),
+             "speed": lambda: speed_part(shapes, device, dtype, results, skip)}
     for name, part in parts.items():
         if name not in skip:
             print(f"{name} ...", file=sys.stderr, flush=True)

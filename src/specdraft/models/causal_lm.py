@@ -56,15 +56,16 @@ class CausalLM:
     new tokens at positions `cache_len ..`, `truncate(n)` forgets everything past `n`.
 
     On CUDA (or with `static_cache=True`) a qualifying model runs on a `graph_decoder.StaticDecoder`: a
-    preallocated cache and one captured CUDA graph per pass width, captured here, at load.
+    preallocated cache and one captured CUDA graph per pass width, captured here, at load; with `warm=False` each
+    as a pass first needs it (a batch's prompt reader and packed draft caches, made as requests come).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model",
-                 static_cache: bool | None = None) -> None:
+                 static_cache: bool | None = None, warm: bool = True) -> None:
         self.model = model.eval()
         use_grouped_sdpa(model)
         self._static = StaticDecoder(model) if wants_static_cache(model, static_cache) else None
-        if self._static is not None:
+        if self._static is not None and warm:
             self._static.warm_up()
         # transformers >= 5.24 takes the cache as `cache` (`past_key_values` is deprecated there)
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -155,9 +156,13 @@ class CausalLM:
     def append_cache(self, other: "CausalLM") -> None:
         """Append `other`'s cached tokens (the same model's: e.g. a prompt read alone into a cache of its own)
         after this cache's, as they are: how a packed batch takes in a joining sequence exactly as it would have
-        read it alone (`batch_engine`). The growing cache only (not a GPU's static one)."""
-        if self._static is not None or other._static is not None:
-            raise SpecdraftError("A packed batch runs on the growing KV cache; the static (GPU) one is not supported.")
+        read it alone (`batch_engine`). Both caches are growing ones, or both static (GPU) ones."""
+        if (self._static is None) != (other._static is None):
+            raise SpecdraftError("Cached tokens move between two growing KV caches or two static ones, not across.")
+        if self._static is not None:
+            self._static.append(self.cache_len, other._static, other.cache_len)
+            self.cache_len += other.cache_len
+            return
         for mine, theirs in zip(self._cache.layers, other._cache.layers):
             if theirs.keys is None or theirs.keys.numel() == 0:
                 continue
@@ -222,6 +227,7 @@ class CausalLM:
         offsets: torch.Tensor | None = None,  # [T] positions relative to cache_len (tree: depths); None = 0..T-1
         visible: torch.Tensor | None = None,  # [T, S] bool: which of the last S keys each token sees; None = causal
         prompt: bool = False,
+        reach: int | None = None,  # the furthest position fed + 1, where the caller knows it (a packed batch)
     ) -> ForwardOutput:
         """Append `tokens` to the cache and return logits for the last `logits_to_keep` of them (and
         final hidden states for the last `hidden_to_keep`, when > 0).
@@ -232,6 +238,10 @@ class CausalLM:
         `offsets` and `visible` run a tree pass (see `tree.TreeLayout.block_attention`): tokens
         share positions by depth and see only their ancestors among the last S keys.
 
+        `reach`: how far the pass reaches into the sequence, checked against the context. A packed cache holds
+        several sequences, so its length is no position there: its caller says how far its furthest token is.
+        Without it, the cache length plus the offsets' reach (a tree's depths) or the pass's width.
+
         `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
         AVX-512 VNNI or AVX2 (`kernels/vnni_tiles`, `kernels/avx2_prompt`: faster kernels, a slightly different
         function). For the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft, unless
@@ -240,14 +250,12 @@ class CausalLM:
         if self._static is None and (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
             first_position = self.cache_len + (int(offsets[0]) if offsets is not None else 0)
             with prompt_pass.prompt_pass(starts_sequence=first_position == 0):  # a packed batch's sequence too
-                return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible)
+                return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible, reach=reach)
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"tokens must be [1, T], got {tuple(tokens.shape)}")
         length = tokens.shape[1]
-        # The furthest position fed. A packed batch's growing cache holds several sequences, so its length is no
-        # position there; the static (GPU) cache holds one, and reading the offsets would cost a device sync.
-        packed = offsets is not None and self._static is None
-        reach = self.cache_len + (int(offsets.max()) + 1 if packed else length)
+        if reach is None:  # on the static (GPU) cache reading the offsets would cost a device sync: the width bounds them
+            reach = self.cache_len + (int(offsets.max()) + 1 if offsets is not None and self._static is None else length)
         if reach > self.max_context:
             raise SpecdraftError(
                 f"The sequence would reach {reach} tokens, past {self.name}'s context of "

@@ -299,11 +299,7 @@ class StaticDecoder:
         overwrites: copy what must outlive it."""
         count = tokens.shape[0]
         logits_rows = logits_rows or count
-        if length + count > self.cache.capacity:
-            self.cache.grow(length + count, length)
-            self._index_for(self.cache.slots)
-            self._graphs.clear()
-            self._pool = None  # a pool whose graphs are all gone cannot take new ones
+        self._make_room(length + count, length)
         width = next((w for w in WIDTHS if w >= count), None)
         if width is None:  # a prompt: eagerly, unpadded, over the keys it reaches
             inputs = self._inputs(count, length + count)
@@ -320,6 +316,21 @@ class StaticDecoder:
             graph.graph.replay()
             hidden, logits = graph.hidden, graph.logits
         return hidden[:count], logits[count - logits_rows : count]
+
+    def append(self, length: int, other: "StaticDecoder", count: int) -> None:
+        """Copy the first `count` slots of `other` (a decoder of the same model) to slots `length ..`: a prompt read
+        into a cache of its own joins a packed batch's (`CausalLM.append_cache`)."""
+        self._make_room(length + count, length)
+        self.cache.states[:, length : length + count] = other.cache.states[:, :count]
+
+    def _make_room(self, needed: int, length: int) -> None:
+        """Grow the cache to hold `needed` positions, keeping its first `length`; its graphs are captured anew."""
+        if needed <= self.cache.capacity:
+            return
+        self.cache.grow(needed, length)
+        self._index_for(self.cache.slots)
+        self._graphs.clear()
+        self._pool = None  # a pool whose graphs are all gone cannot take new ones
 
     # ----- graphs -------------------------------------------------------------------------------
     def _capture(self, width: int, keys: int) -> _Graph:

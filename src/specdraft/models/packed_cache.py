@@ -43,7 +43,7 @@ class PackedCache:
         self.lm = lm
         self.row_owner: list[int] = []  # [lm.cache_len]: the owner of each row, DEAD once cut back
         self._rows: dict[int, list[int]] = {}  # owner -> where its live rows lie in the cache, in the order written
-        self._reader = CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=False)  # first reads, alone
+        self._reader = CausalLM(lm.model, lm.tokenizer, name=lm.name, static_cache=lm.static, warm=False)  # first reads
         lm.reset()
 
     def view(self, owner: int) -> "CacheView":
@@ -105,8 +105,9 @@ class PackedCache:
         # only the logits of each feed's last token are used; a feed of one token (a draft step) wastes none
         ends = torch.cumsum(torch.tensor([feed.shape[0] for _, feed in feeds]), 0) - 1  # [B]
         keep = tokens.shape[0] - int(ends[0])
+        reach = max(self.live(owner) + feed.shape[0] for owner, feed in feeds)
         logits = self.lm.forward(tokens.unsqueeze(0), keep, offsets=positions - self.lm.cache_len, visible=visible,
-                                 prompt=prompt).logits[0]  # [keep, V]
+                                 prompt=prompt, reach=reach).logits[0]  # [keep, V]
         for owner, feed in feeds:
             self._append(owner, feed.shape[0])
         first = tokens.shape[0] - keep
@@ -130,7 +131,7 @@ class PackedCache:
         allowed[:, len(self.row_owner) :] = visible[:, older:].to(device)
         positions = len(held) + offsets  # [T]
         logits = self.lm.forward(tokens.unsqueeze(0), logits_to_keep, offsets=positions - self.lm.cache_len,
-                                 visible=allowed).logits[0]  # [logits_to_keep, V]
+                                 visible=allowed, reach=len(held) + count).logits[0]  # [logits_to_keep, V]
         self._append(owner, count)
         return logits
 

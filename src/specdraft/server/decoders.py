@@ -79,7 +79,8 @@ class DecoderPool:
         draft = self.draft
 
         def make() -> Drafter:
-            own = None if draft is None else CausalLM(draft.model, draft.tokenizer, name=draft.name)
+            # its cache is never filled: the batch packs every sequence's draft rows into one (`batch_engine`)
+            own = None if draft is None else CausalLM(draft.model, draft.tokenizer, name=draft.name, static_cache=False)
             return make_drafter(key.drafter, options, draft_model=own, target_model=self.target, shared=self._shared)
 
         return make
