@@ -26,6 +26,8 @@ def test_dry_run_measures_every_part_and_finds_the_cuda_path_exact(tmp_path):
             row = batch[f"{method}_{size}"]
             assert row["largest_batch"] == size and row["same_as_alone"] == size and row["tok_s"] > 0
     assert batch["oracle_0.8_16"]["alpha"] > 0 and batch["oracle_0.8_16"]["vs_ar"] > 0
+    assert [name for name in results["batch_plain"] if name.startswith("oracle")] == []
+    assert results["batch_plain"]["ar_16"]["same_as_alone"] == 16
     assert results["greedy_spec_equals_ar"]["batch_float32"]["drafted"] > 0
     first, grown = results["greedy_spec_equals_ar"]["cache_grows"]["capacity"]
     assert grown > first

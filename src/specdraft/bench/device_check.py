@@ -18,7 +18,8 @@ prints a table:
 4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
    probability 1 - α) at α = 0.6 / 0.8 / 0.95, k auto: speedup over our `ar`, measured α and τ;
    continuous batching on the static cache (`batch_engine`): aggregate tokens/s of 1 .. 16 requests at once,
-   plain and with the oracle at α = 0.8, and how many answers equal their answer alone;
+   plain (the model's dtype), plain and with the oracle at α = 0.8 (float32: `batch_speed`), and how many answers
+   equal their answer alone;
 5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees; in a batch, each answer
    as alone), and the chi-square test of the first two sampled tokens against the target's exact distribution;
 6. structured output on the device: answers of a tiny target with a byte-level tokenizer under a regex and a JSON
@@ -212,9 +213,6 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
     widths = tuple(w for w in PASS_WIDTHS if w <= 64)
     guarded(results, "target_pass_ms", lambda: pass_costs(target, shapes.cache_tokens, widths, shapes.repeats))
     guarded(results, "draft_pass_ms", lambda: pass_costs(draft, shapes.cache_tokens, (1,), shapes.repeats))
-    if "long" not in skip:
-        guarded(results, "long_cache_pass_ms", lambda: {
-            cached: pass_costs(target, cached, (1, 16), shapes.repeats) for cached in shapes.long_caches})
     if target._static.fused and "unfused" not in skip:
         guarded(results, "unfused_pass_ms", lambda: unfused_pass_costs(target_model, draft_model, shapes, widths))
     if "eager" not in skip:
@@ -250,9 +248,13 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
         return row
     guarded(results, "spec_model_drafter_random_weights", model_spec)
-    if "batch" not in skip:  # in float32: see `batch_speed`
+    if "batch" not in skip:  # the oracle in float32: see `batch_speed`
+        guarded(results, "batch_plain", lambda: batch_speed(target, shapes, alpha=None))
         guarded(results, "batch", lambda: batch_speed(CausalLM(
             random_model(shapes.target, torch.float32, device, seed=0), name="target", static_cache=True), shapes))
+    if "long" not in skip:  # after the runs above: the cache grows, and its graphs are captured anew as needed
+        guarded(results, "long_cache_pass_ms", lambda: {
+            cached: pass_costs(target, cached, (1, 16), shapes.repeats) for cached in shapes.long_caches})
     if shapes.compiled_generate and "hf" not in skip:
         # last: a run where it came before our passes (and after the long caches) failed with an illegal memory
         # access in the next spec run; the oracle again after it tells whether the two can share a process
@@ -261,11 +263,11 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         guarded(results, f"oracle_{ALPHAS[-1]}_after_hf_compiled", oracle_again)
 
 
-def batch_speed(target: CausalLM, shapes: Shapes, alpha: float = 0.8) -> dict:
+def batch_speed(target: CausalLM, shapes: Shapes, alpha: float | None = 0.8) -> dict:
     """Continuous batching on the device's cache (a GPU's static one): B requests of distinct random prompts,
-    greedy, all joining at once, at each batch size of `BATCH_SIZES`; aggregate tokens/s with plain steps and with
-    `spec` (each request an `oracle` drafter of its own at `alpha`, k chosen by the goodput rule), and how many
-    answers in the batch equal the same request's answer alone.
+    greedy, all joining at once, at each batch size of `BATCH_SIZES`; aggregate tokens/s with plain steps and (unless
+    `alpha` is None) with `spec` (each request an `oracle` drafter of its own at `alpha`, k chosen by the goodput
+    rule), and how many answers in the batch equal the same request's answer alone.
 
     In float32: a GPU's kernels add in another order in a batch than alone (a pass's width and its rows' keys
     differ), and on random weights, whose logits are near-ties everywhere, bf16's rounding then turns every answer
@@ -303,13 +305,16 @@ def batch_speed(target: CausalLM, shapes: Shapes, alpha: float = 0.8) -> dict:
                 "alpha": accepted / drafted if drafted else None,
                 "tau": tokens / steps if steps else None}, [c.token_ids for c in done]
 
-    run(2, drafting=True)  # warm-up: the widths past the captured ones, the oracle's first draws
-    for drafting, method in ((False, "ar"), (True, f"oracle_{alpha}")):
+    # warm-up at the largest size: the cache grows to what the sweep fills (its graphs are then captured anew, as
+    # passes need them) and the oracle's first draws are made, before anything is timed
+    run(size_most, drafting=alpha is not None)
+    methods = ((False, "ar"),) if alpha is None else ((False, "ar"), (True, f"oracle_{alpha}"))
+    for drafting, method in methods:
         for size in BATCH_SIZES:
             row, answers = run(size, drafting)
             row["same_as_alone"] = sum(a == b for a, b in zip(answers, alone))
             rows[f"{method}_{size}"] = row
-    for size in BATCH_SIZES:
+    for size in BATCH_SIZES if alpha is not None else ():
         rows[f"oracle_{alpha}_{size}"]["vs_ar"] = rows[f"oracle_{alpha}_{size}"]["tok_s"] / rows[f"ar_{size}"]["tok_s"]
     return rows
 
@@ -526,17 +531,20 @@ def table(results: dict) -> str:
                         if isinstance(row.get(name), float))
         lines.append(f"{key}: {row['tok_s']:.1f} tok/s ({row['tokens']} tokens){extra}"
                      + (f"  same as ar: {row['same_tokens_as_ar']}" if "same_tokens_as_ar" in row else ""))
-    batch = results.get("batch", {})
-    if "error" in batch:
-        lines.append(f"batch: {batch['error']}")
-    elif batch:
-        lines.append(f"batch (float32), {batch['new_tokens']} tokens a request (tok/s; alone, one after another: "
-                     f"{batch['alone_ar_tok_s']:.1f}):")
-        for method in [key.removesuffix("_1") for key in batch if key.endswith("_1")]:
+    for key, dtype in (("batch_plain", results["dtype"]), ("batch", "torch.float32")):
+        batch = results.get(key, {})
+        if "error" in batch:
+            lines.append(f"{key}: {batch['error']}")
+            continue
+        if not batch:
+            continue
+        lines.append(f"{key} ({dtype}), {batch['new_tokens']} tokens a request, 1 / 2 / 4 / 8 / 16 at once (tok/s; "
+                     f"alone, one after another: {batch['alone_ar_tok_s']:.1f}):")
+        for method in [name.removesuffix("_1") for name in batch if name.endswith("_1")]:
             cells = [batch[f"{method}_{size}"] for size in BATCH_SIZES]
             lines.append(f"  {method}: " + " / ".join(f"{row['tok_s']:.1f}" for row in cells)
-                         + "".join(f"  (x{row['vs_ar']:.2f} ar, tau {row['tau']:.2f})" for row in cells[-1:]
-                                   if "vs_ar" in row)
+                         + ("  vs ar " + " / ".join(f"{row['vs_ar']:.2f}" for row in cells)
+                            + "  tau " + " / ".join(f"{row['tau']:.2f}" for row in cells) if "vs_ar" in cells[0] else "")
                          + f"  same as alone: {sum(r['same_as_alone'] for r in cells)}/{sum(BATCH_SIZES)}")
     for key in ("speed_part", "greedy_part", "sampled_part", "constrained_part"):
         if key in results:
