@@ -23,9 +23,13 @@ prints a table:
 5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees; in a batch, each answer
    as alone), and the chi-square test of the first two sampled tokens against the target's exact distribution;
 6. structured output on the device: answers of a tiny target with a byte-level tokenizer under a regex and a JSON
-   schema, valid and greedy `spec` == `ar` (chains, k auto, trees). It needs llguidance, which a GPU machine lacks:
-   carry its wheel (`pip download llguidance==1.9.1 --no-deps -d wheels`, then `pip install wheels/*.whl` there);
-   without it the part says it was skipped.
+   schema, valid and greedy `spec` == `ar` (chains, k auto, trees). It needs llguidance and jsonschema, which a GPU
+   machine lacks: carry their wheels (docs/gpu.md gives the `pip download` line) and `pip install --no-deps` them
+   there; without llguidance the part says it was skipped.
+
+The parts run in the order exactness, then speed: a fault on the device ends every CUDA call after it, and the
+timings are where one appeared (transformers' compiled `generate` before our passes: docs/gpu.md), so they come
+last, compiled `generate` last of all.
 
 `--dry-run` runs every part at tiny shapes with few tokens (on the CPU unless --device says otherwise), so
 the script is tested in the quick test set and cannot rot.
