@@ -173,7 +173,7 @@ def test_auto_k_samples_reproducibly(tiny_target, drafts, make_lm):
     runs = []
     for _ in range(2):
         policy = calibrated([10, 11, 12, 13, 14], draft_ms=1, alpha=0.7, max_k=4)
-        policy.observe = lambda *args: None  # frozen costs: wall-clock noise must not change k here
+        policy.observe = lambda *args, **kwargs: None  # frozen costs: wall-clock noise must not change k here
         decoder = SpeculativeDecoder(make_lm(tiny_target), ModelDrafter(make_lm(drafts["close"])), k=policy)
         runs.append(decoder.generate(PROMPT, params, max_new_tokens=30))
     assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 30

@@ -137,3 +137,44 @@ def test_what_cannot_run_on_a_static_cache_is_named(model, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "yes")
     with pytest.raises(SpecdraftError, match="0, 1 or auto"):
         wants_static_cache(model, None)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_step_that_captured_a_graph_teaches_the_policy_none_of_its_times(tiny_target, drafts, monkeypatch, batched):
+    """A CUDA graph's capture (a width's first pass after the cache grew, a batch's cache made as requests came)
+    takes far longer than the pass: timed as one, it priced that width out of the policy's choices (seen on an H200,
+    where a batch stopped drafting). Here every target pass "captures" one: nothing is learnt of pass or draft times,
+    and answers stay the same; without the captures the same runs learn them."""
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+    from specdraft.models import graph_decoder
+    from specdraft.sampling import SamplingParams
+
+    def learnt(capturing: bool):
+        target = CausalLM(tiny_target)
+        if capturing:
+            forward = target.forward
+
+            def capturing_forward(*args, **kwargs):
+                graph_decoder._captured += 1
+                return forward(*args, **kwargs)
+            monkeypatch.setattr(target, "forward", capturing_forward)
+        make = lambda: ModelDrafter(CausalLM(drafts["identical"]))  # noqa: E731
+        if batched:
+            batch = BatchedDecoder(target, make, max_batch=2)
+            done = batch.generate_all([BatchRequest([5, 17, 42, 8], SamplingParams(temperature=0.0), 40),
+                                       BatchRequest([7, 7, 1], SamplingParams(temperature=0.0), 40)])
+            costs, realized = batch.costs, len(batch.realized._sizes)  # batch sizes with realized rates
+            tokens = [c.token_ids for c in done]
+        else:
+            decoder = SpeculativeDecoder(target, make(), k="auto")
+            tokens = [decoder.generate([5, 17, 42, 8], max_new_tokens=40).token_ids]
+            costs, realized = decoder.policy.costs, 0
+        drafts_timed = [t for c in costs.sources.values() for t in (c.draft_seconds_per_token, c.read_seconds_per_token)]
+        return tokens, [s for s in costs.verify_seconds if s is not None], drafts_timed, realized
+
+    tokens, passes, drafted, realized = learnt(capturing=True)
+    assert not passes and all(d is None for d in drafted) and realized == 0
+    plain_tokens, plain_passes, plain_drafted, plain_realized = learnt(capturing=False)
+    assert tokens == plain_tokens and plain_passes
+    # a batch's choice to draft rests on wall-clock rates, so only the single request surely drafts caught up
+    assert (plain_realized > 0) if batched else any(d is not None for d in plain_drafted)

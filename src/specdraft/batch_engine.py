@@ -70,6 +70,7 @@ from specdraft.engine import (DEFAULT_TREE_BRANCH, MAX_TOP_LOGPROBS, Completion,
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import RealizedGoodput, choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
+from specdraft.models.graph_decoder import graphs_captured
 from specdraft.models.packed_cache import CacheView, PackedCache, packed_visibility
 from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
 from specdraft.sampling import SamplingParams, target_rows
@@ -534,7 +535,7 @@ class BatchedDecoder:
         target = self.target
         stepping = self._stepping()
         self.largest_batch = max(self.largest_batch, len(stepping))
-        t0 = time.perf_counter()
+        t0, captures = time.perf_counter(), graphs_captured()
         contexts, limits = zip(*(self._context(seq) for seq in stepping))
         # where drafting has given less than plain steps at this batch size, the auto sequences step plain
         gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
@@ -591,7 +592,9 @@ class BatchedDecoder:
                 seq.drafter.features(scored.hidden_states[0][in_pass])
             start += width
         pass_seconds = time.perf_counter() - t1
-        self.costs.time_pass(tokens.shape[0], pass_seconds)
+        timed = graphs_captured() == captures  # a step that captured a CUDA graph paid once what no step pays again
+        if timed:
+            self.costs.time_pass(tokens.shape[0], pass_seconds)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, kept in zip(stepping, decided_by) for _ in kept]
         finished = []
@@ -602,7 +605,8 @@ class BatchedDecoder:
             if k > 0:
                 seq.drafter.commit(prev_len, path)
             if seq.drafter is not None:  # the pass was timed above, by its total width
-                seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores)
+                seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores,
+                                   timed=timed)
             event = run.emit(k, draft.tokens[path].tolist(), next_token, bonus, target.eos_token_ids,
                              target.max_context)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
@@ -621,7 +625,8 @@ class BatchedDecoder:
         self._leave(finished)
         self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
                                    time.perf_counter() - t0)
-        self.realized.record(len(stepping), sum(ks) > 0, self.last_step.committed, self.last_step.seconds)
+        if timed:
+            self.realized.record(len(stepping), sum(ks) > 0, self.last_step.committed, self.last_step.seconds)
         return events
 
     def stats(self, ident: int) -> GenerationStats | None:

@@ -27,6 +27,7 @@ from specdraft.drafters import make_drafter
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.graph_decoder import graphs_captured
 from specdraft.policy import AUTO, GPU_MAX_AUTO_K, AutoK, FixedK, make_policy
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
@@ -332,7 +333,7 @@ class SpeculativeDecoder:
                     yield forced
                     if forced.finish_reason is not None:
                         return
-            t0 = time.perf_counter()
+            t0, captures = time.perf_counter(), graphs_captured()
             draft, source, unread = self._propose(run)  # 1. propose
             k, tree = draft.k, draft.layout
             sync_device(target.device)
@@ -357,7 +358,8 @@ class SpeculativeDecoder:
             event = run.emit(k, [decided[3 + node] for node in path], next_token, bonus, target.eos_token_ids,
                              target.max_context)  # 5. emit, cut at EOS, a stop string or the budget
             if drafter is not None:
-                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores)
+                self.policy.observe(k, num_accepted, t1 - t0, t2 - t1, source, path, unread, draft.scores,
+                                    timed=graphs_captured() == captures)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
                                   tree.height if tree is not None else k, t1 - t0, t2 - t1)
             run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started

@@ -41,6 +41,14 @@ KEY_BUCKET = 256  # the shortest key length a pass attends over; captured length
 DEFAULT_CAPACITY = 2048  # positions a cache holds at first (it grows, and graphs are recaptured, when needed)
 LLAMA_STYLE = ("llama", "qwen2", "qwen3", "mistral")  # model types whose layers `StaticDecoder` writes out
 assert WIDTHS[-1] <= SCRATCH_SLOTS
+_captured = 0  # graphs captured in this process so far (`graphs_captured`)
+
+
+def graphs_captured() -> int:
+    """How many CUDA graphs this process has captured so far. A step during which the count moved paid for a
+    capture (a pass's first width and key length after the cache grew, or a batch's cache made as requests came):
+    its time is no pass's cost, and the policies do not learn from it."""
+    return _captured
 
 
 def static_obstacle(model: nn.Module) -> str | None:
@@ -335,6 +343,8 @@ class StaticDecoder:
     # ----- graphs -------------------------------------------------------------------------------
     def _capture(self, width: int, keys: int) -> _Graph:
         """Capture the pass of `width` tokens over `keys` slots; warm-up runs write only scratch slots."""
+        global _captured
+        _captured += 1
         inputs = self._inputs(width, keys)
         inputs.slots.copy_(self._row_index[:width] + self.cache.scratch)
         if self._pool is None:
