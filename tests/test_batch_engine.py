@@ -411,3 +411,27 @@ def test_a_batch_on_static_caches_answers_as_alone(tiny_target, drafts, monkeypa
         assert sum(c.stats.accepted for c in got) > 0
         assert packed_static and all(packed_static)
         assert not batch._draft_caches  # every sequence left, and the packed draft cache with the last of them
+
+
+@pytest.mark.parametrize("static,tree_budget", [(False, 0), (False, 6), (True, 0), (True, 6)])
+def test_sequences_of_a_batch_stop_at_the_context_as_alone(monkeypatch, static, tree_budget):
+    """A batch's packed cache holds several sequences, so its length is no position: each pass says how far its
+    furthest token reaches (`CausalLM.forward(reach=)`). Answers that run into a 40-position context stop there as
+    alone, chains and trees, on the growing cache and the static one, though the packed cache holds far more rows."""
+    from conftest import perturbed, tiny_config, tiny_model
+
+    if static:
+        monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "1")
+    target_model = tiny_model(tiny_config(max_positions=40), seed=0)
+    draft_model = perturbed(target_model, noise=0.0, seed=1)  # always right: drafts run to the very end
+    make = lambda: ModelDrafter(CausalLM(draft_model, static_cache=False))  # noqa: E731
+    target = CausalLM(target_model)
+    prompts = [[5, 17, 42, 8, 59, 3], [7, 7, 7, 1], [11, 12, 13]]
+    greedy = SamplingParams(temperature=0.0)
+    expected = [SpeculativeDecoder(target, make(), tree_budget=tree_budget).generate(p, greedy, max_new_tokens=60)
+                for p in prompts]
+    assert all(e.finish_reason == "length" and len(p) + len(e.token_ids) == 40 for p, e in zip(prompts, expected))
+    batch = BatchedDecoder(target, make, max_batch=3, tree_budget=tree_budget)
+    got = batch.generate_all([BatchRequest(p, greedy, 60) for p in prompts])
+    assert [c.token_ids for c in got] == [e.token_ids for e in expected]
+    assert [c.finish_reason for c in got] == ["length"] * 3 and batch.largest_batch == 3

@@ -566,7 +566,10 @@ class BatchedDecoder:
                 visible[start : start + block.shape[0], cached + start : cached + start + block.shape[0]] = tree[1]
             start += block.shape[0]
         features = any(seq.reads_features for seq in stepping)
-        reach = max(seq.run.sequence.shape[0] - seq.unscored + block.shape[0] for seq, block in zip(stepping, blocks))
+        # how far the furthest token reaches: a sequence's length plus its draft's depth (its last token, and any
+        # forced ones, are already counted in its length)
+        reach = max(seq.run.sequence.shape[0] + (draft.layout.height if draft.layout is not None else draft.k)
+                    for seq, draft in zip(stepping, drafts))
         scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
                                 offsets=positions - cached, visible=visible, reach=reach)
         logits = scored.logits[0]  # [T, V]

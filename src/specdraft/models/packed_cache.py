@@ -130,8 +130,10 @@ class PackedCache:
         allowed[:, columns[len(held) - older :]] = visible[:, :older].to(device)
         allowed[:, len(self.row_owner) :] = visible[:, older:].to(device)
         positions = len(held) + offsets  # [T]
+        # its furthest position; on a static (GPU) cache the width bounds the depths without a device sync
+        reach = len(held) + (count if self.lm.static else int(offsets.max()) + 1)
         logits = self.lm.forward(tokens.unsqueeze(0), logits_to_keep, offsets=positions - self.lm.cache_len,
-                                 visible=allowed, reach=len(held) + count).logits[0]  # [logits_to_keep, V]
+                                 visible=allowed, reach=reach).logits[0]  # [logits_to_keep, V]
         self._append(owner, count)
         return logits
 
