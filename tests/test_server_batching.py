@@ -191,3 +191,21 @@ def test_trees_and_a_trained_drafter_in_a_batch_give_the_one_at_a_time_answers(t
                    if line.startswith("specdraft_batch_draft_tokens_sum")]
         assert drafted and drafted[0] > 0 and 'status="500"' not in metrics
     assert len(app.state.worker.pool._shared) == (speculation == "eagle")  # its weights loaded once for all
+
+
+def test_a_batched_server_on_the_gpus_static_cache_gives_its_one_at_a_time_answers(tiny_model_dirs, monkeypatch):
+    """The GPU's path, run eagerly on the CPU (`SPECDRAFT_STATIC_CACHE=1`): a batched server's target, prompt
+    reader and packed draft caches on static caches. On a GPU every batched request was refused before (400:
+    "the static one is not supported"), and `serve` batches by default."""
+    monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "1")
+    jobs = [(p, stream, d) for p in PROMPTS[:4] for stream in (False, True) for d in (None, "ngram")]
+    with Live(make_app(tiny_model_dirs)) as server:  # one at a time
+        alone = {(p, d): ask(server, p, False, d) for p, _, d in jobs}
+    with Live(make_app(tiny_model_dirs, max_batch=4)) as server:
+        assert server.app.state.worker.batch.target.static and server.app.state.worker.batch._reader.static
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda job: ask(server, *job), jobs))
+        assert answers == [alone[(p, d)] for p, _, d in jobs]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'status="500"' not in metrics
+        server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
