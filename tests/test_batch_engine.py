@@ -435,3 +435,21 @@ def test_sequences_of_a_batch_stop_at_the_context_as_alone(monkeypatch, static, 
     got = batch.generate_all([BatchRequest(p, greedy, 60) for p in prompts])
     assert [c.token_ids for c in got] == [e.token_ids for e in expected]
     assert [c.finish_reason for c in got] == ["length"] * 3 and batch.largest_batch == 3
+
+
+def test_greedy_chains_verified_together_beside_sampled_and_penalised_sequences(tiny_target, drafts, make_lm):
+    """One batch mixing the kinds of verification: greedy chains (verified together, from one host read of the rows'
+    argmax), sampled ones and a greedy one under a repetition penalty (each verified as alone); each answers as
+    alone (a sampled request with a fixed k draws what it draws alone). Trees take the per-sequence path: the tests
+    above."""
+    target = make_lm(tiny_target)
+    make = lambda: ModelDrafter(make_lm(drafts["close"], name="draft"))  # noqa: E731
+    kinds = [(SamplingParams(temperature=0.0), None), (SamplingParams(temperature=0.8, seed=3), 2),
+             (SamplingParams(temperature=0.0, repetition_penalty=1.3), None), (SamplingParams(temperature=0.0), None),
+             (SamplingParams(temperature=1.0, top_p=0.9, seed=7), 3), (SamplingParams(temperature=0.0), 4)]
+    expected = [SpeculativeDecoder(target, make(), k=k or "auto").generate(p, s, max_new_tokens=b).token_ids
+                for p, b, (s, k) in zip(PROMPTS, BUDGETS, kinds)]
+    batch = BatchedDecoder(make_lm(tiny_target), make, max_batch=6)
+    got = batch.generate_all([BatchRequest(p, s, b, k=k) for p, b, (s, k) in zip(PROMPTS, BUDGETS, kinds)])
+    assert [c.token_ids for c in got] == expected and batch.largest_batch == 6
+    assert sum(c.stats.accepted for c in got) > 0

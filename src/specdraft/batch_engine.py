@@ -7,6 +7,7 @@ while active:
     drafts  = [drafter_i.propose(ctx_i, k_i)] # 2. each sequence drafts with its own drafter
     logits  = target.forward(concat [last_i, d_i1 .. d_ik_i])  # 3. one pass; a mask keeps sequences apart
     verdict_i = verify(draft_i, rows_i)       # 4. per sequence, greedy or exact sampled, as alone
+                                              #    (greedy chains together: the rows' argmax in one host read)
     keep the accepted rows (a tree: the accepted path) of each sequence; finished sequences leave
 ```
 
@@ -573,17 +574,31 @@ class BatchedDecoder:
         scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
                                 offsets=positions - cached, visible=visible, reach=reach)
         logits = scored.logits[0]  # [T, V]
+        # Greedy chains (no penalty, no constraint) are verified together: the argmax of every row and every fed token
+        # come to the host in one read, the step's one sync for them (on a GPU each sequence's own read cost a round
+        # trip); the others are verified one by one, each as alone (`verify`).
+        together = [run.params.greedy and run.seen is None and run.grammar is None and draft.layout is None
+                    for run, draft in ((seq.run, draft) for seq, draft in zip(stepping, drafts))]
+        to_host = torch.cat([logits.argmax(-1), tokens]) if any(together) else tokens
+        host = to_host.tolist()
+        choice, fed = host[: -tokens.shape[0]], host[-tokens.shape[0] :]  # [T] argmax per row (if read), [T] tokens
         events, kept_rows, start = forced, [], 0
-        verdicts, rows_of, paths, decided_by = [], [], [], []
-        for seq, draft, block in zip(stepping, drafts, blocks):  # 4. verify each sequence as alone
+        verdicts, rows_of, paths, decided_by, accepted_tokens = [], [], [], [], []
+        for seq, draft, block, plain in zip(stepping, drafts, blocks, together):  # 4. verify each sequence as alone
             width, tree, run, unscored = block.shape[0], draft.layout, seq.run, seq.unscored
             rows_of.append(logits[start + unscored - 1 : start + width])  # [k + 1, V]: after its last, then the draft
-            p_target = target_rows(run.masked(rows_of[-1], draft), run.params, run.seen, block[unscored - 1 :],
-                                   None if tree is None else tree.rows_ancestors())  # [k + 1, V]
-            verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
-            num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
-                                                           verdict.deepest()[:1]]).tolist()
+            if plain:  # the longest draft prefix equal to the rows' argmax, then the argmax (`verify_greedy`)
+                targets, drafted = choice[start + unscored - 1 : start + width], fed[start + unscored : start + width]
+                num_accepted = next((i for i, (d, t) in enumerate(zip(drafted, targets)) if d != t), len(drafted))
+                next_token, deepest = targets[num_accepted], num_accepted - 1
+            else:
+                p_target = target_rows(run.masked(rows_of[-1], draft), run.params, run.seen, block[unscored - 1 :],
+                                       None if tree is None else tree.rows_ancestors())  # [k + 1, V]
+                verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
+                num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
+                                                               verdict.deepest()[:1]]).tolist()
             path = tree.path(deepest) if tree is not None else list(range(num_accepted))
+            accepted_tokens.append([fed[start + unscored + node] for node in path])
             bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
             verdicts.append((num_accepted, next_token, bonus))
             paths.append(path)
@@ -601,8 +616,8 @@ class BatchedDecoder:
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, kept in zip(stepping, decided_by) for _ in kept]
         finished = []
-        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, seconds, rows, kept in zip(
-                stepping, drafts, plans, verdicts, paths, draft_seconds, rows_of, decided_by):
+        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, accepted, seconds, rows, kept in \
+                zip(stepping, drafts, plans, verdicts, paths, accepted_tokens, draft_seconds, rows_of, decided_by):
             run, k = seq.run, draft.k
             prev_len = run.sequence.shape[0]
             if k > 0:
@@ -610,8 +625,7 @@ class BatchedDecoder:
             if seq.drafter is not None:  # the pass was timed above, by its total width
                 seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores,
                                    timed=timed)
-            event = run.emit(k, draft.tokens[path].tolist(), next_token, bonus, target.eos_token_ids,
-                             target.max_context)
+            event = run.emit(k, accepted, next_token, bonus, target.eos_token_ids, target.max_context)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
                                   draft.layout.height if draft.layout is not None else k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))
