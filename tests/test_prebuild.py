@@ -34,7 +34,8 @@ def test_build_all_under_torch_builds_nothing(monkeypatch):
     monkeypatch.setenv(isa.VARIABLE, "torch")
     ready = prebuild.build_all()
     assert ready and not any(ready.values())
-    assert prebuild.in_use() == {"isa": "torch", "tiles": "torch", "int8_activations": "none", isa.VARIABLE: "torch"}
+    assert prebuild.in_use() == {"isa": "torch", "tiles": "torch", "int8_activations": "none", "avx_vnni": False,
+                                 isa.VARIABLE: "torch"}
     assert prebuild.in_use_text() == "kernels: torch level, torch tiles (forced by SPECDRAFT_ISA=torch)"
 
 
@@ -52,6 +53,12 @@ def test_in_use_names_which_passes_run_on_int8_activations(monkeypatch):
         assert prebuild.in_use()["int8_activations"] == named
     monkeypatch.delenv("SPECDRAFT_INT8_ACTIVATIONS")
     assert prebuild.in_use()["int8_activations"] == "every"  # the default on the AVX2 kernels
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "0")
+    assert prebuild.in_use()["avx_vnni"] is False
+    if isa.AVX_VNNI_BUILD[1] <= isa.cpu_flags():  # the AVX2 tiles' int8 products on AVX-VNNI, and the line says so
+        monkeypatch.delenv(isa.AVX_VNNI_VARIABLE)
+        assert prebuild.in_use()["avx_vnni"] is True
+        assert "int8 activations on every pass (AVX-VNNI)" in prebuild.in_use_text()
 
 
 def test_kernels_command(monkeypatch):

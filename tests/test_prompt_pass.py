@@ -17,11 +17,15 @@ from test_fast_layers import int4_model, random_q6k_raw
 from test_int4_tiles import affine_matrix
 
 
-@pytest.fixture(autouse=True, params=["avx512-int16", "avx512-bf16", "avx2"])
+@pytest.fixture(autouse=True, params=["avx512-int16", "avx512-bf16", "avx2", "avx2-vnni"])
 def prompt_tiles(request, monkeypatch):
-    """(tile kernel module, prompt kernel module) of each build this CPU runs; the tile kernel is the one models use."""
+    """(tile kernel module, prompt kernel module) of each build this CPU runs; the tile kernel is the one models use.
+    `avx2`: without AVX-VNNI (as on a Zen 3), `avx2-vnni`: with it, where the CPU has it."""
     level, _, flavour = request.param.partition("-")
     if level == "avx2":
+        if flavour == "vnni" and not isa.AVX_VNNI_BUILD[1] <= isa.cpu_flags():
+            pytest.skip("no AVX-VNNI on this CPU")
+        monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "1" if flavour == "vnni" else "0")
         if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags() or avx2_prompt._library() is None:
             pytest.skip("the AVX2 prompt kernels do not run on this CPU")
         monkeypatch.setenv(isa.VARIABLE, "avx2")
@@ -228,3 +232,37 @@ def test_greedy_spec_equals_ar_with_every_pass_on_int8(monkeypatch, prompt_tiles
         draft = NgramDrafter() if drafter == "ngram" else ModelDrafter(CausalLM(int4_model(seed=5)), min_confidence=0.0)
         got = SpeculativeDecoder(CausalLM(target), draft, k=3).generate(prompt, max_new_tokens=30)
         assert got.token_ids == expected.token_ids and got.stats.drafted > 0
+
+
+def test_avx_vnni_gives_the_bits_of_avx2_alone(monkeypatch, prompt_tiles):
+    """AVX-VNNI's `vpdpbusd` sums the same integers as `vpmaddubsw` + `vpaddw` (exactly, in any order), and the
+    float steps are the same: every width's output has the same bits with it and without it (4-bit and Q6_K tiles,
+    passes of 1 to 17 tokens, blocks of 4 and their remainders)."""
+    if prompt_tiles[1] is not avx2_prompt or not isa.avx_vnni():
+        pytest.skip("compares the two AVX2 builds where the CPU has AVX-VNNI")
+    assert avx2_prompt._built(True) is not None and avx2_prompt._built(True) is not avx2_prompt._built(False)
+    for case in (int4_case, q6k_case):
+        for tokens in (1, 4, 5, 8, 17):
+            matmul, x, _ = case(tokens)
+            outputs = []
+            for setting in ("1", "0"):
+                monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, setting)
+                with prompt_pass.prompt_pass():
+                    outputs.append(matmul(x))
+            assert torch.equal(outputs[0], outputs[1]), (case.__name__, tokens)
+
+
+def test_the_avx_vnni_setting_is_checked(monkeypatch):
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "1")
+    with pytest.raises(SpecdraftError, match="avx_vnni"):
+        isa.avx_vnni()
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "yes")
+    with pytest.raises(SpecdraftError, match="0 or 1"):
+        isa.avx_vnni()
+    monkeypatch.delenv(isa.AVX_VNNI_VARIABLE)
+    assert not isa.avx_vnni()
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    assert isa.avx_vnni()
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "0")
+    assert not isa.avx_vnni()

@@ -1,5 +1,6 @@
 """Prompt passes on int8 activations for AVX2 CPUs (`avx2_prompt.c`): the function of `vnni_tiles` (the same
-bits) on `vpmaddubsw`, over the tiles of `avx2_tiles`. They run only inside `prompt_pass.prompt_pass()`."""
+bits) on `vpmaddubsw`, or AVX-VNNI's `vpdpbusd` where the CPU has it (`isa.avx_vnni`), over the tiles of
+`avx2_tiles`. They run inside `prompt_pass.prompt_pass()`: prompt passes, and on AVX2 every pass by default."""
 
 from __future__ import annotations
 
@@ -20,9 +21,18 @@ _SIGNATURES = {
 }
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=2)
+def _built(vnni: bool) -> ctypes.CDLL | None:
+    """The kernels built for AVX2 alone, or with AVX-VNNI (`isa.avx_vnni`)."""
+    flags, required, what = _FLAGS, isa.CPU_FLAGS[LEVEL], "the AVX2 prompt kernels"
+    if vnni:
+        flags, required, what = flags + isa.AVX_VNNI_BUILD[0], required | isa.AVX_VNNI_BUILD[1], what + " with AVX-VNNI"
+    return bind(compiled_library(_SOURCE, flags, required, what), _SIGNATURES)
+
+
 def _library() -> ctypes.CDLL | None:
-    return bind(compiled_library(_SOURCE, _FLAGS, isa.CPU_FLAGS[LEVEL], "the AVX2 prompt kernels"), _SIGNATURES)
+    """The AVX-VNNI build where `isa.avx_vnni()` (the AVX2 one if that fails to build), else the AVX2 one."""
+    return (isa.avx_vnni() and _built(True)) or _built(False)
 
 
 def available() -> bool:

@@ -56,7 +56,9 @@ class Layer(ctypes.Structure):
 
 def _for_level(chosen: str) -> ctypes.CDLL | None:
     """The build of level `chosen` for this machine: AVX-512 with its dot flavour (and AMX where granted)."""
-    return _built(chosen, dots(), amx_tiles.available()) if chosen == "avx512" else _built(chosen, "int16", False)
+    if chosen == "avx512":
+        return _built(chosen, dots(), amx_tiles.available())
+    return (isa.avx_vnni() and _built(chosen, "int16", False, True)) or _built(chosen, "int16", False)
 
 
 def level() -> str | None:
@@ -70,9 +72,13 @@ def _library() -> ctypes.CDLL | None:
 
 
 @lru_cache(maxsize=None)
-def _built(chosen: str, flavour: str, with_amx: bool) -> ctypes.CDLL | None:  # avx512: the tiles of `flavour`
+def _built(chosen: str, flavour: str, with_amx: bool, avx_vnni: bool = False) -> ctypes.CDLL | None:
+    """The decoder layers of level `chosen`; avx512: with the tiles of `flavour` (and AMX); avx2: with AVX-VNNI's
+    int8 dot products (`isa.avx_vnni`)."""
     source, flags, required = _BUILDS[chosen]
     what = f"the {chosen.upper().replace('AVX512', 'AVX-512')} decoder layers"
+    if avx_vnni:
+        flags, required, what = flags + isa.AVX_VNNI_BUILD[0], required | isa.AVX_VNNI_BUILD[1], what + " with AVX-VNNI"
     if chosen == "avx512":
         extra, extra_required = build_options(flavour)
         flags, required = flags + extra, required | extra_required

@@ -17,6 +17,8 @@ from specdraft.kernels.build import cpu_flags
 
 LEVELS = ("torch", "avx2", "avx512", "amx")  # each level's kernels add to those below it
 VARIABLE = "SPECDRAFT_ISA"
+AVX_VNNI_VARIABLE = "SPECDRAFT_AVX_VNNI"
+AVX_VNNI_BUILD = (["-mavxvnni"], {"avx_vnni"})  # what the AVX2 builds add for AVX-VNNI: compiler and CPU flags
 CPU_FLAGS = {  # what a level needs of /proc/cpuinfo's flags
     "torch": set(),
     "avx2": {"avx2", "fma", "f16c"},
@@ -55,3 +57,18 @@ def allows(level: str) -> bool:
 def first_built(build, levels: tuple[str, ...] = ("avx512", "avx2")):
     """`build(level)` for the best of `levels` that `allows` and that builds and runs here (not None), or None."""
     return next((built for level in levels if allows(level) and (built := build(level)) is not None), None)
+
+
+def avx_vnni() -> bool:
+    """Whether the AVX2 kernels' int8 dot products run on AVX-VNNI's 256-bit `vpdpbusd` (`avx2_prompt.c`: the same
+    bits as `vpmaddubsw` + `vpaddw`, fewer instructions): where the CPU has it (Intel since Alder Lake, AMD Zen 5),
+    unless `SPECDRAFT_AVX_VNNI=0` (how an AVX2 CPU without it, such as a Zen 3, is run on one that has it)."""
+    setting = os.environ.get(AVX_VNNI_VARIABLE, "").strip()
+    if setting not in ("", "0", "1"):
+        raise SpecdraftError(f"{AVX_VNNI_VARIABLE} must be 0 or 1 (or unset: on where the CPU has AVX-VNNI), got "
+                             f"{setting!r}.")
+    has = AVX_VNNI_BUILD[1] <= cpu_flags()
+    if setting == "1" and not has:
+        raise SpecdraftError(f"{AVX_VNNI_VARIABLE}=1 needs the CPU flag avx_vnni, which this machine lacks; set it to 0 "
+                             "or unset it.")
+    return has and setting != "0"

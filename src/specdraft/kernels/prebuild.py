@@ -40,14 +40,15 @@ def build_all() -> dict[str, bool]:
 
 def in_use() -> dict:
     """The level the kernels run at (`isa.isa()`), the tile kernel that multiplies 4-bit and Q6_K weights (`torch`
-    where none runs), which passes multiply int8 activations (`every`, `prompt` or `none`: `prompt_pass`), and
-    `SPECDRAFT_ISA` (None where unset)."""
+    where none runs), which passes multiply int8 activations (`every`, `prompt` or `none`: `prompt_pass`), whether
+    the AVX2 tiles' int8 products run on AVX-VNNI (`isa.avx_vnni`), and `SPECDRAFT_ISA` (None where unset)."""
     from specdraft.kernels import prompt_pass
     from specdraft.kernels.tiles import int8_every_pass, kernel_name, tile_kernel
 
     tiles = kernel_name(tile_kernel())
     int8 = "none" if tiles == "torch" or not prompt_pass.enabled() else "every" if int8_every_pass() else "prompt"
     return {"isa": isa.isa(), "tiles": tiles, "int8_activations": int8,
+            "avx_vnni": tiles == "avx2" and int8 != "none" and isa.avx_vnni(),
             isa.VARIABLE: os.environ.get(isa.VARIABLE) or None}
 
 
@@ -58,5 +59,5 @@ def in_use_text(kernels: dict | None = None) -> str:
     note = (f"forced by {isa.VARIABLE}={forced}" if forced
             else f"{isa.VARIABLE}={'|'.join(isa.LEVELS)} forces a level")
     int8 = {"every": ", int8 activations on every pass", "prompt": ", int8 activations on prompt passes"}.get(
-        kernels.get("int8_activations") or "", "")
+        kernels.get("int8_activations") or "", "") + (" (AVX-VNNI)" if kernels.get("avx_vnni") else "")
     return f"kernels: {kernels['isa']} level, {kernels['tiles']} tiles{int8} ({note})"
