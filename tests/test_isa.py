@@ -56,3 +56,21 @@ def test_forcing_avx2_turns_every_avx512_kernel_off(monkeypatch):
     assert tiles.tile_kernel() is None and not avx2_tiles.available()
     for module in (decoder_layers, layer_ops, cache_attention):
         assert not module.available(), module.__name__
+
+
+def test_the_avx_vnni_setting_is_checked(monkeypatch):
+    """AVX-VNNI where the CPU has it unless SPECDRAFT_AVX_VNNI=0; =1 on a CPU without it, or another value, is an
+    error that says what to set."""
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "1")
+    with pytest.raises(SpecdraftError, match="avx_vnni"):
+        isa.avx_vnni()
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "yes")
+    with pytest.raises(SpecdraftError, match="0 or 1"):
+        isa.avx_vnni()
+    monkeypatch.delenv(isa.AVX_VNNI_VARIABLE)
+    assert not isa.avx_vnni()
+    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    assert isa.avx_vnni()
+    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "0")
+    assert not isa.avx_vnni()

@@ -251,18 +251,3 @@ def test_avx_vnni_gives_the_bits_of_avx2_alone(monkeypatch, prompt_tiles):
                     outputs.append(matmul(x))
             assert torch.equal(outputs[0], outputs[1]), (case.__name__, tokens)
 
-
-def test_the_avx_vnni_setting_is_checked(monkeypatch):
-    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "1")
-    with pytest.raises(SpecdraftError, match="avx_vnni"):
-        isa.avx_vnni()
-    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "yes")
-    with pytest.raises(SpecdraftError, match="0 or 1"):
-        isa.avx_vnni()
-    monkeypatch.delenv(isa.AVX_VNNI_VARIABLE)
-    assert not isa.avx_vnni()
-    monkeypatch.setattr(isa, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
-    assert isa.avx_vnni()
-    monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "0")
-    assert not isa.avx_vnni()
