@@ -577,8 +577,8 @@ class BatchedDecoder:
         # Greedy chains (no penalty, no constraint) are verified together: the argmax of every row and every fed token
         # come to the host in one read, the step's one sync for them (on a GPU each sequence's own read cost a round
         # trip); the others are verified one by one, each as alone (`verify`).
-        together = [run.params.greedy and run.seen is None and run.grammar is None and draft.layout is None
-                    for run, draft in ((seq.run, draft) for seq, draft in zip(stepping, drafts))]
+        together = [seq.run.params.greedy and seq.run.seen is None and seq.run.grammar is None and draft.layout is None
+                    for seq, draft in zip(stepping, drafts)]
         to_host = torch.cat([logits.argmax(-1), tokens]) if any(together) else tokens
         host = to_host.tolist()
         choice, fed = host[: -tokens.shape[0]], host[-tokens.shape[0] :]  # [T] argmax per row (if read), [T] tokens

@@ -235,17 +235,17 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         guarded(results, "ar_host_profile", lambda: host_profile(SpeculativeDecoder(target), prompt, shapes.new_tokens))
     if "eager" not in skip:
         guarded(results, "hf_generate_eager", lambda: hf_generate(target_model, prompt, shapes.new_tokens)[1])
+    def oracle_run(alpha: float) -> dict:
+        drafter = OracleDrafter(alpha=alpha, seed=0)
+        drafter.record(prompt + ar_tokens)
+        tokens, row = generate_timed(SpeculativeDecoder(target, drafter, k="auto"), prompt, shapes.new_tokens)
+        row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
+        row["same_tokens_as_ar"] = tokens == ar_tokens
+        row["first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b), None)
+        return row
+
     for alpha in ALPHAS:
-        def oracle_run(alpha=alpha):
-            drafter = OracleDrafter(alpha=alpha, seed=0)
-            drafter.record(prompt + ar_tokens)
-            tokens, row = generate_timed(SpeculativeDecoder(target, drafter, k="auto"), prompt, shapes.new_tokens)
-            row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
-            row["same_tokens_as_ar"] = tokens == ar_tokens
-            row["first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b), None)
-            return row
-        guarded(results, f"oracle_{alpha}", oracle_run)
-    oracle_again = oracle_run
+        guarded(results, f"oracle_{alpha}", lambda alpha=alpha: oracle_run(alpha))
     def model_spec():
         tokens, row = generate_timed(SpeculativeDecoder(target, ModelDrafter(draft), k="auto"), prompt,
                                      shapes.new_tokens)
@@ -264,7 +264,7 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         # access in the next spec run; the oracle again after it tells whether the two can share a process
         guarded(results, "hf_generate_static_compiled", lambda: hf_generate(
             target_model, prompt, shapes.new_tokens, cache_implementation="static")[1])
-        guarded(results, f"oracle_{ALPHAS[-1]}_after_hf_compiled", oracle_again)
+        guarded(results, f"oracle_{ALPHAS[-1]}_after_hf_compiled", lambda: oracle_run(ALPHAS[-1]))
 
 
 def batch_speed(target: CausalLM, shapes: Shapes, alpha: float | None = 0.8) -> dict:

@@ -26,7 +26,7 @@ def _built(vnni: bool) -> ctypes.CDLL | None:
     """The kernels built for AVX2 alone, or with AVX-VNNI (`isa.avx_vnni`)."""
     flags, required, what = _FLAGS, isa.CPU_FLAGS[LEVEL], "the AVX2 prompt kernels"
     if vnni:
-        flags, required, what = flags + isa.AVX_VNNI_BUILD[0], required | isa.AVX_VNNI_BUILD[1], what + " with AVX-VNNI"
+        flags, required, what = isa.with_avx_vnni(flags, required, what)
     return bind(compiled_library(_SOURCE, flags, required, what), _SIGNATURES)
 
 

@@ -78,7 +78,7 @@ def _built(chosen: str, flavour: str, with_amx: bool, avx_vnni: bool = False) ->
     source, flags, required = _BUILDS[chosen]
     what = f"the {chosen.upper().replace('AVX512', 'AVX-512')} decoder layers"
     if avx_vnni:
-        flags, required, what = flags + isa.AVX_VNNI_BUILD[0], required | isa.AVX_VNNI_BUILD[1], what + " with AVX-VNNI"
+        flags, required, what = isa.with_avx_vnni(flags, required, what)
     if chosen == "avx512":
         extra, extra_required = build_options(flavour)
         flags, required = flags + extra, required | extra_required

@@ -72,3 +72,8 @@ def avx_vnni() -> bool:
         raise SpecdraftError(f"{AVX_VNNI_VARIABLE}=1 needs the CPU flag avx_vnni, which this machine lacks; set it to 0 "
                              "or unset it.")
     return has and setting != "0"
+
+
+def with_avx_vnni(flags: list[str], required: set[str], what: str) -> tuple[list[str], set[str], str]:
+    """An AVX2 build's compiler flags, required CPU flags and name, with AVX-VNNI added (`avx_vnni`)."""
+    return flags + AVX_VNNI_BUILD[0], required | AVX_VNNI_BUILD[1], what + " with AVX-VNNI"
