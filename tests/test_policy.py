@@ -269,12 +269,32 @@ def test_no_probe_whose_catch_up_could_not_pay_back():
 def test_read_time_is_learnt_from_a_step_that_caught_up():
     policy = calibrated([30, 31, 32, 33], draft_ms=10, alpha=0.8, max_k=3)
     assert policy.estimates().read_seconds_per_token is None
-    assert policy.catch_up_seconds(80) == pytest.approx(80 * 0.030 / 24)  # the guess: a 24th of a plain step
+    # the guess: the target's pass over 81 tokens less its one-token pass, scaled by c = 10 / 30
+    assert policy.catch_up_seconds(80) == pytest.approx(10 / 30 * (policy.verify_estimate(81) - 0.030))
     policy.observe(2, 2, draft_seconds=0.02 + 0.1, verify_seconds=0.031, unread=50)  # 2 drafted, 50 read
     assert policy.estimates().read_seconds_per_token == pytest.approx(0.002)
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.010)  # not a caught-up step: kept
     policy.observe(2, 2, draft_seconds=0.02, verify_seconds=0.031, unread=READ_SAMPLE_MIN - 1)  # a few: nearly free
     assert policy.estimates().read_seconds_per_token == pytest.approx(0.002)  # not a read rate: kept
+
+
+def test_an_untimed_read_is_priced_by_how_the_passes_grow_with_width():
+    """Before a read is timed (or once it is forgotten), reading n tokens is priced as the target's pass over n
+    tokens scaled by c. On a 2-core AVX2 CPU (each token of a pass adds ~0.38 of a plain step, the draft c = 0.3) a
+    64-token first read took 0.14 s: priced so, a 20-token answer never pays it, where a flat guess (a 24th of a
+    plain step a token: 0.056 s) let it draft. Where passes are flat (a GPU) the read stays cheap."""
+    steep = calibrated([21, 25, 31.5, 38.7], draft_ms=6.5, alpha=0.6, max_k=3)
+    assert 0.1 < steep.catch_up_seconds(64) < 0.2  # against 0.056 s by the flat guess
+    steep.estimates().read_seconds_per_token = 0.0022  # once timed, the measurement rules
+    assert steep.catch_up_seconds(64) == pytest.approx(64 * 0.0022)
+    steep.estimates().read_seconds_per_token = None
+    assert [steep.choose(3, unread=64, remaining=108, generated=g) for g in (20, 21, 22)] == [0, 0, 0]
+    flat = calibrated([2.0, 2.0, 2.01, 2.02], draft_ms=1.2, alpha=0.6, max_k=3)
+    assert flat.catch_up_seconds(64) <= 64 * 0.002 / 24  # no dearer than the flat guess
+    tree = AutoK(max_k=8, tree=True)  # a tree's draft time is per step of several passes: a pass is guessed
+    tree.verify_seconds = [None, 0.021, 0.025, 0.0315, 0.0387]
+    tree.estimates().draft_seconds_per_token = 0.03
+    assert tree.catch_up_seconds(64) == pytest.approx((tree.verify_estimate(65) - 0.021) / 3)
 
 
 def test_the_engine_tells_the_policy_what_the_draft_model_has_not_read(tiny_target, drafts, make_lm):

@@ -20,8 +20,8 @@ A draft model must first read the committed tokens it has not seen (`unread`: th
 its first draft, the tokens of plain steps after). That catch-up is paid once and serves the
 rest of the request, so a step that drafts k is charged its share over the tokens the answer has
 left, `catch_up · E[tokens | k] / left` (catch-up = unread × the source's measured read time per
-token, timed on reads of at least `READ_SAMPLE_MIN` tokens; before it is timed, a 24th of a plain
-target step). Where the answer ends is unknown, and
+token, timed on reads of at least `READ_SAMPLE_MIN` tokens; before it is timed, the draft's pass over those
+tokens priced as the target's pass over as many, scaled by c). Where the answer ends is unknown, and
 the budget says little (a two-line answer under a 128-token budget paid a whole prompt read for
 one draft: 0.90x plain decoding on short answers): `left` is as many tokens as the answer has run
 so far (an answer that has run g tokens is as likely to end before 2g as after, under a
@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from specdraft.errors import SpecdraftError
 
 AUTO = "auto"
-READ_GUESS = 24  # before it is timed, reading a token is guessed at this fraction of a plain target step
 MAX_AUTO_K = 8
 GPU_MAX_AUTO_K = 32  # on a GPU a pass of 33 tokens costs about what one does (measured: docs/gpu.md)
 FIRST_K = 3  # the first step's k, before anything is measured
@@ -216,14 +215,22 @@ class StepCosts:
             return draft
         return (self.verify_estimate(1) if plain is None else plain) / 3
 
-    def catch_up_seconds(self, unread: int, source: str) -> float:
+    def catch_up_seconds(self, unread: int, source: str, pass_seconds: float | None = None) -> float:
         """Estimated seconds for `source` to read `unread` committed tokens before drafting (0 before anything is
-        measured): the measured read rate, or before it is timed a READ_GUESS-th of a one-token pass a token."""
+        measured): the measured read rate; before it is timed (or once forgotten), the reading pass priced as the
+        target's pass over as many tokens, scaled by what one pass of the draft costs against one of the target,
+        c · (V(unread + 1) − V(1)), with `pass_seconds` the draft's one-token pass (default the guessed third of a
+        plain step). Both models read a wide pass the same way (compute-bound where each token adds work): on a
+        2-core AVX2 CPU a 64-token first read took 0.14 s, a seventh of a plain step a token, where a flat guess
+        of a 24th of a plain step let a 14-token answer pay it."""
         plain = self.verify_estimate(1)
         if unread <= 0 or plain is None:
             return 0.0
         per_read = self.source(source).read_seconds_per_token
-        return unread * (plain / READ_GUESS if per_read is None else per_read)
+        if per_read is not None:
+            return unread * per_read
+        ratio = (plain / 3 if pass_seconds is None else pass_seconds) / plain
+        return ratio * max(0.0, self.verify_estimate(unread + 1) - plain)
 
 
 @dataclass
@@ -461,8 +468,10 @@ class AutoK:
         return self.costs.verify_estimate(width)
 
     def catch_up_seconds(self, unread: int, source: str = DEFAULT_SOURCE) -> float:
-        """Estimated seconds for `source` to read `unread` committed tokens first (`StepCosts.catch_up_seconds`)."""
-        return self.costs.catch_up_seconds(unread, source)
+        """Estimated seconds for `source` to read `unread` committed tokens first (`StepCosts.catch_up_seconds`; a
+        chain drafter's measured time per token is its one-token pass, a tree's is a step of several)."""
+        one_pass = None if self.tree else self.costs.source(source).draft_seconds_per_token
+        return self.costs.catch_up_seconds(unread, source, one_pass)
 
     def draft_seconds(self, source: str = DEFAULT_SOURCE, plain: float | None = None) -> float:
         """`source`'s draft time per token (a tree: per step): measured, or guessed (`StepCosts.draft_seconds`)."""
