@@ -30,13 +30,15 @@ def alone(target, prompt, budget, sampling=None) -> list[int]:
                                                max_new_tokens=budget).token_ids
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "model-spliced"])
 def test_each_request_of_a_batch_gets_its_greedy_output_alone(tiny_target, drafts, make_lm, drafter):
-    """Three slots for six requests of different budgets: requests join as others finish, mid-generation."""
+    """Three slots for six requests of different budgets: requests join as others finish, mid-generation
+    (`model-spliced`: each catch-up reads only the last token it missed)."""
     target = make_lm(tiny_target)
     expected = [alone(target, p, b) for p, b in zip(PROMPTS, BUDGETS)]
     makers = {"none": None, "ngram": lambda: NgramDrafter(),
-              "model": lambda: ModelDrafter(make_lm(drafts["close"], name="draft"))}
+              "model": lambda: ModelDrafter(make_lm(drafts["close"], name="draft")),
+              "model-spliced": lambda: ModelDrafter(make_lm(drafts["close"], name="draft"), catch_up=1)}
     batch = BatchedDecoder(make_lm(tiny_target), makers[drafter], max_batch=3)
     completions = batch.generate_all(requests())
     assert [c.token_ids for c in completions] == expected

@@ -231,7 +231,7 @@ def test_draft_context_prices_only_the_window(tiny_target, drafts, make_lm):
     """`unread` (what k=auto charges for the draft's catch-up) counts the window, not the whole prompt."""
     from specdraft.drafters.base import DraftContext
 
-    drafter = ModelDrafter(make_lm(drafts["close"]), context=8)
+    drafter = ModelDrafter(make_lm(drafts["close"]), context=8, catch_up=0)
     drafter.begin(torch.tensor(PROMPTS[2]))
     ctx = DraftContext(torch.tensor(PROMPTS[2]), SamplingParams(), torch.Generator(), None)
     assert drafter.unread(ctx) == 8
@@ -249,6 +249,43 @@ def test_draft_context_prices_only_the_window(tiny_target, drafts, make_lm):
                                        torch.Generator(), None)) == 2  # the window's draft token was kept
     with pytest.raises(Exception, match="draft-context"):
         ModelDrafter(make_lm(drafts["close"]), context=-1)
+
+
+def test_a_long_catch_up_reads_only_the_last_tokens_after_what_the_draft_holds(tiny_target, drafts, make_lm):
+    """With `catch_up`, a catch-up after a run of plain steps keeps the draft's cache and reads only the last
+    `catch_up` tokens it missed (a splice): `unread`, what k=auto charges, counts them alone."""
+    from specdraft.drafters.base import DraftContext
+
+    def context(tokens: list[int]) -> DraftContext:
+        return DraftContext(torch.tensor(tokens), SamplingParams(), torch.Generator(), None)
+
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0, context=8, catch_up=4)
+    drafter.begin(torch.tensor(PROMPTS[2]))
+    assert drafter.unread(context(PROMPTS[2])) == 8  # a first read: the window
+    drafter.propose(context(PROMPTS[2]), 2)
+    drafter.commit(len(PROMPTS[2]), [])  # nothing accepted: the window kept
+    assert drafter.unread(context(PROMPTS[2] + [5, 6, 7])) == 3  # a short catch-up reads all it missed
+    long = PROMPTS[2] + list(range(3, 23))
+    assert drafter.unread(context(long)) == 4
+    drafter.propose(context(long), 2)
+    assert drafter.model.cache_len == 8 + 4 + 1  # the window kept, the last 4 tokens, the one draft token fed
+    drafter.commit(len(long), [0, 1])
+    assert drafter.unread(context(long + [4, 5, 6])) == 2  # positions after the splice line up: its draft token kept
+    assert ModelDrafter(make_lm(drafts["close"]), context=8, catch_up=30).unread(context(long)) == 8  # the window caps
+    with pytest.raises(Exception, match="draft-catch-up"):
+        ModelDrafter(make_lm(drafts["close"]), catch_up=-1)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("catch_up", [1, 2])
+def test_spliced_catch_ups_stay_exact(tiny_target, drafts, make_lm, catch_up, tree):
+    """A draft that reads only the last 1-2 tokens of each catch-up (a splice nearly every step) drafts from what it
+    read; the output still equals plain decoding, chains and trees alike."""
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[2], max_new_tokens=30).token_ids
+    drafter = ModelDrafter(make_lm(drafts["close"]), min_confidence=0.0, context=8, catch_up=catch_up)
+    options = dict(tree_budget=8, tree_branch=2) if tree else {}
+    got = SpeculativeDecoder(make_lm(tiny_target), drafter, k=3, **options).generate(PROMPTS[2], max_new_tokens=30)
+    assert got.token_ids == expected and got.stats.accepted > 0
 
 
 def test_draft_vocab_auto_narrows_only_a_large_counted_head_on_the_cpu(tiny_target, drafts, make_lm, monkeypatch):

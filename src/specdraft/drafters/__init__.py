@@ -16,7 +16,7 @@ from specdraft.drafters.composed import ComposedDrafter
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.medusa import MedusaDrafter
-from specdraft.drafters.model import DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
+from specdraft.drafters.model import DEFAULT_CATCH_UP, DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.oracle import DEFAULT_ALPHA as ORACLE_ALPHA, DEFAULT_SEED as ORACLE_SEED, OracleDrafter
 from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
@@ -59,7 +59,8 @@ class DrafterInfo:
 def _build_model(options: dict, draft_model=None, **_resources) -> Drafter:
     if draft_model is None:
         raise SpecdraftError("The 'model' drafter needs a draft model: pass --draft NAME_OR_PATH.")
-    return ModelDrafter(draft_model, min_confidence=options["draft-confidence"], context=options["draft-context"])
+    return ModelDrafter(draft_model, min_confidence=options["draft-confidence"], context=options["draft-context"],
+                        catch_up=options["draft-catch-up"])
 
 
 def _build_ngram(options: dict, **_resources) -> Drafter:
@@ -126,7 +127,10 @@ DRAFTERS: dict[str, DrafterInfo] = {
                              "draft-confidence": CONFIDENCE,
                              "draft-context": Option(DEFAULT_CONTEXT, "the draft reads at most the prompt's last N "
                                                      "tokens (its prefill is the largest cost on long prompts; the "
-                                                     "output is unchanged; 0 = all)", 0)}),
+                                                     "output is unchanged; 0 = all)", 0),
+                             "draft-catch-up": Option(DEFAULT_CATCH_UP, "after plain steps the draft reads at most "
+                                                      "the last N tokens it missed, after what it holds (0 = all, up "
+                                                      "to --draft-context)", 0)}),
     "ngram": DrafterInfo("prompt lookup: proposes what followed the last n tokens earlier in prompt or output "
                          "(no model, c ≈ 0)", _build_ngram, False, {
                              "ngram-max": Option(DEFAULT_MAX_N, "longest tail to look up"),
