@@ -221,7 +221,7 @@ class StepCosts:
         target's pass over as many tokens, scaled by what one pass of the draft costs against one of the target,
         c · (V(unread + 1) − V(1)), with `pass_seconds` the draft's one-token pass (default the guessed third of a
         plain step). Both models read a wide pass the same way (compute-bound where each token adds work): on a
-        2-core AVX2 CPU a 64-token first read took 0.14 s, a seventh of a plain step a token, where a flat guess
+        2-core AVX2 CPU a 64-token first read took 0.14 s, about a tenth of a plain step a token, where a flat guess
         of a 24th of a plain step let a 14-token answer pay it."""
         plain = self.verify_estimate(1)
         if unread <= 0 or plain is None:

@@ -78,10 +78,11 @@ class ModelDrafter(Drafter):
         return self._skipped + self.model.cache_len
 
     def _plan_read(self, length: int) -> tuple[int, bool]:
-        """How a sequence of `length` tokens is caught up: (the tokens the draft then has not read, counting those
-        its cache skips, whether it starts over). A later catch-up of more than `catch_up` tokens reads the last
-        `catch_up` of them after what the cache holds (a splice); a first read of more than `context` tokens (or,
-        without `catch_up`, a later one) starts over from the last `context`; else all it missed, after the cache."""
+        """How a sequence of `length` tokens is caught up: (`_skipped` after it, so that sequence position = draft
+        position + `_skipped` for the tokens read from then on; whether the draft starts over). A later catch-up of
+        more than `catch_up` tokens reads the last `catch_up` of them after what the cache holds (a splice); a first
+        read of more than `context` tokens (or, without `catch_up`, a later one) starts over from the last `context`;
+        else all it missed, after the cache."""
         unread, cached = length - self._read(), self.model.cache_len
         limit = min(self.catch_up, self.context) if self.context else self.catch_up  # never more than a first read
         if cached and limit and unread > limit:
