@@ -123,10 +123,21 @@ class StepCosts:
 
     def __init__(self, widths: int, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
-        self.verify_seconds: list[float | None] = [None] * widths  # [t]: a target pass over t tokens
+        self._verify_seconds: list[float | None] = [None] * widths  # [t]: a target pass over t tokens
+        self._estimates: dict[int, float | None] = {}  # verify_estimate by width, until a pass is timed again
         self.verify_timed_at: list[int] = [0] * widths  # [t]: the step count when verify_seconds[t] was timed
         self.steps = 0  # passes timed
         self.sources: dict[str, SourceCosts] = {}
+
+    @property
+    def verify_seconds(self) -> list[float | None]:
+        """[t]: the measured seconds of a target pass over t tokens (None: not timed lately); set it whole."""
+        return self._verify_seconds
+
+    @verify_seconds.setter
+    def verify_seconds(self, seconds: list[float | None]) -> None:
+        self._verify_seconds = list(seconds)
+        self._estimates.clear()
 
     def source(self, name: str) -> SourceCosts:
         """The costs of draft source `name` (created on first use)."""
@@ -134,10 +145,11 @@ class StepCosts:
 
     def widen(self, widths: int) -> None:
         """Price passes up to `widths` - 1 tokens wide (what was timed is kept)."""
-        extra = widths - len(self.verify_seconds)
+        extra = widths - len(self._verify_seconds)
         if extra > 0:
-            self.verify_seconds += [None] * extra
+            self._verify_seconds += [None] * extra
             self.verify_timed_at += [0] * extra
+            self._estimates.clear()
 
     def smoothed(self, old: float | None, new: float) -> float:
         """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
@@ -150,9 +162,10 @@ class StepCosts:
         """A step's target pass over `width` tokens took `seconds` (costs not timed for STALE_STEPS are forgotten)."""
         self.steps += 1
         self._forget_stale()
-        if width < len(self.verify_seconds):
-            self.verify_seconds[width] = self.smoothed(self.verify_seconds[width], seconds)
+        if width < len(self._verify_seconds):
+            self._verify_seconds[width] = self.smoothed(self._verify_seconds[width], seconds)
             self.verify_timed_at[width] = self.steps
+        self._estimates.clear()
 
     def time_draft(self, source: str, per_token: float) -> None:
         """A caught-up draft by `source` took `per_token` seconds a token (a tree: a step)."""
@@ -172,7 +185,7 @@ class StepCosts:
         oldest = self.steps - STALE_STEPS
         for width, timed_at in enumerate(self.verify_timed_at):
             if timed_at <= oldest:
-                self.verify_seconds[width] = None
+                self._verify_seconds[width] = None
         for costs in self.sources.values():
             if costs.draft_timed_at <= oldest:
                 costs.draft_seconds_per_token = None
@@ -185,16 +198,22 @@ class StepCosts:
         show, at least the optimistic PRIOR_SLOPE (on a CPU where each token of a pass costs a third of a
         one-token pass, the flat prior priced a 9-token pass at half its time); never more than a measured
         wider pass (a slow first pass of a rarely used width would otherwise keep that width unused, its
-        estimate never corrected)."""
-        measured = [(w, v) for w, v in enumerate(self.verify_seconds) if v is not None]
+        estimate never corrected). Kept until a pass is timed again: a batch's policies ask for the same widths
+        many times a step."""
+        if width in self._estimates:
+            return self._estimates[width]
+        measured = [(w, v) for w, v in enumerate(self._verify_seconds) if v is not None]
         if not measured:
-            return None
-        if width < len(self.verify_seconds) and self.verify_seconds[width] is not None:
-            estimate = self.verify_seconds[width]
+            estimate = None
+        elif width < len(self._verify_seconds) and self._verify_seconds[width] is not None:
+            estimate = self._verify_seconds[width]
         else:
             slope = self.measured_slope(measured)
             estimate = min(v / (1 + slope * (w - 1)) for w, v in measured) * (1 + slope * (width - 1))
-        return min([estimate] + [v for w, v in measured if w > width])
+        if estimate is not None:
+            estimate = min([estimate] + [v for w, v in measured if w > width])
+        self._estimates[width] = estimate
+        return estimate
 
     @staticmethod
     def measured_slope(measured: list[tuple[int, float]]) -> float:
