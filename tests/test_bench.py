@@ -597,9 +597,10 @@ def test_bench_free_drafters_without_a_draft_model(tiny_model_dirs, tiny_prompts
 
 
 def test_a_method_can_name_its_own_draft_model(tiny_model_dirs, tiny_prompts, tmp_path):
-    """`draft=PATH` runs that draft instead of the run's --draft (here the target itself: every draft accepted)."""
+    """`draft=PATH` runs that draft instead of the run's --draft (here the target itself, reading the whole prompt:
+    every draft accepted)."""
     out = tmp_path / "own"
-    own = f"spec:drafter=model;k=3;draft-quant=none;draft={tiny_model_dirs['target']}"
+    own = f"spec:drafter=model;k=3;draft-quant=none;draft-context=0;draft={tiny_model_dirs['target']}"
     result = CliRunner().invoke(app, [
         "bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
         "--prompts", str(tiny_prompts), "--methods", f"ar,spec:drafter=model;k=3;draft-quant=none,{own}", "--max-prompts", "1",
