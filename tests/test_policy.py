@@ -5,7 +5,7 @@ import pytest
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
 from specdraft.errors import SpecdraftError
 from specdraft.policy import (ANSWER_FLOOR, DEFAULT_SOURCE, GPU_MAX_AUTO_K, MAX_AUTO_K, READ_SAMPLE_MIN, SPIKE, STALE_STEPS,
-                              AutoK, FixedK, make_policy)
+                              AutoK, FixedK, StepCosts, make_policy)
 
 PROMPT = [5, 17, 42, 8, 59, 3]
 
@@ -151,6 +151,34 @@ def test_a_stall_moves_a_cost_only_so_far_and_a_cost_not_timed_again_is_forgotte
     assert est.draft_seconds_per_token is None and est.read_seconds_per_token is None
     assert stalled.verify_seconds[2] is None and stalled.verify_seconds[1] == pytest.approx(0.05)
     assert stalled.choose(3, unread=64, remaining=100, generated=64) > 0  # guessed at its usual cost: tried again
+
+
+def test_a_pass_estimate_follows_every_change_of_the_timings():
+    """`verify_estimate` answers from a cache kept until the timings change (a batch asks it thousands of times a
+    step): after each new timing, a forgotten width, a widened table and a whole new table it answers what a cost
+    table built afresh from the same timings answers."""
+    policy = calibrated([50, 60, None, 80], draft_ms=15, alpha=0.7)
+    costs = policy.costs
+
+    def fresh_answers() -> list:
+        fresh = StepCosts(len(costs.verify_seconds))
+        fresh.verify_seconds = costs.verify_seconds
+        return [fresh.verify_estimate(w) for w in range(1, len(costs.verify_seconds) + 2)]
+
+    def answers() -> list:
+        return [costs.verify_estimate(w) for w in range(1, len(costs.verify_seconds) + 2)]
+
+    before = answers()
+    costs.time_pass(4, 0.200)  # the widest measured pass dearer: the slope, so every unmeasured width, moves
+    assert answers() == fresh_answers() and answers()[2] > before[2]
+    for _ in range(STALE_STEPS):
+        costs.time_pass(1, 0.050)  # widths 2 and 4 not timed again: forgotten
+    assert costs.verify_seconds[2] is None and answers() == fresh_answers()
+    costs.widen(12)
+    costs.time_pass(11, 0.300)
+    assert answers() == fresh_answers() and costs.verify_estimate(11) == pytest.approx(0.300)
+    policy.verify_seconds = [None, 0.020, 0.030]
+    assert answers() == fresh_answers() and policy.verify_estimate(2) == pytest.approx(0.030)
 
 
 def test_auto_k_is_exact_and_measures_the_target(tiny_target, drafts, make_lm):

@@ -148,8 +148,7 @@ class StepCosts:
         extra = widths - len(self._verify_seconds)
         if extra > 0:
             self._verify_seconds += [None] * extra
-            self.verify_timed_at += [0] * extra
-            self._estimates.clear()
+            self.verify_timed_at += [0] * extra  # untimed widths: the cached estimates stay right
 
     def smoothed(self, old: float | None, new: float) -> float:
         """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
