@@ -54,6 +54,7 @@ past steps; the scores tell a step whose draft is unsure (a new text, a hard tur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from specdraft.errors import SpecdraftError
 
@@ -130,12 +131,13 @@ class StepCosts:
         self.sources: dict[str, SourceCosts] = {}
 
     @property
-    def verify_seconds(self) -> list[float | None]:
-        """[t]: the measured seconds of a target pass over t tokens (None: not timed lately); set it whole."""
-        return self._verify_seconds
+    def verify_seconds(self) -> tuple[float | None, ...]:
+        """[t]: the measured seconds of a target pass over t tokens (None: not timed lately); read-only, set it
+        whole (the estimates cached from it are cleared then)."""
+        return tuple(self._verify_seconds)
 
     @verify_seconds.setter
-    def verify_seconds(self, seconds: list[float | None]) -> None:
+    def verify_seconds(self, seconds: Sequence[float | None]) -> None:
         self._verify_seconds = list(seconds)
         self._estimates.clear()
 
@@ -316,13 +318,13 @@ class AutoK:
         self.last_source: str | None = None  # who drafted the previous step (None: a plain step)
 
     @property
-    def verify_seconds(self) -> list[float | None]:
+    def verify_seconds(self) -> tuple[float | None, ...]:
         """[t]: the smoothed time of a target pass over t tokens (None: not timed, or forgotten)."""
         return self.costs.verify_seconds
 
     @verify_seconds.setter
-    def verify_seconds(self, seconds: list[float | None]) -> None:
-        self.costs.verify_seconds = list(seconds)
+    def verify_seconds(self, seconds: Sequence[float | None]) -> None:
+        self.costs.verify_seconds = seconds
         self.costs.verify_timed_at = [self.costs.steps] * len(seconds)
 
     def widen(self, max_k: int) -> None:

@@ -125,8 +125,8 @@ DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
                          _build_model, True, {
                              "draft-confidence": CONFIDENCE,
-                             "draft-context": Option(DEFAULT_CONTEXT, "the draft reads at most the prompt's last N "
-                                                     "tokens (its prefill is the largest cost on long prompts; the "
+                             "draft-context": Option(DEFAULT_CONTEXT, "the draft's first read takes at most the prompt's "
+                                                     "last N tokens (its prefill is the largest cost on long prompts; the "
                                                      "output is unchanged; 0 = all)", 0),
                              "draft-catch-up": Option(DEFAULT_CATCH_UP, "after plain steps the draft reads at most "
                                                       "the last N tokens it missed, after what it holds (0 = all, up "
