@@ -41,6 +41,7 @@ class GenerationStats:
     accepted: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, taken from a prompt read before instead of read (`prefix_cache`)
     wall_seconds: float = 0.0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -106,7 +107,7 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> "GenerationStats":
         """The sum of two runs' statistics (e.g. over `--n` samples)."""
         merged = GenerationStats()
-        for name in ("steps", "drafted", "accepted", "new_tokens", "prompt_tokens", "wall_seconds",
+        for name in ("steps", "drafted", "accepted", "new_tokens", "prompt_tokens", "cached_prompt_tokens", "wall_seconds",
                      "prefill_seconds", "draft_seconds", "verify_seconds", "forced_tokens", "mask_seconds"):
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         for name in ("accepted_at", "drafted_at"):
@@ -140,6 +141,7 @@ class GenerationStats:
             "mean_committed_per_step": self.mean_committed_per_step,
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens_per_second,
             "prefill_seconds": self.prefill_seconds,

@@ -48,11 +48,15 @@ def available() -> bool:
     return _library() is not None
 
 
+def runs_on(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """Whether the kernel takes states of this device, dtype and head size: CPU, bf16, a multiple of 32 up to 256."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and dim % 32 == 0 and dim <= _MAX_DIM and available()
+
+
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether these tensors can take the kernel: CPU, bf16, batch 1, head size a multiple of 32 up to 256."""
-    dim = query.shape[-1]
-    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and query.shape[0] == 1 and dim % 32 == 0 and dim <= _MAX_DIM and available())
+    """Whether these tensors can take the kernel: `runs_on` their device, dtype and head size, batch 1."""
+    return (query.dtype == key.dtype == value.dtype and query.shape[0] == 1
+            and runs_on(query.device, query.dtype, query.shape[-1]))
 
 
 def _rows_contiguous(states: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import prompt_pass, tiles
-from specdraft.models.attention import FEW_QUERIES, use_grouped_sdpa
+from specdraft.kernels import amx_tiles, prompt_pass, tiles
+from specdraft.models.attention import FEW_QUERIES, attends_token_by_token, use_grouped_sdpa
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.graph_decoder import StaticDecoder, static_obstacle
 from specdraft.models.kv_cache import growing_cache
@@ -107,6 +107,19 @@ class CausalLM:
         return 2 * config.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
 
     @property
+    def reads_split_exactly(self) -> bool:
+        """Whether a prompt read in any split (cached rows of its prefix, then the rest) holds the bits of one read,
+        so cached rows may stand in for reading a prefix (`prefix_cache`). So where every token is computed alone
+        whatever the pass: a growing cache over full attention, attention on the C kernel
+        (`attention.attends_token_by_token`), every layer fused on the tile kernels (`fused_decoder`: they compute a
+        token alone, and a pass of a few tokens runs fused, a wider one through transformers' layers on the same
+        kernels, the same bits), and not AMX, whose fused layers keep its 16-bit tiles where a prompt's wide passes
+        take int8 ones."""
+        return (self._static is None and self._sliding_window() is None
+                and attends_token_by_token(self.model, self.device, self.dtype)
+                and fused_decoder(self.model) is not None and tiles.tile_kernel() is not amx_tiles)
+
+    @property
     def max_context(self) -> int:
         """The longest sequence (prompt + generated) the model's positions allow."""
         return int(getattr(self.config, "max_position_embeddings", None) or 1 << 30)
@@ -163,15 +176,34 @@ class CausalLM:
             self._static.append(self.cache_len, other._static, other.cache_len)
             self.cache_len += other.cache_len
             return
-        for mine, theirs in zip(self._cache.layers, other._cache.layers):
-            if theirs.keys is None or theirs.keys.numel() == 0:
+        self.append_rows(other.rows(other.cache_len))
+
+    def rows(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, the keys and values `[1, kv_heads, count, d]` of the first `count` cached tokens (views: clone
+        to keep them past the next edit), None for a layer that holds none. Growing caches only."""
+        if self._static is not None:
+            raise SpecdraftError("Cached rows are read from a growing KV cache, not a static (GPU) one.")
+        if not 0 <= count <= self.cache_len:
+            raise ValueError(f"count must be in [0, {self.cache_len}], got {count}")
+        return [None if layer.keys is None or layer.keys.numel() == 0
+                else (layer.keys[..., :count, :], layer.values[..., :count, :]) for layer in self._cache.layers]
+
+    @torch.inference_mode()
+    def append_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Append cached rows of this model (`rows` of a cache over the same weights) after this cache's tokens."""
+        if self._static is not None:
+            raise SpecdraftError("Cached rows are appended to a growing KV cache, not a static (GPU) one.")
+        added = 0
+        for mine, theirs in zip(self._cache.layers, rows):
+            if theirs is None:
                 continue
-            added = theirs.keys.shape[-2]
-            length = mine.reserve(theirs.keys, theirs.values, added)
-            mine.key_buffer[..., length : length + added, :] = theirs.keys
-            mine.value_buffer[..., length : length + added, :] = theirs.values
+            keys, values = theirs
+            added = keys.shape[-2]
+            length = mine.reserve(keys, values, added)
+            mine.key_buffer[..., length : length + added, :] = keys
+            mine.value_buffer[..., length : length + added, :] = values
             mine.advance(length + added)
-        self.cache_len += other.cache_len
+        self.cache_len += added
 
     # ----- running it ----------------------------------------------------------------------
     @torch.inference_mode()
