@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from live_server import Live, make_app
+from specdraft.prefix_cache import PrefixCache
 
 
 MODEL = "target"
@@ -209,3 +210,29 @@ def test_a_batched_server_on_the_gpus_static_cache_gives_its_one_at_a_time_answe
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'status="500"' not in metrics
         server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
+
+
+def test_a_prompt_that_begins_like_an_earlier_one_reports_its_cached_tokens_until_a_reset(tiny_model_dirs):
+    """usage.prompt_tokens_details.cached_tokens and /metrics count the prompt tokens taken from the prefix cache;
+    POST /reset_prefix_cache forgets the kept prompts (the float32 tiny target keeps none by itself: its wide passes
+    are not split-exact, so one is put in to follow the counts)."""
+    app = make_app(tiny_model_dirs, max_batch=2)
+    batch = app.state.worker.batch
+    assert batch.prefixes is None
+    batch.prefixes = PrefixCache(1 << 20)
+    plain = {"speculative": {"drafter": "none"}}
+
+    def usage(server) -> dict:
+        return httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0, **plain}).json()["usage"]
+
+    with Live(app) as server:
+        first, second = usage(server), usage(server)
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert second["prompt_tokens_details"] == {"cached_tokens": first["prompt_tokens"] - 1}  # all but the last
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert f"specdraft_prompt_tokens_cached_total {first['prompt_tokens'] - 1}" in metrics
+        assert httpx.post(f"{server.url}/reset_prefix_cache").json() == {"cleared": True}
+        assert usage(server)["prompt_tokens_details"] == {"cached_tokens": 0}
+    with Live(make_app(tiny_model_dirs, max_batch=1)) as server:  # one request at a time: no batch, none kept
+        assert httpx.post(f"{server.url}/reset_prefix_cache").json() == {"cleared": False}

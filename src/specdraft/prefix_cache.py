@@ -13,6 +13,7 @@ prompt read wrote are kept, never a generated token's: on AMX a decoding step co
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class PrefixCache:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self._lock = threading.Lock()  # the engine thread matches and adds; a server's route may clear
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_key = 0
         self.nbytes = 0
@@ -53,16 +55,17 @@ class PrefixCache:
     def match(self, tokens: torch.Tensor) -> tuple[int, Rows]:
         """The longest prefix of `tokens` ([n] int64) that a kept prompt begins with: its length and its rows (views
         of the kept ones; (0, []) when none shares a token)."""
-        best, best_key = 0, None
-        for key, entry in self._entries.items():
-            length = shared_length(entry.tokens, tokens)
-            if length > best:
-                best, best_key = length, key
-        if best_key is None:
-            return 0, []
-        self._entries.move_to_end(best_key)
-        self.reused_tokens += best
-        rows = self._entries[best_key].rows
+        with self._lock:
+            best, best_key = 0, None
+            for key, entry in self._entries.items():
+                length = shared_length(entry.tokens, tokens)
+                if length > best:
+                    best, best_key = length, key
+            if best_key is None:
+                return 0, []
+            self._entries.move_to_end(best_key)
+            self.reused_tokens += best
+            rows = self._entries[best_key].rows
         return best, [None if layer is None else (layer[0][..., :best, :], layer[1][..., :best, :]) for layer in rows]
 
     def add(self, tokens: torch.Tensor, rows: Rows) -> None:
@@ -73,25 +76,27 @@ class PrefixCache:
         nbytes = sum(2 * layer[0][..., :count, :].nbytes for layer in rows if layer is not None)
         if count == 0 or nbytes > self.max_bytes:
             return
-        for key, entry in list(self._entries.items()):
-            shared = shared_length(entry.tokens, tokens)
-            if shared == count:  # a kept prompt begins with these tokens: it holds their rows already
-                self._entries.move_to_end(key)
-                return
-            if shared == entry.tokens.shape[0]:
-                self._drop(key)
-        while self._entries and self.nbytes + nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
-        copied = [None if layer is None else (layer[0][..., :count, :].clone(), layer[1][..., :count, :].clone())
-                  for layer in rows]
-        self._entries[self._next_key] = _Entry(tokens.clone(), copied, nbytes)
-        self._next_key += 1
-        self.nbytes += nbytes
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                shared = shared_length(entry.tokens, tokens)
+                if shared == count:  # a kept prompt begins with these tokens: it holds their rows already
+                    self._entries.move_to_end(key)
+                    return
+                if shared == entry.tokens.shape[0]:
+                    self._drop(key)
+            while self._entries and self.nbytes + nbytes > self.max_bytes:
+                self._drop(next(iter(self._entries)))
+            copied = [None if layer is None else (layer[0][..., :count, :].clone(), layer[1][..., :count, :].clone())
+                      for layer in rows]
+            self._entries[self._next_key] = _Entry(tokens.clone(), copied, nbytes)
+            self._next_key += 1
+            self.nbytes += nbytes
 
     def clear(self) -> None:
-        """Forget every kept prompt."""
-        self._entries.clear()
-        self.nbytes = 0
+        """Forget every kept prompt (from any thread)."""
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes

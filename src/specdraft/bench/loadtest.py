@@ -11,6 +11,10 @@ the first (TPOT: (end - first) / (tokens - 1)), and the gaps between chunks (ITL
 several tokens in one chunk). Per level: aggregate tokens/s (completion tokens over the wall time from the first
 request sent to the last answer), p50 / p95 of each latency, errors, and whether every greedy answer equals that
 prompt's answer at concurrency 1 (batching must not change outputs).
+
+Before each level and method the server forgets the prompts it keeps for their prefixes (`POST
+/reset_prefix_cache`), so every prompt is read as by a cold server and only what different prompts share (the chat
+template's system prompt) is reused, as in service; the run sends each prompt once a level and method.
 """
 
 from __future__ import annotations
@@ -84,6 +88,19 @@ def client_for(url: str, api_key: str | None, timeout: float):
         raise SpecdraftError("specdraft loadtest drives the server with the openai client: "
                              "pip install 'specdraft[loadtest]' (or pip install openai).") from None
     return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "unused", timeout=timeout, max_retries=0)
+
+
+def reset_prefix_cache(url: str, api_key: str | None, timeout: float) -> bool:
+    """Ask the server at `url` to forget the prompts it keeps for their prefixes; False where it keeps none (or is
+    not a specdraft server that has the route)."""
+    import httpx  # the openai client's own HTTP library
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/reset_prefix_cache", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200 and bool(response.json().get("cleared"))
 
 
 def served_model(client) -> str:
@@ -188,6 +205,7 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
     out.mkdir(parents=True, exist_ok=True)
     rounds_run: dict[tuple[str, int], list[tuple[list[RequestResult], float]]] = {}  # each round's results, seconds
     alone: dict[str, dict[str, str]] = {}  # by method: each prompt's answer at the lowest level, first round
+    prefixes_reset = False  # whether the server keeps prompts for their prefixes (and forgot them before each level)
     with open(out / RESULTS, "w", encoding="utf-8") as records:
         for round_ in range(rounds):
             for concurrency in sorted(levels):
@@ -196,6 +214,7 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                     if progress is not None:
                         turn = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
                         progress(f"{method}: {count} requests, {concurrency} at a time{turn}")
+                    prefixes_reset = reset_prefix_cache(url, api_key, timeout) or prefixes_reset
                     results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
                     for result in results:
                         records.write(json.dumps({**asdict(result), "round": round_, "tpot": result.tpot}) + "\n")
@@ -203,6 +222,7 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                         alone[method] = {r.question_id: r.text for r in results if r.error is None}
                     rounds_run.setdefault((method, concurrency), []).append((results, seconds))
     summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                     "prefix_cache": "reset before each level and method" if prefixes_reset else "none kept",
                      "methods": {method: {str(concurrency): summarize_rounds(rounds_run[(method, concurrency)],
                                                                            alone[method])
                                           for concurrency in sorted(levels)} for method in methods}}
@@ -243,7 +263,8 @@ def render_report(summary: dict) -> str:
               if rounds > 1 else "")
     lines = ["# specdraft loadtest", "",
              f"Server `{summary['url']}`, model `{summary['model']}`, greedy, {summary['max_tokens']} tokens at most; "
-             f"the methods take turns at each level{pooled}.", "",
+             f"the methods take turns at each level{pooled}. Prefix cache: {summary.get('prefix_cache', 'none kept')}.",
+             "",
              f"| method | clients | requests | errors | tokens/s | vs `{first}` | TTFT p50 / p95 (ms) "
              "| TPOT p50 / p95 (ms) | ITL p50 / p95 (ms) | same as alone |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdraft.batch_engine import DEFAULT_PREFIX_CACHE_BYTES
 from specdraft.server.batch_worker import BatchWorker
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
@@ -45,6 +46,7 @@ class ServerSettings:
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
     max_batch: int = 1  # sequences generating together (continuous batching); 1: one request at a time
     kv_budget: int | None = None  # bytes of KV cache the batch's sequences may reserve together; None: unbounded
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # rows of prompts read before, kept for their prefixes; 0: none
 
 
 class ClientGone(Exception):
@@ -131,7 +133,8 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
                       kv_cache=(lambda: (worker.batch.kv_reserved, worker.batch.kv_budget)) if batched else None)
     if batched:
         worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
-                             max_batch=settings.max_batch, kv_budget=settings.kv_budget)
+                             max_batch=settings.max_batch, kv_budget=settings.kv_budget,
+                             prefix_cache_bytes=settings.prefix_cache_bytes)
     else:
         worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
 
@@ -270,6 +273,15 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     async def health() -> dict:
         """Liveness, open without a key: the queue and whether the engine is busy."""
         return {"status": "ok", "queue_depth": worker.queue_depth, "running": worker.running}
+
+    @app.post("/reset_prefix_cache", dependencies=[Depends(check_key)])
+    async def reset_prefix_cache() -> dict:
+        """Forget the prompts kept for their prefixes, so the next prompts are read whole (a benchmark's cold
+        start); `cleared` is false where the server keeps none (one request at a time, or not exact here)."""
+        prefixes = worker.batch.prefixes if batched else None
+        if prefixes is not None:
+            prefixes.clear()
+        return {"cleared": prefixes is not None}
 
     @app.get("/metrics", dependencies=[Depends(check_key)])
     async def prometheus() -> PlainTextResponse:

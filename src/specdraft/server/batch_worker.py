@@ -14,7 +14,7 @@ import queue
 from dataclasses import dataclass, field
 from functools import reduce
 
-from specdraft.batch_engine import BatchedDecoder, BatchRequest, NoRoom, OverBudget
+from specdraft.batch_engine import DEFAULT_PREFIX_CACHE_BYTES, BatchedDecoder, BatchRequest, NoRoom, OverBudget
 from specdraft.errors import SpecdraftError
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
@@ -40,10 +40,12 @@ class BatchWorker(Worker):
     doc)."""
 
     def __init__(self, pool: DecoderPool, metrics: Metrics | None = None, max_queue: int = 64,
-                 timeout: float = 600.0, max_batch: int = 8, kv_budget: int | None = None) -> None:
+                 timeout: float = 600.0, max_batch: int = 8, kv_budget: int | None = None,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         super().__init__(pool, metrics, max_queue=max_queue, timeout=timeout)
         self.batch = BatchedDecoder(pool.target, None, max_batch=max_batch, kv_budget=kv_budget,
-                                    tree_budget=pool.tree_budget, tree_branch=pool.tree_branch)
+                                    tree_budget=pool.tree_budget, tree_branch=pool.tree_branch,
+                                    prefix_cache_bytes=prefix_cache_bytes)
         self._admitted: dict[int, _Admitted] = {}  # by sequence id
         self._waiting: Job | None = None  # taken from the queue, waiting for room in the batch
 

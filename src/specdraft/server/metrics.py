@@ -50,6 +50,7 @@ class Metrics:
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
         self.cancelled = 0
         self.prompt_tokens = self.completion_tokens = 0
+        self.cached_prompt_tokens = 0  # of the prompt tokens, those taken from the prefix cache
         self.steps = self.drafted = self.accepted = 0
         self.accepted_at: list[int] = []
         self.drafted_at: list[int] = []
@@ -71,6 +72,7 @@ class Metrics:
         """The tokens and speculation counts of one request (its choices summed)."""
         with self._lock:
             self.prompt_tokens += stats.prompt_tokens
+            self.cached_prompt_tokens += stats.cached_prompt_tokens
             self.completion_tokens += stats.new_tokens
             self.steps += stats.steps
             self.drafted += stats.drafted
@@ -118,6 +120,9 @@ class Metrics:
                    "Generations stopped early (client gone, timeout, shutdown).", [("", self.cancelled)])
             metric("specdraft_prompt_tokens_total", "counter", "Prompt tokens prefilled (once per choice).",
                    [("", self.prompt_tokens)])
+            metric("specdraft_prompt_tokens_cached_total", "counter",
+                   "Of the prompt tokens, those whose cached rows were reused from an earlier prompt (not read).",
+                   [("", self.cached_prompt_tokens)])
             metric("specdraft_generation_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
             metric("specdraft_steps_total", "counter", "Target verification steps.", [("", self.steps)])
             metric("specdraft_draft_tokens_total", "counter", "Draft tokens proposed.", [("", self.drafted)])

@@ -60,7 +60,9 @@ class ResponseShape:
         """OpenAI's token counts plus the speculation statistics of every choice together."""
         prompt = len(self.generation.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": stats.new_tokens,
-                "total_tokens": prompt + stats.new_tokens, "steps": stats.steps, "drafted": stats.drafted,
+                "total_tokens": prompt + stats.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+                "steps": stats.steps, "drafted": stats.drafted,
                 "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
                 "mean_committed_per_step": stats.mean_committed_per_step,
                 "accepted_at": list(stats.accepted_at), "drafted_at": list(stats.drafted_at),

@@ -44,6 +44,11 @@ def serve(
         help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
              "max_tokens); a request that does not fit waits, one that never fits gets 400. Default: half the "
              "memory free once the models are loaded; 0: no limit."),
+    prefix_cache_mb: float = typer.Option(
+        256.0, "--prefix-cache-mb", min=0.0,
+        help="With --max-batch > 1: MiB of cached rows of prompts read before, so a prompt that begins like one "
+             "(a system prompt, earlier turns) reads only the rest; exact (the same bits as reading it), where "
+             "the kernels compute each token alone (packed GGUF models on the CPU, not AMX). 0: none."),
     max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
                                       help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
                                            "a larger one gets 413 before it is read."),
@@ -66,10 +71,12 @@ def serve(
                                          help="With --ray and a local cluster: the port of Ray's Prometheus metrics."),
     **model_options,
 ) -> None:
-    """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and a playground at /."""
+    """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /reset_prefix_cache and a
+    playground at /."""
     options = dict(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
                    request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace, seed=seed,
-                   max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb, **model_options)
+                   max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb,
+                   prefix_cache_mb=prefix_cache_mb, **model_options)
     try:
         if ray:
             return serve_on_ray(options, host, port, threads, replicas, min_replicas, max_replicas, target_ongoing,

@@ -21,7 +21,7 @@ def check_speculation(k, tree_budget: int, tree_branch: int, flags: dict) -> dic
 
 
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
-              max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
+              max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, prefix_cache_mb=256.0, target, draft, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, dtype, device, gguf_weights, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
     from specdraft.server import DecoderPool, ServerSettings, create_app
@@ -37,5 +37,5 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
     settings = ServerSettings(served_model=served_model_name or Path(target).name, api_key=api_key,
                               max_queue=max_queue, request_timeout=request_timeout, default_max_tokens=max_tokens,
                               shutdown_grace=shutdown_grace, seed=seed, max_body_bytes=int(max_body_mb * (1 << 20)),
-                              max_batch=max_batch, kv_budget=kv_budget)
+                              max_batch=max_batch, kv_budget=kv_budget, prefix_cache_bytes=int(prefix_cache_mb * (1 << 20)))
     return create_app(pool, settings)
