@@ -118,8 +118,10 @@ def attends_token_by_token(model: PreTrainedModel, device: torch.device, dtype: 
     (`grouped_sdpa_forward`): then a prompt read in any split, e.g. a cached prefix and then the rest, gives the bits
     of one read."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (getattr(config, "_attn_implementation", None) == GROUPED_SDPA
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    grouped = (getattr(config, "num_key_value_heads", None) or heads) < heads  # ungrouped heads keep transformers' sdpa
+    return (getattr(config, "_attn_implementation", None) == GROUPED_SDPA and grouped
             and cache_attention.runs_on(device, dtype, head_dim))
 
 
