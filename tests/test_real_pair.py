@@ -181,6 +181,31 @@ def test_batched_greedy_equals_each_request_alone(pair):
             assert verdict.acceptable, verdict
 
 
+def test_a_prompt_read_after_cached_rows_of_its_beginning_holds_the_bits_of_one_read(pair):
+    """What the server's prefix cache relies on, on the real target: a chat prompt read whole, or as the rows of its
+    beginning (the system prompt, or all but its last tokens) taken over by another cache and then the rest, gives
+    the same cache rows and next-token logits, bit for bit."""
+    from specdraft.models.causal_lm import CausalLM
+
+    target, _ = pair
+    if not target.reads_split_exactly:
+        pytest.skip("prompt reads do not split exactly on this machine's kernels (AMX, or no C attention kernel)")
+    ids = torch.tensor([encode_prompt(target.tokenizer, PROMPTS[2])])  # [1, L]
+    length = ids.shape[1]
+    whole = CausalLM(target.model, target.tokenizer)
+    whole.prefill(ids)
+    want_rows = [(k.clone(), v.clone()) for k, v in whole.rows(length)]
+    want = whole.forward(torch.tensor([[13]])).logits
+    for split in (20, length - 3):
+        first = CausalLM(target.model, target.tokenizer)
+        first.prefill(ids[:, :split])
+        reader = CausalLM(target.model, target.tokenizer)
+        reader.append_rows([(k.clone(), v.clone()) for k, v in first.rows(split)])
+        reader.prefill(ids[:, split:])
+        assert all(torch.equal(k, wk) and torch.equal(v, wv) for (k, v), (wk, wv) in zip(reader.rows(length), want_rows))
+        assert torch.equal(reader.forward(torch.tensor([[13]])).logits, want)
+
+
 @pytest.mark.parametrize("question", ["json-01", "json-09", "json-17"])
 def test_greedy_spec_equals_ar_under_a_schema(pair, question):
     """The shipped JSON-by-schema prompts (one of each kind): valid answers, the default `spec` (ngram+model, int4
