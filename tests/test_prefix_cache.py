@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft import SamplingParams, SpeculativeDecoder
+from specdraft import SamplingParams, SpecdraftError, SpeculativeDecoder
 from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft.drafters import NgramDrafter
 from specdraft.kernels import decoder_layers, isa
 from specdraft.models.causal_lm import CausalLM
 from specdraft.prefix_cache import PrefixCache, shared_length
@@ -119,3 +120,26 @@ def test_a_batch_reads_only_what_follows_a_shared_beginning_and_answers_as_alone
     cold = BatchedDecoder(CausalLM(model), None, prefix_cache_bytes=0)
     assert cold.prefixes is None
     assert cold.generate_all([BatchRequest(prompts[1], greedy, 12)])[0].stats.cached_prompt_tokens == 0
+
+
+def test_decoders_sharing_a_prefix_cache_answer_as_without_one(level, tiny_target, make_lm):
+    """One request at a time (the library, a server with --max-batch 1): decoders over one target share the kept
+    prompts, each reads what follows the longest beginning it shares, and answers as a decoder without them."""
+    model = fused_int4_model(seed=6)
+    system = [(13 * i + 2) % 96 for i in range(30)]
+    prompts = [system + [1, 2, 3], system + [4, 5], system + [4, 5, 6, 7]]
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11)
+    target, prefixes = CausalLM(model), PrefixCache(1 << 20)
+    plain, drafting = SpeculativeDecoder(target, prefixes=prefixes), SpeculativeDecoder(target, NgramDrafter(), k=3,
+                                                                                         prefixes=prefixes)
+    cached = []
+    for decoder in (plain, drafting):
+        for sampling in (greedy, sampled):
+            for prompt in prompts:
+                got = decoder.generate(prompt, sampling, max_new_tokens=10)
+                want = SpeculativeDecoder(CausalLM(model)).generate(prompt, sampling, max_new_tokens=10)
+                assert got.token_ids == want.token_ids
+                cached.append(got.stats.cached_prompt_tokens)
+    assert cached[:3] == [0, 30, 31] and cached[3:] == [32, 31, 33] * 3  # then each whole prompt is kept
+    with pytest.raises(SpecdraftError, match="prefix cache"):
+        SpeculativeDecoder(make_lm(tiny_target), prefixes=prefixes)  # float32: its reads do not split exactly

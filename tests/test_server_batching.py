@@ -222,9 +222,9 @@ def test_a_prompt_that_begins_like_an_earlier_one_reports_its_cached_tokens_unti
     batch.prefixes = PrefixCache(1 << 20)
     plain = {"speculative": {"drafter": "none"}}
 
-    def usage(server) -> dict:
+    def usage(server, n: int = 1) -> dict:
         return httpx.post(f"{server.url}/v1/completions", timeout=30, json={
-            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0, **plain}).json()["usage"]
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0, "n": n, **plain}).json()["usage"]
 
     with Live(app) as server:
         first, second = usage(server), usage(server)
@@ -234,5 +234,10 @@ def test_a_prompt_that_begins_like_an_earlier_one_reports_its_cached_tokens_unti
         assert f"specdraft_prompt_tokens_cached_total {first['prompt_tokens'] - 1}" in metrics
         assert httpx.post(f"{server.url}/reset_prefix_cache").json() == {"cleared": True}
         assert usage(server)["prompt_tokens_details"] == {"cached_tokens": 0}
+        # n choices each read the prompt but its last token, the second from the first's rows: the request read
+        # it once (none cached); asked again, only each choice's last token (n of them)
+        httpx.post(f"{server.url}/reset_prefix_cache")
+        assert usage(server, n=2)["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert usage(server, n=2)["prompt_tokens_details"] == {"cached_tokens": first["prompt_tokens"] - 2}
     with Live(make_app(tiny_model_dirs, max_batch=1)) as server:  # one request at a time: no batch, none kept
         assert httpx.post(f"{server.url}/reset_prefix_cache").json() == {"cleared": False}

@@ -29,6 +29,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.graph_decoder import graphs_captured
 from specdraft.policy import AUTO, GPU_MAX_AUTO_K, AutoK, FixedK, make_policy
+from specdraft.prefix_cache import PrefixCache
 from specdraft.sampling import SamplingParams, target_rows
 from specdraft.stats import GenerationStats
 from specdraft.text import IncrementalText, encode_prompt
@@ -194,12 +195,21 @@ class SpeculativeDecoder:
     cost model of this machine, see `policy.AutoK`), or a policy object (e.g. an `AutoK`
     shared by several decoders, so its measurements carry over). The decoder is not
     thread-safe: one request at a time (the caches belong to it).
+
+    `prefixes` (optional, may be shared by decoders over the same target): prompts read before, so a prompt that
+    begins like one of them reads only the rest (`prefix_cache`); only where that is exact
+    (`CausalLM.reads_split_exactly`), else SpecdraftError.
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter | None = None,
                  k: int | str | FixedK | AutoK = DEFAULT_K, tree_budget: int = 0,
-                 tree_branch: int = DEFAULT_TREE_BRANCH) -> None:
+                 tree_branch: int = DEFAULT_TREE_BRANCH, prefixes: PrefixCache | None = None) -> None:
         check_tree_options(tree_budget, tree_branch)
+        if prefixes is not None and not target.reads_split_exactly:
+            raise SpecdraftError(f"{target.name} does not read prompts in splits exactly here (that needs packed GGUF "
+                                 "weights on the CPU's fused kernels, bf16, grouped attention, not AMX), so a prefix "
+                                 "cache would change its answers; run without one.")
+        self.prefixes = prefixes
         self.target = target
         self.drafter = drafter
         self.tree_budget, self.tree_branch = tree_budget, tree_branch
@@ -273,7 +283,13 @@ class SpeculativeDecoder:
             seen[sequence] = True
         target.reset()
         wants_features = drafter is not None and drafter.needs_features
-        prompt_features = target.prefill(sequence[:-1].unsqueeze(0), hidden=wants_features)  # [L - 1, H] or None
+        if self.prefixes is not None and not wants_features:  # a feature drafter needs the whole prompt's states
+            stats.cached_prompt_tokens, rows = self.prefixes.match(sequence[:-1])
+            target.append_rows(rows)
+        prompt_features = target.prefill(sequence[stats.cached_prompt_tokens : -1].unsqueeze(0),
+                                         hidden=wants_features)  # [L - 1, H] or None
+        if self.prefixes is not None and target.cache_len:
+            self.prefixes.add(sequence[:-1], target.rows(target.cache_len))
         if drafter is not None:
             drafter.begin(sequence)
             if wants_features:
@@ -392,12 +408,14 @@ class SpeculativeDecoder:
 
 def build_decoder(target: CausalLM, drafter: str | Drafter | None = None, options: dict | None = None, *,
                   draft_model: CausalLM | None = None, k: int | str | FixedK | AutoK = DEFAULT_K, tree_budget: int = 0,
-                  tree_branch: int = DEFAULT_TREE_BRANCH) -> SpeculativeDecoder:
+                  tree_branch: int = DEFAULT_TREE_BRANCH, prefixes: PrefixCache | None = None) -> SpeculativeDecoder:
     """The one way the CLI, the server and the bench make a decoder: `drafter` a registered name (parts joined by
     +; built from `options` over its defaults, None values not given, and `draft_model`: an option the drafter does
-    not take is an error), a drafter already built, or None for plain decoding."""
+    not take is an error), a drafter already built, or None for plain decoding; `prefixes` as `SpeculativeDecoder`
+    takes it."""
     if drafter is None:
-        return SpeculativeDecoder(target)
+        return SpeculativeDecoder(target, prefixes=prefixes)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, options, draft_model=draft_model, target_model=target)
-    return SpeculativeDecoder(target, drafter, k=k, tree_budget=tree_budget, tree_branch=tree_branch)
+    return SpeculativeDecoder(target, drafter, k=k, tree_budget=tree_budget, tree_branch=tree_branch,
+                              prefixes=prefixes)

@@ -136,6 +136,7 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
                              max_batch=settings.max_batch, kv_budget=settings.kv_budget,
                              prefix_cache_bytes=settings.prefix_cache_bytes)
     else:
+        pool.keep_prefixes(settings.prefix_cache_bytes)
         worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
 
     @asynccontextmanager
@@ -277,8 +278,8 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     @app.post("/reset_prefix_cache", dependencies=[Depends(check_key)])
     async def reset_prefix_cache() -> dict:
         """Forget the prompts kept for their prefixes, so the next prompts are read whole (a benchmark's cold
-        start); `cleared` is false where the server keeps none (one request at a time, or not exact here)."""
-        prefixes = worker.batch.prefixes if batched else None
+        start); `cleared` is false where the server keeps none (not exact here, or --prefix-cache-mb 0)."""
+        prefixes = worker.batch.prefixes if batched else pool.prefixes
         if prefixes is not None:
             prefixes.clear()
         return {"cleared": prefixes is not None}

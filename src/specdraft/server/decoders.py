@@ -11,6 +11,7 @@ from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, SpeculativeDecoder,
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import AUTO, FixedK, make_policy
+from specdraft.prefix_cache import PrefixCache
 
 # The drafter name that asks for plain autoregressive decoding (no draft).
 PLAIN = "none"
@@ -41,6 +42,12 @@ class DecoderPool:
         self.default = self.resolve(drafter, k)
         self._decoders: dict[DecoderKey, SpeculativeDecoder] = {}
         self._shared: dict = {}  # trained drafters' weights, loaded once for a batch's sequences (`make_drafter`)
+        self.prefixes: PrefixCache | None = None  # prompts read before, shared by the decoders (`keep_prefixes`)
+
+    def keep_prefixes(self, max_bytes: int) -> None:
+        """Let the decoders built from now on share a prefix cache of `max_bytes` (0: none), where the target reads
+        prompts in splits exactly (elsewhere none is kept)."""
+        self.prefixes = PrefixCache(max_bytes) if max_bytes and self.target.reads_split_exactly else None
 
     def drafters(self) -> list[str]:
         """The drafter names this server can build (`none` included; bench-only tools never); trained ones still
@@ -92,6 +99,6 @@ class DecoderPool:
             drafter = None if key.drafter == PLAIN else key.drafter
             decoder = build_decoder(self.target, drafter, self._options_for(drafter) if drafter else {},
                                     draft_model=self.draft, k=key.k, tree_budget=self.tree_budget,
-                                    tree_branch=self.tree_branch)
+                                    tree_branch=self.tree_branch, prefixes=self.prefixes)
             self._decoders[key] = decoder
         return decoder

@@ -59,9 +59,12 @@ class ResponseShape:
     def usage(self, stats: GenerationStats) -> dict:
         """OpenAI's token counts plus the speculation statistics of every choice together."""
         prompt = len(self.generation.prompt_ids)
+        # `stats` sums the choices: each of n reads the prompt (the later ones from the first's cached rows), and
+        # the prompt counts once, so what this request did not read is the prompt less all that its choices read
+        unread = max(0, prompt - (stats.prompt_tokens - stats.cached_prompt_tokens))
         return {"prompt_tokens": prompt, "completion_tokens": stats.new_tokens,
                 "total_tokens": prompt + stats.new_tokens,
-                "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+                "prompt_tokens_details": {"cached_tokens": unread},
                 "steps": stats.steps, "drafted": stats.drafted,
                 "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
                 "mean_committed_per_step": stats.mean_committed_per_step,

@@ -46,9 +46,9 @@ def serve(
              "memory free once the models are loaded; 0: no limit."),
     prefix_cache_mb: float = typer.Option(
         256.0, "--prefix-cache-mb", min=0.0,
-        help="With --max-batch > 1: MiB of cached rows of prompts read before, so a prompt that begins like one "
-             "(a system prompt, earlier turns) reads only the rest; exact (the same bits as reading it), where "
-             "the kernels compute each token alone (packed GGUF models on the CPU, not AMX). 0: none."),
+        help="MiB of cached rows of prompts read before, so a prompt that begins like one (a system prompt, earlier "
+             "turns) reads only the rest; exact (the same bits as reading it), kept only where the kernels compute "
+             "each token alone (packed GGUF models on the CPU, not AMX). 0: none."),
     max_body_mb: float = typer.Option(2.0, "--max-body-mb", min=0.001,
                                       help="Largest request body taken, in MiB (2: 64 bytes a token of a 32k context); "
                                            "a larger one gets 413 before it is read."),
