@@ -1,14 +1,16 @@
 """Prompts read before, kept so that a prompt beginning like one of them reads only the rest (prefix caching).
 
 Chat prompts share their beginnings: the template's system prompt, a few-shot preamble, a conversation's earlier
-turns. A batch reads each joining prompt alone (`batch_engine`); `PrefixCache` keeps the cached rows (every
-layer's keys and values) of the prompts read last, up to a byte budget, the least recently used leaving first. A
-joining prompt takes the rows of the longest prefix it shares with any kept prompt and reads on from there.
+turns. `PrefixCache` keeps the cached rows (every layer's keys and values) of the prompts read last, up to a byte
+budget, the least recently used leaving first. A prompt takes the rows of the longest prefix it shares with any kept
+prompt and reads on from there: a batch's joining prompt (`batch_engine`), or a single request's
+(`SpeculativeDecoder(prefixes=)`).
 
 It is exact where the target `reads_split_exactly`: every token is computed alone there, so a prefix's rows are the
 same bits however the prompt around them was read, and reading the rest after them gives the bits of one read
-(tested). Elsewhere (a GPU's static cache, float32 or unpacked weights, AMX) the batch keeps none. Only rows that a
-prompt read wrote are kept, never a generated token's: on AMX a decoding step computes other bits than a read.
+(tested). Elsewhere (a GPU's static cache, float32 or unpacked weights, AMX) a batch keeps none and a decoder refuses
+one. Only rows that a prompt read wrote are kept, never a generated token's: on AMX a decoding step computes other
+bits than a read.
 """
 
 from __future__ import annotations
