@@ -341,11 +341,7 @@ class BatchedDecoder:
         seq = joining.sequence
         if self.prefixes is None or seq.reads_features:
             return
-        reused, rows = self.prefixes.match(prompt)
-        if reused:
-            self._reader.append_rows(rows)
-            joining.read = reused
-            seq.run.stats.cached_prompt_tokens = reused
+        joining.read = seq.run.stats.cached_prompt_tokens = self.prefixes.resume(self._reader, prompt)
 
     def clear_prefixes(self) -> None:
         """Forget the prompts kept for their prefixes (a benchmark's cold start)."""
@@ -368,8 +364,8 @@ class BatchedDecoder:
         except BaseException:
             target.truncate(cached)
             raise
-        if self.prefixes is not None and rows:
-            self.prefixes.add(seq.run.sequence[:rows], self._reader.rows(rows))
+        if self.prefixes is not None:
+            self.prefixes.keep(self._reader, seq.run.sequence[:rows])
         self._reader.reset()
         self.row_owner += [seq.ident] * rows
         self.joining.pop(0)

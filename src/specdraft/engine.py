@@ -283,14 +283,12 @@ class SpeculativeDecoder:
             seen[sequence] = True
         target.reset()
         wants_features = drafter is not None and drafter.needs_features
-        reused = 0
-        if self.prefixes is not None and not wants_features:  # a feature drafter needs the whole prompt's states
-            reused, rows = self.prefixes.match(sequence[:-1])
-            target.append_rows(rows)
+        # a feature drafter needs the whole prompt's states
+        reused = self.prefixes.resume(target, sequence[:-1]) if self.prefixes is not None and not wants_features else 0
         stats.cached_prompt_tokens = reused
         prompt_features = target.prefill(sequence[reused:-1].unsqueeze(0), hidden=wants_features)  # [L - 1, H] or None
-        if self.prefixes is not None and target.cache_len:
-            self.prefixes.add(sequence[:-1], target.rows(target.cache_len))
+        if self.prefixes is not None:
+            self.prefixes.keep(target, sequence[:-1])
         if drafter is not None:
             drafter.begin(sequence)
             if wants_features:

@@ -70,6 +70,18 @@ class PrefixCache:
             rows = self._entries[best_key].rows
         return best, [None if layer is None else (layer[0][..., :best, :], layer[1][..., :best, :]) for layer in rows]
 
+    def resume(self, lm, tokens: torch.Tensor) -> int:
+        """Put the rows of the longest kept beginning of prompt `tokens` ([n] int64) into `lm`'s empty cache (a
+        `CausalLM`'s); returns how many tokens they hold, where its read goes on."""
+        reused, rows = self.match(tokens)
+        lm.append_rows(rows)
+        return reused
+
+    def keep(self, lm, tokens: torch.Tensor) -> None:
+        """Keep the rows `lm`'s cache holds for prompt `tokens` ([n] int64, its first n cached tokens)."""
+        if tokens.shape[0]:
+            self.add(tokens, lm.rows(tokens.shape[0]))
+
     def add(self, tokens: torch.Tensor, rows: Rows) -> None:
         """Keep a copy of `rows`, the cached rows of prompt `tokens` ([n] int64), unless a kept prompt already begins
         with them; kept prompts that `tokens` begin with leave (these rows hold theirs). The least recently used leave

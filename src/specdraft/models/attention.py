@@ -90,8 +90,7 @@ def grouped_sdpa_forward(
     length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = length > 1 and attention_mask is None and causal
-    row_kernel = cache_attention.supports(query, key, value)
-    if row_kernel or (length <= FEW_QUERIES and not causal):  # every pass on the kernel; a few queries over a cache
+    if cache_attention.supports(query, key, value) or (length <= FEW_QUERIES and not causal):  # every pass on the kernel; a few queries over a cache
         if causal:
             attention_mask = causal_visibility(length, key.shape[2], query.device)
         return few_query_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5), None
@@ -113,13 +112,12 @@ AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
-def attends_token_by_token(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> bool:
+def attends_token_by_token(model: PreTrainedModel, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether every pass of `model` (its states on `device` in `dtype`) attends on the C kernel, each token alone
     (`grouped_sdpa_forward`): then a prompt read in any split, e.g. a cached prefix and then the rest, gives the bits
     of one read."""
     config = model.config
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     grouped = (getattr(config, "num_key_value_heads", None) or heads) < heads  # ungrouped heads keep transformers' sdpa
     return (getattr(config, "_attn_implementation", None) == GROUPED_SDPA and grouped
             and cache_attention.runs_on(device, dtype, head_dim))

@@ -101,10 +101,13 @@ class CausalLM:
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached token takes: the keys and values of every layer (sliding-window layers counted in full)."""
         config = self.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return 2 * config.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return 2 * config.num_hidden_layers * kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def head_dim(self) -> int:
+        """The size of one attention head."""
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     @property
     def reads_split_exactly(self) -> bool:
@@ -116,7 +119,7 @@ class CausalLM:
         kernels, the same bits), and not AMX, whose fused layers keep its 16-bit tiles where a prompt's wide passes
         take int8 ones."""
         return (self._static is None and self._sliding_window() is None
-                and attends_token_by_token(self.model, self.device, self.dtype)
+                and attends_token_by_token(self.model, self.device, self.dtype, self.head_dim)
                 and fused_decoder(self.model) is not None and tiles.tile_kernel() is not amx_tiles)
 
     @property
