@@ -455,3 +455,29 @@ def test_greedy_chains_verified_together_beside_sampled_and_penalised_sequences(
     got = batch.generate_all([BatchRequest(p, s, b, k=k) for p, b, (s, k) in zip(PROMPTS, BUDGETS, kinds)])
     assert [c.token_ids for c in got] == expected and batch.largest_batch == 6
     assert sum(c.stats.accepted for c in got) > 0
+
+
+def test_each_step_says_what_its_pass_was_and_a_step_without_one_says_none(tiny_target, make_lm, monkeypatch):
+    """`last_step`: the pass's width (every sequence's block) and its timed seconds; a step that only read a joining
+    prompt ran no pass, so the server's metrics must not count the step before it again."""
+    from specdraft.models import causal_lm
+
+    monkeypatch.setattr(causal_lm, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr("specdraft.batch_engine.PREFILL_CHUNK", 4)
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=2)
+    seen = []
+
+    def run() -> None:
+        while batch.size:
+            batch.step()
+            step = batch.last_step
+            seen.append(None if step is None else (step.sequences, step.width, step.pass_seconds is not None))
+
+    batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 6))
+    batch.add(BatchRequest(PROMPTS[1], SamplingParams(temperature=0.0), 6))
+    run()
+    assert (2, 2, True) in seen and all(s is None or (s[1] == s[0] and s[2]) for s in seen)  # plain: a token each
+    seen.clear()
+    batch.add(BatchRequest([(5 * i + 1) % 60 for i in range(12)], SamplingParams(temperature=0.0), 3))
+    run()
+    assert seen[:2] == [None, None] and seen[-1] == (1, 1, True)  # its read's chunks ran no step

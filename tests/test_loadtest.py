@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from live_server import Live, make_app
-from specdraft.bench.loadtest import (LATENCY_PLOT, REPORT, RESULTS, SUMMARY, THROUGHPUT_PLOT, parse_concurrency,
-                                      parse_methods, run_loadtest)
+from specdraft.bench.loadtest import (LATENCY_PLOT, REPORT, RESULTS, SUMMARY, THROUGHPUT_PLOT, batching_ceilings,
+                                      parse_concurrency, parse_methods, passes_between, run_loadtest)
 from specdraft.errors import SpecdraftError
 from specdraft.prompts import Prompt
 
@@ -36,6 +36,13 @@ def test_loadtest_reports_each_level_and_method_with_outputs_unchanged_by_load(t
     for name in (SUMMARY, REPORT, THROUGHPUT_PLOT, LATENCY_PLOT):
         assert (tmp_path / name).stat().st_size > 0
     assert "| `spec` | 4 |" in (tmp_path / REPORT).read_text()
+    # each level timed the passes it ran (the server's /metrics): `ar` alone steps one token a pass
+    ar = summary["methods"]["ar"]
+    assert set(ar["1"]["pass_counts"]) == {"1"} and ar["1"]["pass_counts"]["1"] >= len(PROMPTS)
+    assert set(ar["4"]["pass_counts"]) <= {"1", "2", "3", "4"} and all(t > 0 for t in ar["4"]["pass_seconds"].values())
+    ceiling = summary["batching"]["4"]
+    assert ceiling["share"] == pytest.approx(ceiling["best_tokens_per_second"] / ceiling["ceiling_tokens_per_second"])
+    assert "Batching against the cost of the passes this run timed" in (tmp_path / REPORT).read_text()
 
 
 def test_loadtest_methods_take_turns_at_each_level_and_rounds_flip_their_order_and_pool(tiny_model_dirs, tmp_path):
@@ -77,3 +84,25 @@ def test_loadtest_refuses_bad_options_and_a_missing_server(tmp_path):
         run_loadtest(f"http://127.0.0.1:{port}", PROMPTS, ["ar"], [1], tmp_path)
     with pytest.raises(SpecdraftError, match="--rounds"):
         run_loadtest(f"http://127.0.0.1:{port}", PROMPTS, ["ar"], [1], tmp_path, rounds=0)
+
+
+def test_the_batching_ceiling_comes_from_the_passes_each_level_timed():
+    """w · t(1) / t(w) × one client's `ar` tokens/s, w the batch `ar` stepped most at that level, against the best
+    method there; the passes of a level are the difference of the server's sums before and after it."""
+    assert passes_between({1: (2.0, 100)}, {1: (2.5, 120), 8: (0.4, 10)}) == {1: (0.5, 20), 8: (0.4, 10)}
+    methods = {
+        "ar": {"1": {"tokens_per_second": 40.0, "pass_seconds": {"1": 0.020}, "pass_counts": {"1": 500}},
+               "8": {"tokens_per_second": 150.0, "pass_seconds": {"5": 0.030, "8": 0.032},
+                     "pass_counts": {"5": 40, "8": 300}},
+               "16": {"tokens_per_second": 151.0, "pass_seconds": {"8": 0.040}, "pass_counts": {"8": 300}}},
+        "spec": {"1": {"tokens_per_second": 50.0}, "8": {"tokens_per_second": 160.0},
+                 "16": {"tokens_per_second": None}},
+    }
+    ceilings = batching_ceilings(methods)
+    assert set(ceilings) == {"8", "16"}
+    eight = ceilings["8"]
+    assert eight["width"] == 8 and eight["ceiling_tokens_per_second"] == pytest.approx(8 * 0.020 / 0.032 * 40.0)
+    assert eight["best_method"] == "spec" and eight["share"] == pytest.approx(160.0 / 200.0)
+    assert ceilings["16"]["ceiling_tokens_per_second"] == pytest.approx(8 * 0.020 / 0.040 * 40.0)  # the server's limit
+    assert ceilings["16"]["best_method"] == "ar"
+    assert batching_ceilings({"spec": methods["spec"]}) == {}  # no plain one-client level: no ceiling

@@ -142,12 +142,15 @@ class BatchRequest:
 
 @dataclass
 class BatchStep:
-    """What one step did: sequences in the pass, draft tokens in all, tokens committed, seconds."""
+    """What one step did: sequences in the pass, draft tokens in all, tokens committed, seconds; the target pass's
+    width (tokens) and seconds (None where the step captured a CUDA graph: not a pass's usual cost)."""
 
     sequences: int
     drafted: int
     committed: int
     seconds: float
+    width: int = 0
+    pass_seconds: float | None = None
 
 
 @dataclass
@@ -558,6 +561,7 @@ class BatchedDecoder:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
         finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
         are in `take_failed()`."""
+        self.last_step = None  # set again below if a pass runs
         self._read_joining()
         forced = self._force()  # 1. tokens the grammar alone decides
         if not self.active:
@@ -670,7 +674,7 @@ class BatchedDecoder:
             packed.compact()
         self._leave(finished)
         self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
-                                   time.perf_counter() - t0)
+                                   time.perf_counter() - t0, tokens.shape[0], pass_seconds if timed else None)
         if timed:
             self.realized.record(len(stepping), sum(ks) > 0, self.last_step.committed, self.last_step.seconds)
         return events

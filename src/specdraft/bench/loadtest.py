@@ -15,6 +15,15 @@ prompt's answer at concurrency 1 (batching must not change outputs).
 Before each level and method the server forgets the prompts it keeps for their prefixes (`POST
 /reset_prefix_cache`), so every prompt is read as by a cold server and only what different prompts share (the chat
 template's system prompt) is reused, as in service; the run sends each prompt once a level and method.
+
+Batching against the passes' cost: a specdraft server times every target pass it runs, by width
+(`specdraft_target_pass_seconds` in /metrics); the run reads those sums before and after each level, so each level
+has the mean cost of the passes it ran, timed while it ran. At C clients, where `ar` stepped w sequences a pass
+most often (C, or the server's batch limit), the passes allow w · t(1) / t(w) times one client's `ar` tokens/s,
+t(1) timed at the one-client level and t(w) at C: what batching would give if a pass of w tokens were all a step
+cost and prompts read for free. The share of it the best method reached says how much of the machine batching
+used; both timings come from the run itself, so a host whose speed drifts between a separate `specdraft costs`
+and the levels does not move the ceiling.
 """
 
 from __future__ import annotations
@@ -103,6 +112,38 @@ def reset_prefix_cache(url: str, api_key: str | None, timeout: float) -> bool:
     return response.status_code == 200 and bool(response.json().get("cleared"))
 
 
+def pass_sums(url: str, api_key: str | None, timeout: float) -> dict[int, tuple[float, int]]:
+    """The server's target passes so far by width: (seconds summed, passes), from its /metrics
+    (`specdraft_target_pass_seconds`); empty where it has none (a server that does not batch, or not specdraft)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    sums: dict[int, list[float]] = {}
+    for line in response.text.splitlines():
+        for part, slot in (("_sum", 0), ("_count", 1)):
+            prefix = f'specdraft_target_pass_seconds{part}{{width="'
+            if line.startswith(prefix):
+                width, value = line[len(prefix):].split('"}')
+                sums.setdefault(int(width), [0.0, 0])[slot] = float(value)
+    return {width: (summed, int(count)) for width, (summed, count) in sums.items()}
+
+
+def passes_between(before: dict[int, tuple[float, int]], after: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
+    """The passes run between two `pass_sums` readings, by width: (seconds summed, passes)."""
+    ran = {}
+    for width, (summed, count) in after.items():
+        earlier_sum, earlier_count = before.get(width, (0.0, 0))
+        if count > earlier_count:
+            ran[width] = (summed - earlier_sum, count - earlier_count)
+    return ran
+
+
 def served_model(client) -> str:
     """The model id the server serves (its /v1/models), or a clear error when nobody answers there."""
     import openai
@@ -178,12 +219,47 @@ def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dic
     }
 
 
-def summarize_rounds(rounds: Sequence[tuple[Sequence[RequestResult], float]], alone: dict[str, str]) -> dict:
-    """A level's figures over its rounds (their requests and seconds pooled), with each round's tokens/s."""
+def summarize_rounds(rounds: Sequence[tuple[Sequence[RequestResult], float]], alone: dict[str, str],
+                     passes: Sequence[dict[int, tuple[float, int]]] = ()) -> dict:
+    """A level's figures over its rounds (their requests and seconds pooled), with each round's tokens/s; `passes`:
+    each round's target passes by width (`passes_between`), pooled into `pass_seconds` (mean seconds by width) and
+    `pass_counts`."""
     figures = summarize_level([r for results, _ in rounds for r in results], sum(seconds for _, seconds in rounds),
                               alone)
     figures["tokens_per_second_by_round"] = [_tokens_per_second(results, seconds) for results, seconds in rounds]
+    pooled: dict[int, list[float]] = {}
+    for ran in passes:
+        for width, (summed, count) in ran.items():
+            total = pooled.setdefault(width, [0.0, 0])
+            total[0] += summed
+            total[1] += count
+    figures["pass_seconds"] = {str(w): pooled[w][0] / pooled[w][1] for w in sorted(pooled)}
+    figures["pass_counts"] = {str(w): int(pooled[w][1]) for w in sorted(pooled)}
     return figures
+
+
+def batching_ceilings(methods: dict, plain: str = "ar") -> dict[str, dict]:
+    """Per concurrency above one: the tokens/s the passes timed in this run allow (module doc) and the share of it
+    the best method reached; empty without `plain` at one client, or without its passes' timings."""
+    levels = methods.get(plain, {})
+    alone = levels.get("1")
+    if not alone or not alone.get("pass_seconds", {}).get("1") or not alone.get("tokens_per_second"):
+        return {}
+    one_pass = alone["pass_seconds"]["1"]
+    ceilings = {}
+    for clients, figures in levels.items():
+        counts = figures.get("pass_counts") or {}
+        if clients == "1" or not counts:
+            continue
+        width = max(counts, key=lambda w: (counts[w], int(w)))  # the batch `ar` ran most: C, or the server's limit
+        ceiling = int(width) * one_pass / figures["pass_seconds"][width] * alone["tokens_per_second"]
+        best = max(((method, by_level[clients]["tokens_per_second"]) for method, by_level in methods.items()
+                    if clients in by_level and by_level[clients]["tokens_per_second"] is not None),
+                   key=lambda pair: pair[1])
+        ceilings[clients] = {"width": int(width), "one_pass_seconds": one_pass,
+                             "pass_seconds": figures["pass_seconds"][width], "ceiling_tokens_per_second": ceiling,
+                             "best_method": best[0], "best_tokens_per_second": best[1], "share": best[1] / ceiling}
+    return ceilings
 
 
 def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], levels: Sequence[int], out: Path,
@@ -206,6 +282,7 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
     rounds_run: dict[tuple[str, int], list[tuple[list[RequestResult], float]]] = {}  # each round's results, seconds
     alone: dict[str, dict[str, str]] = {}  # by method: each prompt's answer at the lowest level, first round
     prefixes_reset = False  # whether the server keeps prompts for their prefixes (and forgot them before each level)
+    passes: dict[tuple[str, int], list[dict[int, tuple[float, int]]]] = {}  # each round's target passes by width
     with open(out / RESULTS, "w", encoding="utf-8") as records:
         for round_ in range(rounds):
             for concurrency in sorted(levels):
@@ -215,7 +292,10 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                         turn = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
                         progress(f"{method}: {count} requests, {concurrency} at a time{turn}")
                     prefixes_reset = reset_prefix_cache(url, api_key, timeout) or prefixes_reset
+                    before = pass_sums(url, api_key, timeout)
                     results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
+                    passes.setdefault((method, concurrency), []).append(
+                        passes_between(before, pass_sums(url, api_key, timeout)))
                     for result in results:
                         records.write(json.dumps({**asdict(result), "round": round_, "tpot": result.tpot}) + "\n")
                     if method not in alone:
@@ -224,8 +304,9 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
     summary: dict = {"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
                      "prefix_cache": "reset before each level and method" if prefixes_reset else "none kept",
                      "methods": {method: {str(concurrency): summarize_rounds(rounds_run[(method, concurrency)],
-                                                                           alone[method])
+                                                                           alone[method], passes[(method, concurrency)])
                                           for concurrency in sorted(levels)} for method in methods}}
+    summary["batching"] = batching_ceilings(summary["methods"])
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     plot_loadtest(summary, out)
     (out / REPORT).write_text(render_report(summary), encoding="utf-8")
@@ -280,6 +361,17 @@ def render_report(summary: dict) -> str:
             lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} | {ratio} "
                          f"| {ms(f['ttft']['p50'])} / {ms(f['ttft']['p95'])} | {ms(f['tpot']['p50'])} / "
                          f"{ms(f['tpot']['p95'])} | {ms(f['itl']['p50'])} / {ms(f['itl']['p95'])} | {same} |")
+    ceilings = summary.get("batching") or {}
+    if ceilings:
+        lines += ["", "Batching against the cost of the passes this run timed (`ar`'s: t(1) at one client, t(w) at "
+                  "C clients, w the batch it stepped most); the ceiling is w · t(1) / t(w) times one client's `ar` "
+                  "tokens/s:", "",
+                  "| clients | batch w | t(1) (ms) | t(w) (ms) | ceiling tokens/s | best tokens/s | share |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for clients, c in ceilings.items():
+            lines.append(f"| {clients} | {c['width']} | {c['one_pass_seconds'] * 1000:.1f} | "
+                         f"{c['pass_seconds'] * 1000:.1f} | {c['ceiling_tokens_per_second']:.1f} | "
+                         f"{c['best_tokens_per_second']:.1f} (`{c['best_method']}`) | {c['share']:.0%} |")
     lines += ["", "TTFT: sending to the first streamed text; TPOT: time per output token after the first; ITL: gaps "
               "between streamed chunks (a speculative step sends several tokens at once); same as alone: share of "
               "greedy answers equal to that prompt's answer at the lowest concurrency.", "",

@@ -88,7 +88,8 @@ class BatchWorker(Worker):
                     self._refuse(self._admitted[ident], error)
             step = self.batch.last_step
             if self.metrics is not None and step is not None:
-                self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds)
+                self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds, step.width,
+                                                step.pass_seconds)
             for ident, event in events:
                 admitted = self._admitted[ident]
                 admitted.job.put(Step(admitted.idents.index(ident), event, event.drafted))

@@ -57,6 +57,7 @@ class Metrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.batch_size, self.batch_drafted = Histogram(BATCH_SIZE_BUCKETS), Histogram(BATCH_DRAFT_BUCKETS)
         self.batch_goodput = Histogram(GOODPUT_BUCKETS)
+        self.pass_seconds: dict[int, list[float]] = {}  # target pass width -> [seconds summed, passes]
 
     def record_request(self, endpoint: str, status: int) -> None:
         """One answered request (any status)."""
@@ -84,13 +85,19 @@ class Metrics:
             if stats.new_tokens:
                 self.tpot.observe(stats.wall_seconds / stats.new_tokens)
 
-    def record_batch_step(self, sequences: int, drafted: int, committed: int, seconds: float) -> None:
-        """One step of the batched engine: how many sequences, draft tokens in all, tokens committed, its time."""
+    def record_batch_step(self, sequences: int, drafted: int, committed: int, seconds: float, width: int = 0,
+                          pass_seconds: float | None = None) -> None:
+        """One step of the batched engine: how many sequences, draft tokens in all, tokens committed, its time; the
+        target pass's width (tokens) and seconds, where it was timed."""
         with self._lock:
             self.batch_size.observe(sequences)
             self.batch_drafted.observe(drafted)
             if seconds > 0:
                 self.batch_goodput.observe(committed / seconds)
+            if width > 0 and pass_seconds is not None:
+                summed = self.pass_seconds.setdefault(width, [0.0, 0])
+                summed[0] += pass_seconds
+                summed[1] += 1
 
     def totals(self) -> dict[str, float]:
         """The main figures now, for a collector outside the process (`surfaces.scale_out`): counts since start
@@ -147,6 +154,11 @@ class Metrics:
                    self.batch_drafted.samples())
             metric("specdraft_batch_goodput_tokens_per_second", "histogram",
                    "Per batched step: tokens committed / its time.", self.batch_goodput.samples())
+            widths = sorted(self.pass_seconds)
+            metric("specdraft_target_pass_seconds", "summary",
+                   "Per batched step: the target pass's seconds, by its width in tokens (what serving passes cost).",
+                   [(f'_sum{{width="{w}"}}', self.pass_seconds[w][0]) for w in widths]
+                   + [(f'_count{{width="{w}"}}', self.pass_seconds[w][1]) for w in widths])
             metric("specdraft_queue_depth", "gauge", "Requests waiting for the engine.", [("", totals["queue_depth"])])
             metric("specdraft_requests_running", "gauge", "Requests the engine is generating now.",
                    [("", totals["requests_running"])])
