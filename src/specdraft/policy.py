@@ -11,7 +11,7 @@ c_draft the measured draft time per token, and α_j the online estimate that dra
 position j is accepted given the ones before it were (decayed counts, shrunk toward the
 pooled estimate). k = 0 is plain decoding (rate 1 / V(1)), chosen whenever
 speculation would not beat it by `margin` (poor acceptance, high temperature, a dear
-draft); after `probe_every` plain steps one short draft is tried so the estimate can
+draft); after `probe_every` plain steps a draft of the k it ranks first among k >= 1 is tried so the estimate can
 recover, and each probe that shows no recovery doubles the wait (up to `max_probe_every`): nothing accepted,
 or acceptance that still leaves drafting short of paying (`drafting_pays`); a probe
 whose catch-up (below) would take more than a tenth of the answer's expected time left waits too.
@@ -62,7 +62,6 @@ AUTO = "auto"
 MAX_AUTO_K = 8
 GPU_MAX_AUTO_K = 32  # on a GPU a pass of 33 tokens costs about what one does (measured: docs/gpu.md)
 FIRST_K = 3  # the first step's k, before anything is measured
-PROBE_K = 2  # the k of a probe during plain decoding
 ANSWER_FLOOR = 16  # tokens an answer is expected to run on at least, however short it is so far
 PROBE_READ_SHARE = 0.1  # a probe may spend at most this share of the answer's expected time left on catching up
 # Unmeasured pass widths are assumed this much dearer per extra token than one token (optimistic:
@@ -71,6 +70,7 @@ PRIOR_SLOPE = 0.08
 DEFAULT_SOURCE = "draft"  # the source name when a caller does not tell drafters apart
 MARGIN = 1.05  # speculate only when it promises this much over a plain step (unmodelled costs)
 SPIKE = 2.0  # a new timing counts as at most this many times the estimate it updates (stalls are one-sided)
+SETTLED = 5  # timings after which an estimate moves by the smoothing alone (1 / 0.2); one given whole counts so
 STALE_STEPS = 64  # a cost not measured again within this many steps is forgotten (guessed, then re-timed)
 # Reading is timed from catch-ups of at least this many tokens: a few tokens ride in the draft's pass nearly free
 # (it is bound by its weights), and a read rate learnt from them priced a 64-token first read (0.23 s on a 2-core
@@ -114,6 +114,8 @@ class SourceCosts:
     read_seconds_per_token: float | None = None  # catching up: reading one committed token it has not seen
     draft_timed_at: int = 0
     read_timed_at: int = 0
+    draft_timings: int = 0  # the timings each estimate rests on (`StepCosts.smoothed`)
+    read_timings: int = 0
 
 
 class StepCosts:
@@ -125,6 +127,7 @@ class StepCosts:
     def __init__(self, widths: int, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
         self._verify_seconds: list[float | None] = [None] * widths  # [t]: a target pass over t tokens
+        self._verify_timings: list[int] = [0] * widths  # [t]: the timings verify_seconds[t] rests on
         self._estimates: dict[int, float | None] = {}  # verify_estimate by width, until a pass is timed again
         self.verify_timed_at: list[int] = [0] * widths  # [t]: the step count when verify_seconds[t] was timed
         self.steps = 0  # passes timed
@@ -139,6 +142,7 @@ class StepCosts:
     @verify_seconds.setter
     def verify_seconds(self, seconds: Sequence[float | None]) -> None:
         self._verify_seconds = list(seconds)
+        self._verify_timings = [SETTLED if v is not None else 0 for v in seconds]  # given whole: settled
         self._estimates.clear()
 
     def source(self, name: str) -> SourceCosts:
@@ -150,34 +154,44 @@ class StepCosts:
         extra = widths - len(self._verify_seconds)
         if extra > 0:
             self._verify_seconds += [None] * extra
+            self._verify_timings += [0] * extra
             self.verify_timed_at += [0] * extra  # untimed widths: the cached estimates stay right
 
-    def smoothed(self, old: float | None, new: float) -> float:
-        """An exponentially smoothed estimate: `new` itself when nothing was measured before; a stalled
-        timing counts as at most SPIKE times the estimate."""
+    def smoothed(self, old: float | None, new: float, timings: int = SETTLED) -> float:
+        """An exponentially smoothed estimate: `new` itself when nothing was measured before; while the old one rests
+        on few `timings`, their mean (an estimate from one timing at a slow moment is not worth four fifths of the
+        next: measured, a 2-token pass timed once at 1.26x a one-token pass kept a fresh process plain for a whole
+        answer); a stalled timing counts as at most SPIKE times the estimate."""
         if old is None:
             return new
-        return old + self.smoothing * ((min(new, SPIKE * old) if old > 0 else new) - old)
+        weight = max(self.smoothing, 1.0 / (timings + 1))
+        return old + weight * ((min(new, SPIKE * old) if old > 0 else new) - old)
 
     def time_pass(self, width: int, seconds: float) -> None:
         """A step's target pass over `width` tokens took `seconds` (costs not timed for STALE_STEPS are forgotten)."""
         self.steps += 1
         self._forget_stale()
         if width < len(self._verify_seconds):
-            self._verify_seconds[width] = self.smoothed(self._verify_seconds[width], seconds)
+            self._verify_seconds[width] = self.smoothed(self._verify_seconds[width], seconds,
+                                                        self._verify_timings[width])
+            self._verify_timings[width] += 1
             self.verify_timed_at[width] = self.steps
         self._estimates.clear()
 
     def time_draft(self, source: str, per_token: float) -> None:
         """A caught-up draft by `source` took `per_token` seconds a token (a tree: a step)."""
         costs = self.source(source)
-        costs.draft_seconds_per_token = self.smoothed(costs.draft_seconds_per_token, per_token)
+        costs.draft_seconds_per_token = self.smoothed(costs.draft_seconds_per_token, per_token,
+                                                      costs.draft_timings or SETTLED)
+        costs.draft_timings += 1
         costs.draft_timed_at = self.steps
 
     def time_read(self, source: str, per_token: float) -> None:
         """Catching up, `source` read committed tokens at `per_token` seconds each."""
         costs = self.source(source)
-        costs.read_seconds_per_token = self.smoothed(costs.read_seconds_per_token, per_token)
+        costs.read_seconds_per_token = self.smoothed(costs.read_seconds_per_token, per_token,
+                                                     costs.read_timings or SETTLED)
+        costs.read_timings += 1
         costs.read_timed_at = self.steps
 
     def _forget_stale(self) -> None:
@@ -186,12 +200,12 @@ class StepCosts:
         oldest = self.steps - STALE_STEPS
         for width, timed_at in enumerate(self.verify_timed_at):
             if timed_at <= oldest:
-                self._verify_seconds[width] = None
+                self._verify_seconds[width], self._verify_timings[width] = None, 0
         for costs in self.sources.values():
             if costs.draft_timed_at <= oldest:
-                costs.draft_seconds_per_token = None
+                costs.draft_seconds_per_token, costs.draft_timings = None, 0
             if costs.read_timed_at <= oldest:
-                costs.read_seconds_per_token = None
+                costs.read_seconds_per_token, costs.read_timings = None, 0
 
     def verify_estimate(self, width: int) -> float | None:
         """Seconds of a target pass over `width` tokens: measured, or else V(1) · (1 + s · (width − 1)) scaled
@@ -528,15 +542,17 @@ class AutoK:
         if self.verify_estimate(1) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
         left = self.expected_left(generated, remaining)
-        return self.probe_or(self._best_k(min(limit, self.max_k), source, unread, left), limit, source, unread, left)
+        top = min(limit, self.max_k)
+        return self.probe_or(self._best_k(top, source, unread, left), limit, source, unread, left,
+                             probe=lambda: self._best_k(top, source, unread, left, drafting=True))
 
-    def _best_k(self, top: int, source: str, unread: int = 0, left: float | None = None) -> int:
+    def _best_k(self, top: int, source: str, unread: int = 0, left: float | None = None, drafting: bool = False) -> int:
         """The k (0..top) with the most expected tokens per second for `source` after reading `unread` tokens
-        (`left`: the answer's expected tokens left), 0 unless it beats a plain step by the margin; a plain step
-        must have been timed."""
+        (`left`: the answer's expected tokens left), 0 unless it beats a plain step by the margin (`drafting`: the
+        best k >= 1 whatever a plain step gives); a plain step must have been timed."""
         curve = self.expected_token_curve(top, source)
         beside = self.draft_cost_curve(top, source, unread, left, curve)
-        best_k, best_rate = 0, self.margin / self.verify_estimate(1)
+        best_k, best_rate = (min(1, top), 0.0) if drafting else (0, self.margin / self.verify_estimate(1))
         for k in range(1, top + 1):
             seconds = beside[k] + self.verify_estimate(k + 1)
             if seconds > 0 and curve[k] / seconds > best_rate:
@@ -544,10 +560,12 @@ class AutoK:
         return best_k
 
     def probe_or(self, k: int, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0,
-                 left: float | None = None) -> int:
-        """`k` as the cost model chose it, or a probe: after `probe_interval` plain choices in a row a short draft,
-        to notice a recovery; not while its catch-up would cost more than a PROBE_READ_SHARE of the time the answer
-        is expected to have left (`left` tokens; it could never pay back)."""
+                 left: float | None = None, probe=None) -> int:
+        """`k` as the cost model chose it, or a probe: after `probe_interval` plain choices in a row a draft of the k
+        the cost model ranks first among k >= 1 (`probe()`; default 1), to notice a recovery and time again the
+        pass that decides (a width timed once, at a slow moment, priced drafting out for a whole answer while
+        plain steps kept the one-token pass up to date); not while its catch-up would cost more than a
+        PROBE_READ_SHARE of the time the answer is expected to have left (`left` tokens; it could never pay back)."""
         est = self.estimates(source)
         if k > 0 or limit <= 0:
             est.plain_streak = 0
@@ -558,7 +576,7 @@ class AutoK:
                       or self.catch_up_seconds(unread, source) <= PROBE_READ_SHARE * left * plain)
         if est.plain_streak > est.probe_interval and affordable:
             est.plain_streak, est.probing = 0, True
-            return min(PROBE_K, limit)
+            return max(1, min(probe() if probe is not None else 1, limit))
         return 0
 
 
