@@ -181,16 +181,14 @@ class StepCosts:
     def time_draft(self, source: str, per_token: float) -> None:
         """A caught-up draft by `source` took `per_token` seconds a token (a tree: a step)."""
         costs = self.source(source)
-        costs.draft_seconds_per_token = self.smoothed(costs.draft_seconds_per_token, per_token,
-                                                      costs.draft_timings or SETTLED)
+        costs.draft_seconds_per_token = self.smoothed(costs.draft_seconds_per_token, per_token, costs.draft_timings)
         costs.draft_timings += 1
         costs.draft_timed_at = self.steps
 
     def time_read(self, source: str, per_token: float) -> None:
         """Catching up, `source` read committed tokens at `per_token` seconds each."""
         costs = self.source(source)
-        costs.read_seconds_per_token = self.smoothed(costs.read_seconds_per_token, per_token,
-                                                     costs.read_timings or SETTLED)
+        costs.read_seconds_per_token = self.smoothed(costs.read_seconds_per_token, per_token, costs.read_timings)
         costs.read_timings += 1
         costs.read_timed_at = self.steps
 
@@ -294,16 +292,16 @@ class SourceEstimates:
         return self.costs.draft_seconds_per_token
 
     @draft_seconds_per_token.setter
-    def draft_seconds_per_token(self, seconds: float | None) -> None:
-        self.costs.draft_seconds_per_token = seconds
+    def draft_seconds_per_token(self, seconds: float | None) -> None:  # given whole: settled
+        self.costs.draft_seconds_per_token, self.costs.draft_timings = seconds, SETTLED if seconds is not None else 0
 
     @property
     def read_seconds_per_token(self) -> float | None:
         return self.costs.read_seconds_per_token
 
     @read_seconds_per_token.setter
-    def read_seconds_per_token(self, seconds: float | None) -> None:
-        self.costs.read_seconds_per_token = seconds
+    def read_seconds_per_token(self, seconds: float | None) -> None:  # given whole: settled
+        self.costs.read_seconds_per_token, self.costs.read_timings = seconds, SETTLED if seconds is not None else 0
 
 
 class AutoK:
@@ -542,9 +540,7 @@ class AutoK:
         if self.verify_estimate(1) is None:  # nothing measured yet: a moderate first draft
             return min(FIRST_K, limit)
         left = self.expected_left(generated, remaining)
-        top = min(limit, self.max_k)
-        return self.probe_or(self._best_k(top, source, unread, left), limit, source, unread, left,
-                             probe=lambda: self._best_k(top, source, unread, left, drafting=True))
+        return self.probe_or(self._best_k(min(limit, self.max_k), source, unread, left), limit, source, unread, left)
 
     def _best_k(self, top: int, source: str, unread: int = 0, left: float | None = None, drafting: bool = False) -> int:
         """The k (0..top) with the most expected tokens per second for `source` after reading `unread` tokens
@@ -560,9 +556,9 @@ class AutoK:
         return best_k
 
     def probe_or(self, k: int, limit: int, source: str = DEFAULT_SOURCE, unread: int = 0,
-                 left: float | None = None, probe=None) -> int:
+                 left: float | None = None) -> int:
         """`k` as the cost model chose it, or a probe: after `probe_interval` plain choices in a row a draft of the k
-        the cost model ranks first among k >= 1 (`probe()`; default 1), to notice a recovery and time again the
+        the cost model ranks first among k >= 1, to notice a recovery and time again the
         pass that decides (a width timed once, at a slow moment, priced drafting out for a whole answer while
         plain steps kept the one-token pass up to date); not while its catch-up would cost more than a
         PROBE_READ_SHARE of the time the answer is expected to have left (`left` tokens; it could never pay back)."""
@@ -576,7 +572,7 @@ class AutoK:
                       or self.catch_up_seconds(unread, source) <= PROBE_READ_SHARE * left * plain)
         if est.plain_streak > est.probe_interval and affordable:
             est.plain_streak, est.probing = 0, True
-            return max(1, min(probe() if probe is not None else 1, limit))
+            return self._best_k(min(limit, self.max_k), source, unread, left, drafting=True)
         return 0
 
 
