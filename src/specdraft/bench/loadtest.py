@@ -371,7 +371,7 @@ def render_report(summary: dict) -> str:
         for clients, c in ceilings.items():
             lines.append(f"| {clients} | {c['width']} | {c['one_pass_seconds'] * 1000:.1f} | "
                          f"{c['pass_seconds'] * 1000:.1f} | {c['ceiling_tokens_per_second']:.1f} | "
-                         f"{c['best_tokens_per_second']:.1f} (`{c['best_method']}`) | {c['share']:.0%} |")
+                         f"{c['best_tokens_per_second']:.1f} (`{c['best_method']}`) | {c['share']:.1%} |")
     lines += ["", "TTFT: sending to the first streamed text; TPOT: time per output token after the first; ITL: gaps "
               "between streamed chunks (a speculative step sends several tokens at once); same as alone: share of "
               "greedy answers equal to that prompt's answer at the lowest concurrency.", "",

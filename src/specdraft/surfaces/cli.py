@@ -323,7 +323,7 @@ def loadtest(
                           *(f"{(f[key]['p95'] or 0) * 1000:.0f}" for key in ("ttft", "itl")), str(f["errors"]))
     err.print(table)
     for clients, ceiling in summary["batching"].items():
-        err.print(f"{clients} clients: {ceiling['share']:.0%} of the {ceiling['ceiling_tokens_per_second']:.1f} tok/s "
+        err.print(f"{clients} clients: {ceiling['share']:.1%} of the {ceiling['ceiling_tokens_per_second']:.1f} tok/s "
                   f"the passes timed in this run allow (batches of {ceiling['width']})", highlight=False)
     err.print(f"wrote {out}/: results.jsonl, summary.json, report.md and the PNG plots", highlight=False)
 
