@@ -79,8 +79,7 @@ class PrefixCache:
 
     def keep(self, lm, tokens: torch.Tensor) -> None:
         """Keep the rows `lm`'s cache holds for prompt `tokens` ([n] int64, its first n cached tokens)."""
-        if tokens.shape[0]:
-            self.add(tokens, lm.rows(tokens.shape[0]))
+        self.add(tokens, lm.rows(tokens.shape[0]))
 
     def add(self, tokens: torch.Tensor, rows: Rows) -> None:
         """Keep a copy of `rows`, the cached rows of prompt `tokens` ([n] int64), unless a kept prompt already begins

@@ -99,33 +99,32 @@ def client_for(url: str, api_key: str | None, timeout: float):
     return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "unused", timeout=timeout, max_retries=0)
 
 
-def reset_prefix_cache(url: str, api_key: str | None, timeout: float) -> bool:
-    """Ask the server at `url` to forget the prompts it keeps for their prefixes; False where it keeps none (or is
-    not a specdraft server that has the route)."""
+def _server_route(method: str, url: str, route: str, api_key: str | None, timeout: float):
+    """A specdraft server's own route (`/reset_prefix_cache`, `/metrics`), with its key: the response if it answered
+    200, else None (no server, another kind of server, an error)."""
     import httpx  # the openai client's own HTTP library
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.post(f"{url.rstrip('/')}/reset_prefix_cache", headers=headers, timeout=timeout)
+        response = httpx.request(method, f"{url.rstrip('/')}{route}", headers=headers, timeout=timeout)
     except httpx.HTTPError:
-        return False
-    return response.status_code == 200 and bool(response.json().get("cleared"))
+        return None
+    return response if response.status_code == 200 else None
+
+
+def reset_prefix_cache(url: str, api_key: str | None, timeout: float) -> bool:
+    """Ask the server at `url` to forget the prompts it keeps for their prefixes; False where it keeps none (or is
+    not a specdraft server that has the route)."""
+    response = _server_route("POST", url, "/reset_prefix_cache", api_key, timeout)
+    return response is not None and bool(response.json().get("cleared"))
 
 
 def pass_sums(url: str, api_key: str | None, timeout: float) -> dict[int, tuple[float, int]]:
     """The server's target passes so far by width: (seconds summed, passes), from its /metrics
     (`specdraft_target_pass_seconds`); empty where it has none (a server that does not batch, or not specdraft)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/metrics", headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return {}
-    if response.status_code != 200:
-        return {}
+    response = _server_route("GET", url, "/metrics", api_key, timeout)
     sums: dict[int, list[float]] = {}
-    for line in response.text.splitlines():
+    for line in response.text.splitlines() if response is not None else ():
         for part, slot in (("_sum", 0), ("_count", 1)):
             prefix = f'specdraft_target_pass_seconds{part}{{width="'
             if line.startswith(prefix):

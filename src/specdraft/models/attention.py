@@ -90,7 +90,8 @@ def grouped_sdpa_forward(
     length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = length > 1 and attention_mask is None and causal
-    if cache_attention.supports(query, key, value) or (length <= FEW_QUERIES and not causal):  # every pass on the kernel; a few queries over a cache
+    # every pass on the kernel where it runs; elsewhere a few queries over a cache
+    if cache_attention.supports(query, key, value) or (length <= FEW_QUERIES and not causal):
         if causal:
             attention_mask = causal_visibility(length, key.shape[2], query.device)
         return few_query_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5), None
