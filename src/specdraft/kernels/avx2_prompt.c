@@ -92,6 +92,10 @@ static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
         prefetch_tile(group_codes, INT4_TILE_BYTES, 0);
+        if (g % 2 == 0) {  /* and the scales and offsets, a line (two groups) at a time */
+            _mm_prefetch((const char *)(block_scale + g * 16) + PREFETCH_BYTES / 8, _MM_HINT_T0);
+            _mm_prefetch((const char *)(block_zero + g * 16) + PREFETCH_BYTES / 8, _MM_HINT_T0);
+        }
         __m256i words[Q8_WIDEST][2];
         for (int t = 0; t < tokens; t++) words[t][0] = words[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1

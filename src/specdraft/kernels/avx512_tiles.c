@@ -68,7 +68,9 @@
 #define MAX_TOKENS 8
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
-#define PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
+/* Codes are fetched this far ahead, every line of a tile. 8 KB rather than 4 (a Zen 5, 2 threads, target passes
+ * after a 300-token cache, alternating processes): 2- and 3-token passes 3-15% faster, one-token passes unchanged. */
+#define PREFETCH_BYTES 8192
 
 /* Fetch every line of the tile PREFETCH_BYTES ahead of `tile`. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes) {
