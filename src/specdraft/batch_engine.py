@@ -590,10 +590,10 @@ class BatchedDecoder:
             tree[0] if tree is not None else torch.arange(block.shape[0], device=block.device))
             for seq, block, tree in zip(stepping, blocks, trees)])  # [T]
         tokens = torch.cat(blocks)  # [T]
-        cached = target.cache_len
-        sync_device(target.device)
+        cached, device = target.cache_len, target.device
+        sync_device(device)
         t1 = time.perf_counter()
-        visible = packed_visibility(self.row_owner, owners, which, target.device)  # [T, cached + T]
+        visible = packed_visibility(self.row_owner, owners, which, device)  # [T, cached + T]
         start = 0
         for block, tree in zip(blocks, trees):  # a tree's tokens see the root and their own ancestors in its block
             if tree is not None:
@@ -648,7 +648,7 @@ class BatchedDecoder:
             self.costs.time_pass(tokens.shape[0], pass_seconds)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
         self.row_owner += [seq.ident for seq, kept in zip(stepping, decided_by) for _ in kept]
-        finished = []
+        finished, eos_token_ids = [], target.eos_token_ids
         for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, accepted, seconds, rows, kept in \
                 zip(stepping, drafts, plans, verdicts, paths, accepted_tokens, draft_seconds, rows_of, decided_by):
             run, k = seq.run, draft.k
@@ -658,7 +658,7 @@ class BatchedDecoder:
             if seq.drafter is not None:  # the pass was timed above, by its total width
                 seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores,
                                    timed=timed)
-            event = run.emit(k, accepted, next_token, bonus, target.eos_token_ids, target.max_context)
+            event = run.emit(k, accepted, next_token, bonus, eos_token_ids, target.max_context)
             run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
                                   draft.layout.height if draft.layout is not None else k, seconds,
                                   pass_seconds + (t1 - t0) / len(stepping))

@@ -242,8 +242,9 @@ class CausalLM:
             )
         allowed = torch.ones(length, keys, dtype=torch.bool, device=visible.device)
         allowed[:, keys - visible.shape[1] :] = visible
-        mask = torch.zeros(length, keys, dtype=self.dtype, device=visible.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min).view(1, 1, length, keys)
+        dtype = self.dtype  # (an embedding lookup: asked once)
+        mask = torch.zeros(length, keys, dtype=dtype, device=visible.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, length, keys)
 
     def _sliding_window(self) -> int | None:
         """The smallest attention window of any layer, None when every layer attends to everything."""
