@@ -55,23 +55,54 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold + unfinished
 
 
+DECODE_CONTEXT = 6  # tokens before the settled point decoded again with the new ones (see `IncrementalText.decoded`)
+
+
 class IncrementalText:
     """Turns the growing list of generated ids into text deltas.
 
     A delta never ends in the middle of a multi-byte character (the tokenizer decodes a
     partial UTF-8 sequence as U+FFFD, which is held back), nor in text that may still turn
     into a stop string. `stop_at` reports where a stop string starts, so the caller can cut.
+
+    The text of the ids so far is kept, so a step decodes its new tokens and a few before them, not the whole
+    answer again (`decoded`).
     """
 
     def __init__(self, tokenizer, stops: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in (stops or []) if s]
         self.emitted = ""
+        self._settled: list[int] = []  # ids whose text is known and ends on a whole character
+        self._settled_text = ""  # decode(_settled)
+        self._window_text = ""  # decode(_settled[-DECODE_CONTEXT:])
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decoded(self, ids: list[int]) -> str:
+        """decode(ids), from the text kept for the ids they begin with (`settle`): the last DECODE_CONTEXT of those
+        are decoded again with the rest, and what follows their own text is the new text. The context gives the
+        tokenizer's decoder the same first token on both sides (a SentencePiece decoder strips the space of the
+        first token it sees), and the kept text ends on a whole character (byte-level pieces of a character split
+        across tokens decode alike on both sides). Where the window's text does not begin with the kept window's,
+        the whole ids are decoded. Decoding the whole answer at every step cost O(length) a step."""
+        settled = len(self._settled)
+        if settled >= DECODE_CONTEXT and len(ids) >= settled and ids[:settled] == self._settled:
+            window = self.decode(ids[settled - DECODE_CONTEXT :])
+            if window.startswith(self._window_text):
+                return self._settled_text + window[len(self._window_text) :]
+        return self.decode(ids)
+
+    def settle(self, ids: list[int], text: str) -> None:
+        """Keep `text` (= decode(ids)) for `decoded`, where it ends on a whole character."""
+        if len(ids) < DECODE_CONTEXT or text.endswith("\ufffd"):
+            return
+        window = self.decode(ids[-DECODE_CONTEXT:])
+        if not window.endswith("\ufffd"):
+            self._settled, self._settled_text, self._window_text = list(ids), text, window
 
     def token_texts(self, before: list[int], new: list[int]) -> tuple[list[str], bool]:
         """The decoded text after each token of `new`, cut at the first stop string.
@@ -83,12 +114,14 @@ class IncrementalText:
             return [""] * len(new), False
         texts = []
         for j in range(1, len(new) + 1):
-            decoded = self.decode(before + new[:j])
+            decoded = self.decoded(before + new[:j])
             at = find_stop(decoded, self.stops, start=len(self.emitted)) if self.stops else None
             if at is not None:
                 texts.append(decoded[:at])
                 return texts, True
             texts.append(decoded)
+        if texts:
+            self.settle(before + new, texts[-1])
         return texts, False
 
     def cut(self, before: list[int], new: list[int], eos_ids: set[int]) -> tuple[list[int], list[str], str | None]:
