@@ -68,14 +68,18 @@
 #define MAX_TOKENS 8
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
-/* Codes are fetched this far ahead, every line of a tile. 8 KB rather than 4 (a Zen 5, 2 threads, target passes
- * after a 300-token cache, alternating processes): 2- and 3-token passes 3-15% faster, one-token passes unchanged. */
+/* Codes are fetched this far ahead, every line of a tile: PREFETCH_BYTES in passes of at most PREFETCH_FAR_TOKENS
+ * tokens, PREFETCH_NEAR_BYTES in wider ones (`vnni_tiles.c`). A Zen 5, 2 threads, the bundled target after a
+ * 300-token cache, builds in alternating processes: 8 KB rather than 4 made 2- and 3-token passes 3-15% faster
+ * (one token the same), and a 128-token prompt read 15% slower (452 against 389-395 ms). */
 #define PREFETCH_BYTES 8192
+#define PREFETCH_NEAR_BYTES 4096
+#define PREFETCH_FAR_TOKENS 8
 
-/* Fetch every line of the tile PREFETCH_BYTES ahead of `tile`. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes) {
+/* Fetch every line of the tile `ahead` bytes ahead of `tile`. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *tile, int tile_bytes, int ahead) {
     for (int line = 0; line < tile_bytes; line += 64)
-        _mm_prefetch((const char *)(tile + PREFETCH_BYTES + line), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + ahead + line), _MM_HINT_T0);
 }
 
 /* `call(T)` with T = tokens as a constant (1..MAX_TOKENS), so the accumulators stay in registers. */
@@ -135,7 +139,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES);
+        prefetch_ahead(group_codes, INT4_TILE_BYTES, PREFETCH_BYTES);
         DotSum first[MAX_TOKENS], second[MAX_TOKENS];  /* inputs 0-15 (chunks 0, 1) and 16-31 (chunks 2, 3) */
         for (int t = 0; t < tokens; t++) first[t] = second[t] = DOT_ZERO();
         const TileInput *xg = act->x + g * GROUP;
@@ -203,7 +207,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES);
+        prefetch_ahead(group_codes, INT4_TILE_BYTES, PREFETCH_BYTES);
         DotSum even[MAX_TOKENS], odd[MAX_TOKENS];
         for (int t = 0; t < tokens; t++) even[t] = odd[t] = DOT_ZERO();
         const TileInput *xg = act->x + g * GROUP;
@@ -243,7 +247,7 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
-        prefetch_ahead(tile, Q6_TILE_BYTES);
+        prefetch_ahead(tile, Q6_TILE_BYTES, PREFETCH_BYTES);
         const float *dg = d + (g / 8) * 16;
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             DotSum first[MAX_TOKENS], second[MAX_TOKENS];  /* two chains: chunk 2·sub, chunk 2·sub + 1 */

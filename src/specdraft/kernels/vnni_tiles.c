@@ -83,12 +83,13 @@ static inline __attribute__((always_inline)) void pairs_to_quads(const __m512i p
 static inline __attribute__((always_inline)) void int4_block_q8(const uint8_t *codes, const uint16_t *block_scale,
                                                                const uint16_t *block_zero, const int8_t *xq,
                                                                const float *act_scale, const float *sums16, int64_t K,
-                                                               int64_t groups, int tokens, float *y, int64_t ldy) {
+                                                               int64_t groups, int tokens, float *y, int64_t ldy,
+                                                               int ahead) {
     __m512 acc[VNNI_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES);
+        prefetch_ahead(group_codes, INT4_TILE_BYTES, ahead);
         __m512i quads[8];
         for (int chunk = 0; chunk < 4; chunk++) int4_quads(group_codes + chunk * 64, quads + 2 * chunk);
         const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
@@ -107,12 +108,13 @@ static inline __attribute__((always_inline)) void int4_block_q8(const uint8_t *c
 /* One block of 16 output rows of a Q6_K matrix against `tokens` tokens (a constant after inlining). */
 static inline __attribute__((always_inline)) void q6_block_q8(const uint8_t *tiles, const float *d, const int8_t *xq,
                                                              const float *act_scale, const float *sums16, int64_t K,
-                                                             int64_t groups, int tokens, float *y, int64_t ldy) {
+                                                             int64_t groups, int tokens, float *y, int64_t ldy,
+                                                             int ahead) {
     __m512 acc[VNNI_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = tiles + g * Q6_TILE_BYTES;
-        prefetch_ahead(tile, Q6_TILE_BYTES);
+        prefetch_ahead(tile, Q6_TILE_BYTES, ahead);
         const float *dg = d + (g / 8) * 16;
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             __m512i quads[4], pairs[2];
@@ -160,6 +162,7 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
                       int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     QuantizedActivations act = quantized(x, K, tokens);
+    const int ahead = tokens - first <= PREFETCH_FAR_TOKENS ? PREFETCH_BYTES : PREFETCH_NEAR_BYTES;
     for (int64_t t0 = first; t0 < tokens; t0 += VNNI_TOKENS) {
         const int chunk = (int)(tokens - t0 < VNNI_TOKENS ? tokens - t0 : VNNI_TOKENS);
         const int8_t *xq = act.q + t0 * K;
@@ -170,13 +173,13 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
             if (zero != NULL) {
                 const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                 const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy)
+#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy, ahead)
                 WITH_CONSTANT_TOKENS_16(chunk, INT4_Q8_BLOCK)
 #undef INT4_Q8_BLOCK
             } else {
                 const uint8_t *block = tiles + nb * groups * Q6_TILE_BYTES;
                 const float *bd = (const float *)scale + nb * (K / 256) * 16;
-#define Q6_Q8_BLOCK(T) q6_block_q8(block, bd, xq, a, sums, K, groups, T, out, ldy)
+#define Q6_Q8_BLOCK(T) q6_block_q8(block, bd, xq, a, sums, K, groups, T, out, ldy, ahead)
                 WITH_CONSTANT_TOKENS_16(chunk, Q6_Q8_BLOCK)
 #undef Q6_Q8_BLOCK
             }
