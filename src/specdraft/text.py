@@ -97,12 +97,13 @@ class IncrementalText:
         return self.decode(ids)
 
     def settle(self, ids: list[int], text: str) -> None:
-        """Keep `text` (= decode(ids)) for `decoded`, where it ends on a whole character."""
+        """Keep `text` (= decode(ids)) for `decoded`, where it ends on a whole character (`ids` is kept as given: the
+        caller does not change it after)."""
         if len(ids) < DECODE_CONTEXT or text.endswith("\ufffd"):
             return
         window = self.decode(ids[-DECODE_CONTEXT:])
         if not window.endswith("\ufffd"):
-            self._settled, self._settled_text, self._window_text = list(ids), text, window
+            self._settled, self._settled_text, self._window_text = ids, text, window
 
     def token_texts(self, before: list[int], new: list[int]) -> tuple[list[str], bool]:
         """The decoded text after each token of `new`, cut at the first stop string.
@@ -112,16 +113,17 @@ class IncrementalText:
         """
         if self.tokenizer is None:
             return [""] * len(new), False
-        texts = []
-        for j in range(1, len(new) + 1):
-            decoded = self.decoded(before + new[:j])
+        texts, ids = [], list(before)
+        for token in new:
+            ids = ids + [token]  # a new list each token: `settle` keeps the last one
+            decoded = self.decoded(ids)
             at = find_stop(decoded, self.stops, start=len(self.emitted)) if self.stops else None
             if at is not None:
                 texts.append(decoded[:at])
                 return texts, True
             texts.append(decoded)
         if texts:
-            self.settle(before + new, texts[-1])
+            self.settle(ids, texts[-1])
         return texts, False
 
     def cut(self, before: list[int], new: list[int], eos_ids: set[int]) -> tuple[list[int], list[str], str | None]:
