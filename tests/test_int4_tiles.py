@@ -32,7 +32,7 @@ def test_matches_the_dequantized_weight(tile_kernel, tokens, inputs):
     kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(96, inputs)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    out = kernel.matmul(int4_layout.pack(codes, scale, minimum), x)  # [T, N]
+    out = kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT), x)  # [T, N]
     expected = activations_as_multiplied(x, kernel) @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -42,13 +42,16 @@ def test_each_token_is_computed_alone(tile_kernel):
     """A token's output is bit-identical whether it runs alone or among 19 (verify pass == decode step)."""
     kernel = tile_kernel
     codes, scale, minimum, _ = affine_matrix(64, 128, seed=1)
-    packed = int4_layout.pack(codes, scale, minimum)
+    packed = int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT)
     x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     together = kernel.matmul(packed, x)
     for i in range(19):
         assert torch.equal(kernel.matmul(packed, x[i:i + 1])[0], together[i])
     with pytest.raises(ValueError, match=r"\[tokens, 128\]"):
         kernel.matmul(packed, x[:, :64])
+    other = int4_layout.QUADS if kernel.INT4_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
+    with pytest.raises(ValueError, match=f"reads {kernel.INT4_LAYOUT} tiles; the matrix was packed as {other}"):
+        kernel.matmul(int4_layout.pack(codes, scale, minimum, other), x)
 
 
 def test_pack_layout_and_shape_errors():
@@ -61,6 +64,23 @@ def test_pack_layout_and_shape_errors():
     assert not int4_layout.fits(24, 64, 32) and not int4_layout.fits(32, 96, 32) and not int4_layout.fits(32, 64, 64)
     with pytest.raises(ValueError, match="N % 16"):
         int4_layout.pack(codes[:24], scale[:24], minimum[:24])
+    with pytest.raises(ValueError, match="unknown 4-bit tile layout 'rows'"):
+        int4_layout.pack(codes, scale, minimum, "rows")
+
+
+def test_quads_layout_puts_four_inputs_of_a_row_in_a_dword():
+    """`QUADS`: byte 64·j + 32·h + 4·c + b of a tile holds inputs 8j + b (low nibble) and 8j + 4 + b (high) of row
+    8h + c, so the low nibbles of a dword are four consecutive inputs of one row (the `vpmaddubsw` operand)."""
+    codes, scale, minimum, _ = affine_matrix(32, 64, seed=2)
+    packed = int4_layout.pack(codes, scale, minimum, int4_layout.QUADS)
+    tiles_ = packed.tiles.view(2, 2, 256)  # [row blocks, groups, bytes]
+    for block, group, j, h, c, b in ((0, 0, 0, 0, 0, 0), (0, 1, 2, 1, 5, 3), (1, 0, 3, 0, 7, 1), (1, 1, 1, 1, 2, 2)):
+        byte = tiles_[block, group, 64 * j + 32 * h + 4 * c + b]
+        row, column = 16 * block + 8 * h + c, 32 * group + 8 * j + b
+        assert byte & 0x0F == codes[row, column] and byte >> 4 == codes[row, column + 4]
+    pairs = int4_layout.pack(codes, scale, minimum)
+    assert torch.equal(packed.scale, pairs.scale) and torch.equal(packed.zero, pairs.zero)
+    assert sorted(packed.tiles.tolist()) != sorted(pairs.tiles.tolist())  # other bytes: nibbles paired differently
 
 
 @pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill
@@ -96,11 +116,13 @@ def test_int4_linear_prefers_amx_then_avx512_then_avx2_then_pytorch(monkeypatch)
 
 def test_packing_in_row_slices_changes_nothing(monkeypatch):
     codes, scale, minimum, _ = affine_matrix(96, 128, seed=6)
-    whole = int4_layout.pack(codes, scale, minimum)
-    monkeypatch.setattr(int4_layout, "_PACK_ROWS", 32)
-    sliced = int4_layout.pack(codes, scale, minimum)
-    for name in ("tiles", "scale", "zero"):
-        assert torch.equal(getattr(whole, name), getattr(sliced, name))
+    for layout in (int4_layout.PAIRS, int4_layout.QUADS):
+        whole = int4_layout.pack(codes, scale, minimum, layout)
+        monkeypatch.setattr(int4_layout, "_PACK_ROWS", 32)
+        sliced = int4_layout.pack(codes, scale, minimum, layout)
+        monkeypatch.undo()
+        for name in ("tiles", "scale", "zero"):
+            assert torch.equal(getattr(whole, name), getattr(sliced, name))
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
@@ -143,7 +165,7 @@ def test_the_two_flavours_are_two_builds_of_one_function():
     codes, scale, minimum, weight = affine_matrix(64, 256, seed=8)
     packed = int4_layout.pack(codes, scale, minimum)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
-    out = {flavour: int4_layout.run_tile_kernel(avx512_tiles._built(flavour).int4_avx512_matmul, packed, x)
+    out = {flavour: int4_layout.run_tile_kernel(avx512_tiles._built(flavour).int4_avx512_matmul, packed, x, int4_layout.PAIRS)
            for flavour in ("int16", "bf16")}
     assert not torch.equal(out["int16"], out["bf16"])
     torch.testing.assert_close(out["int16"], out["bf16"], rtol=1e-4, atol=1e-4 * out["bf16"].abs().max().item())
@@ -153,13 +175,14 @@ def test_the_two_flavours_are_two_builds_of_one_function():
                     reason="needs the AVX2 and the AVX-512 int16 tile kernels on one CPU")
 @pytest.mark.parametrize("tokens", [1, 3, 6, 11])
 def test_avx2_gives_the_avx512_int16_bits(tokens):
-    """The AVX2 kernels do the AVX-512 int16 flavour's arithmetic in the same order: the same bits, 4-bit and Q6_K."""
+    """The AVX2 kernels do the AVX-512 int16 flavour's arithmetic in the same order: the same bits, 4-bit (each
+    kernel on its own tile layout) and Q6_K."""
     codes, scale, minimum, _ = affine_matrix(64, 256, seed=10)
-    packed = int4_layout.pack(codes, scale, minimum)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
     x[0, :16] *= 300.0  # a huge activation (an attention sink's) coarsens its 16's grid alone
-    wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul, packed, x)
-    assert torch.equal(avx2_tiles.matmul(packed, x), wide)
+    wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul,
+                                       int4_layout.pack(codes, scale, minimum), x, int4_layout.PAIRS)
+    assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
 
 
 @pytest.mark.skipif(not vnni_tiles.available() or vnni_tiles._built("int16") is None or avx2_prompt._library() is None,
@@ -169,10 +192,9 @@ def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
     """The AVX2 prompt kernels compute `vnni_tiles.c`'s function in its order: the same bits (int16 tiles for the
     leading precise row on both)."""
     codes, scale, minimum, _ = affine_matrix(96, 512, seed=tokens)
-    packed = int4_layout.pack(codes, scale, minimum)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     monkeypatch.setenv("SPECDRAFT_TILE_DOTS", "int16")
     with prompt_pass.prompt_pass(starts_sequence=True):
-        wide = avx512_tiles.matmul(packed, x)
+        wide = avx512_tiles.matmul(int4_layout.pack(codes, scale, minimum), x)
         monkeypatch.setenv(isa.VARIABLE, "avx2")
-        assert torch.equal(avx2_tiles.matmul(packed, x), wide)
+        assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)

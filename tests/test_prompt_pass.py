@@ -47,7 +47,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def int4_case(tokens: int):
     codes, scale, minimum, weight = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    return (lambda inputs: tiles.tile_kernel().matmul(int4_layout.pack(codes, scale, minimum), inputs)), x, x.double() @ weight.double().T
+    kernel = tiles.tile_kernel()
+    return (lambda inputs: kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT), inputs)), x, x.double() @ weight.double().T
 
 
 def q6k_case(tokens: int):
@@ -88,7 +89,7 @@ def test_prompt_pass_over_long_rows_cuts_the_tokens_into_spans():
     """4,096 inputs a row: the AVX2 kernel sweeps the rows once per 64 tokens (its int8 activations kept in L2), so 70
     tokens take two sweeps; each token still gets its own bits and the int8 error."""
     codes, scale, minimum, weight = affine_matrix(32, 4096, seed=7)
-    packed = int4_layout.pack(codes, scale, minimum)
+    packed = int4_layout.pack(codes, scale, minimum, tiles.tile_kernel().INT4_LAYOUT)
     raw = random_q6k_raw(16, 4096, seed=7)
     q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw))
     x = torch.randn(70, 4096, generator=torch.Generator().manual_seed(7)).bfloat16()  # [T, K]

@@ -35,9 +35,11 @@
         case 5: call(5); break; case 6: call(6); break; default: call(7); break;                                   \
     }
 #define Q8_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows */
+#define SUMS 3  /* per group: a·Σâ of inputs 0-15, of inputs 16-31 (Q6_K's sub-blocks), and their float sum (4-bit) */
 
-/* x [K] bf16 of one token -> â [K] int8, a [K/32], and a·Σâ per 16 inputs [K/16]. */
-static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale, float *sums16) {
+/* x [K] bf16 of one token -> â [K] int8, a [K/32], and `SUMS` sums per group [K/32 · SUMS]. The 4-bit kernel's
+ * term, (a·Σâ₀) + (a·Σâ₁), is added here once rather than once per block of rows: the same float addition. */
+static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale, float *sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / GROUP; g++) {
         const uint16_t *xg = x + g * GROUP;
@@ -54,22 +56,19 @@ static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale
         const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
         _mm256_storeu_si256((__m256i *)(q + g * GROUP), _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8));
         scale[g] = a;
-        sums16[2 * g] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[0], qi[1]));
-        sums16[2 * g + 1] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
+        sums[SUMS * g] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[0], qi[1]));
+        sums[SUMS * g + 1] = a * (float)hsum8_epi32(_mm256_add_epi32(qi[2], qi[3]));
+        sums[SUMS * g + 2] = sums[SUMS * g] + sums[SUMS * g + 1];
     }
 }
 
-/* 32 bytes of a 4-bit tile (pairs 4·chunk .. 4·chunk + 3, rows of one half) -> two `vpmaddubsw` operands: lane c of
- * quads[h] holds the codes of inputs 8·chunk + 4h .. 8·chunk + 4h + 3 of row c. */
+/* 32 bytes of a `QUADS` 4-bit tile (chunk j, rows of one half) -> two `vpmaddubsw` operands: lane c of quads[h] holds
+ * the codes of inputs 8·j + 4h .. 8·j + 4h + 3 of row c. The layout puts them there: a mask and a shift, no shuffle. */
 static inline __attribute__((always_inline)) void int4_quads8(const uint8_t *bytes, __m256i quads[2]) {
-    /* in each 16-byte lane, byte 4·(r % 4) + c % 4 holds pair r of row c: bring pairs r, r + 1 of a row together */
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)bytes), order);
-    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    quads[0] = _mm256_unpacklo_epi8(lo, hi);
-    quads[1] = _mm256_unpackhi_epi8(lo, hi);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)bytes);
+    quads[0] = _mm256_and_si256(v, low);
+    quads[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
 /* Code pairs as `nibble_pairs8` lays them out -> the two operands of `int4_quads8`. */
@@ -81,11 +80,35 @@ static inline __attribute__((always_inline)) void pairs_to_quads8(const __m256i 
 /* int16 sums of q·â over the quads against one token's activation dwords -> int32 per row. */
 static inline __m256i widen16(__m256i words) { return _mm256_madd_epi16(words, _mm256_set1_epi16(1)); }
 
+/* One chunk (8 inputs) of a group of a 4-bit block of 16 rows against `tokens` tokens, added into their int16 (int32
+ * with AVX-VNNI) sums `words` [token][half]; `first` (a constant after inlining): the group's first chunk, whose
+ * products start the sums. `x` points at the chunk's activations of the first token, K bytes from one to the next. */
+static inline __attribute__((always_inline)) void int4_chunk_q8(const uint8_t *chunk_codes, const int8_t *x, int64_t K,
+                                                               int tokens, int first, __m256i words[][2]) {
+    __m256i low[2], high[2];  /* the quads of rows 0-7 and 8-15 */
+    int4_quads8(chunk_codes, low);
+    int4_quads8(chunk_codes + 32, high);
+    for (int t = 0; t < tokens; t++)
+        for (int j = 0; j < 2; j++) {
+            const __m256i x4 = _mm256_set1_epi32(((const int32_t *)(x + t * K))[j]);
+#ifdef __AVXVNNI__
+            const __m256i start0 = first && j == 0 ? _mm256_setzero_si256() : words[t][0];
+            const __m256i start1 = first && j == 0 ? _mm256_setzero_si256() : words[t][1];
+            words[t][0] = _mm256_dpbusd_avx_epi32(start0, low[j], x4);
+            words[t][1] = _mm256_dpbusd_avx_epi32(start1, high[j], x4);
+#else
+            const __m256i p0 = _mm256_maddubs_epi16(low[j], x4), p1 = _mm256_maddubs_epi16(high[j], x4);
+            words[t][0] = first && j == 0 ? p0 : _mm256_add_epi16(words[t][0], p0);
+            words[t][1] = first && j == 0 ? p1 : _mm256_add_epi16(words[t][1], p1);
+#endif
+        }
+}
+
 /* Both halves of a block of 16 rows of a 4-bit matrix against `tokens` tokens (a constant after inlining): one
  * activation broadcast feeds both halves, and each token's int16 sums stay in registers through a group. */
 static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *codes, const uint16_t *block_scale,
                                                                 const uint16_t *block_zero, const int8_t *xq,
-                                                                const float *act_scale, const float *sums16, int64_t K,
+                                                                const float *act_scale, const float *sums, int64_t K,
                                                                 int64_t groups, int tokens, float *y, int64_t ldy) {
     __m256 acc[Q8_WIDEST][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -97,30 +120,14 @@ static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *
             _mm_prefetch((const char *)(block_zero + g * 16) + PREFETCH_BYTES / 8, _MM_HINT_T0);
         }
         __m256i words[Q8_WIDEST][2];
-        for (int t = 0; t < tokens; t++) words[t][0] = words[t][1] = _mm256_setzero_si256();
+        int4_chunk_q8(group_codes, xq + g * GROUP, K, tokens, 1, words);
 #pragma GCC unroll 1
-        for (int chunk = 0; chunk < 4; chunk++) {
-            __m256i low[2], high[2];  /* the quads of rows 0-7 and 8-15 */
-            int4_quads8(group_codes + chunk * 64, low);
-            int4_quads8(group_codes + chunk * 64 + 32, high);
-            for (int t = 0; t < tokens; t++)
-                for (int j = 0; j < 2; j++) {
-                    const __m256i x4 = _mm256_set1_epi32(((const int32_t *)(xq + t * K + g * GROUP))[2 * chunk + j]);
-#ifdef __AVXVNNI__
-                    words[t][0] = _mm256_dpbusd_avx_epi32(words[t][0], low[j], x4);
-                    words[t][1] = _mm256_dpbusd_avx_epi32(words[t][1], high[j], x4);
-#else
-                    const __m256i p0 = _mm256_maddubs_epi16(low[j], x4), p1 = _mm256_maddubs_epi16(high[j], x4);
-                    words[t][0] = _mm256_add_epi16(words[t][0], p0);
-                    words[t][1] = _mm256_add_epi16(words[t][1], p1);
-#endif
-                }
-        }
+        for (int chunk = 1; chunk < 4; chunk++) int4_chunk_q8(group_codes + chunk * 64, xq + g * GROUP + 8 * chunk, K, tokens, 0, words);
         for (int h = 0; h < 2; h++) {
             const __m256 s = bf16x8_to_ps(block_scale + g * 16 + h * 8), z = bf16x8_to_ps(block_zero + g * 16 + h * 8);
             const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
             for (int t = 0; t < tokens; t++) {
-                const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g] + sums16[t * 2 * groups + 2 * g + 1];
+                const float a = act_scale[t * groups + g], sum = sums[(t * groups + g) * SUMS + 2];
 #ifdef __AVXVNNI__
                 const __m256i dot = words[t][h];
 #else
@@ -139,7 +146,7 @@ static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *
 
 /* Both halves of a block of 16 rows of a Q6_K matrix against `tokens` tokens. */
 static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *tiles, const float *d, const int8_t *xq,
-                                                              const float *act_scale, const float *sums16, int64_t K,
+                                                              const float *act_scale, const float *sums, int64_t K,
                                                               int64_t groups, int tokens, float *y, int64_t ldy) {
     __m256 acc[Q8_WIDEST][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -175,7 +182,7 @@ static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *ti
                 const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tile + 384 + sub * 16 + h * 8))));
                 const __m256 s = _mm256_mul_ps(sc, dg), offset = _mm256_mul_ps(s, _mm256_set1_ps(32.0f));
                 for (int t = 0; t < tokens; t++) {
-                    const float a = act_scale[t * groups + g], sum = sums16[t * 2 * groups + 2 * g + sub];
+                    const float a = act_scale[t * groups + g], sum = sums[(t * groups + g) * SUMS + sub];
                     acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(dots[t][h]), acc[t][h]);
                     acc[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t][h]);
                 }
@@ -197,9 +204,9 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
     const int64_t groups = K / GROUP, blocks = N / 16;
     const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     int8_t *q = malloc((size_t)(tokens * K));
-    float *a = malloc(sizeof(float) * (size_t)(tokens * groups)), *sums = malloc(sizeof(float) * (size_t)(tokens * 2 * groups));
+    float *a = malloc(sizeof(float) * (size_t)(tokens * groups)), *sums = malloc(sizeof(float) * (size_t)(tokens * SUMS * groups));
 #pragma omp parallel for schedule(static) if (tokens - first > 1)
-    for (int64_t t = first; t < tokens; t++) quantize_token(x + t * K, K, q + t * K, a + t * groups, sums + t * 2 * groups);
+    for (int64_t t = first; t < tokens; t++) quantize_token(x + t * K, K, q + t * K, a + t * groups, sums + t * SUMS * groups);
     for (int64_t s0 = first; s0 < tokens; s0 += span) {
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
@@ -207,7 +214,7 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
             for (int64_t t0 = s0, chunk; t0 < s1; t0 += chunk) {
                 chunk = s1 - t0 < 2 * Q8_BLOCK ? s1 - t0 : Q8_BLOCK;  /* Q8_BLOCK, or a last sweep of up to Q8_WIDEST */
                 const int8_t *xq = q + t0 * K;
-                const float *at = a + t0 * groups, *st = sums + t0 * 2 * groups;
+                const float *at = a + t0 * groups, *st = sums + t0 * SUMS * groups;
                 float *out = y + t0 * ldy + nb * 16;
                 if (zero != NULL) {
                     const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;

@@ -1,8 +1,9 @@
 /* AVX2 kernels for weights kept in 4-bit and 6-bit tiles: y = x W^T without unpacking W to float,
  * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
  *
- * The same tiles as the AVX-512 kernels (`int4_layout.py`, `gguf_matmul.pack_q6k`) and the same
- * arithmetic as their int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
+ * 4-bit tiles in the `QUADS` layout of `int4_layout.py` (their own: no byte shuffle for the int8 kernels of
+ * `avx2_prompt.c`), Q6_K tiles as the AVX-512 kernels have them (`gguf_matmul.pack_q6k`), and the same
+ * arithmetic as the AVX-512 kernels' int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
  * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
  * float32 in the same order:
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
@@ -37,17 +38,20 @@
 #define PREFETCH_BYTES 8192
 
 /* Token activations as int16 with a power of two per 16 inputs: x [tokens, K] bf16 -> x̂ [tokens, K],
- * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. */
+ * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. `quads`: each 8 inputs of x̂ stored in the order
+ * 0, 4, 1, 5, 2, 6, 3, 7, the pairs of a `QUADS` 4-bit tile byte (`int4_code_pairs8`). */
 typedef struct {
     int16_t *x;
     float *scale, *sums;
 } TileActivations;
 
-static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens) {
+static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens, int quads) {
     const int64_t parts = K / SUB;
     TileActivations act = {malloc(sizeof(int16_t) * (size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * parts)),
                            malloc(sizeof(float) * (size_t)(tokens * parts))};
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i pair_order = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                                0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t i = 0; i < tokens * parts; i++) {
         const __m256 lo = bf16x8_to_ps(x + i * SUB), hi = bf16x8_to_ps(x + i * SUB + 8);
         const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign, lo), _mm256_andnot_ps(sign, hi)));
@@ -67,7 +71,8 @@ static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens
             q_hi = _mm256_cvtps_epi32(_mm256_loadu_ps(scaled + 8));
         }
         /* int32 -> int16 (|x̂| <= 2^15 − 2^7: no saturation); packs interleaves 64-bit lanes, the permute restores order */
-        _mm256_storeu_si256((__m256i *)(act.x + i * SUB), _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xD8));
+        const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xD8);
+        _mm256_storeu_si256((__m256i *)(act.x + i * SUB), quads ? _mm256_shuffle_epi8(words, pair_order) : words);
         act.scale[i] = ldexpf(1.0f, e);  /* 2^e */
         act.sums[i] = act.scale[i] * (float)hsum8_epi32(_mm256_add_epi32(q_lo, q_hi));
     }
@@ -84,6 +89,19 @@ static void release_activations(TileActivations act) {
 static inline __attribute__((always_inline)) void nibble_pairs8(const uint8_t *bytes, __m256i pairs[2]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i v = _mm256_loadu_si256((const __m256i *)bytes);
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    pairs[0] = _mm256_unpacklo_epi8(lo, hi);
+    pairs[1] = _mm256_unpackhi_epi8(lo, hi);
+}
+
+/* 32 bytes of a `QUADS` 4-bit tile (chunk j, rows 8·half .. 8·half + 7; byte 4·c + b holds inputs 8j + b and 8j + 4 + b of
+ * row c) -> the code pairs as bytes as `nibble_pairs8` gives them, pair b being inputs (8j + b, 8j + 4 + b): a 4 x 4 byte
+ * transpose in each 16-byte lane brings the layout of `PAIRS` (pair-major, byte 4·b + c % 4). */
+static inline __attribute__((always_inline)) void int4_code_pairs8(const uint8_t *bytes, __m256i pairs[2]) {
+    const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                               0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)bytes), transpose);
     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     pairs[0] = _mm256_unpacklo_epi8(lo, hi);
     pairs[1] = _mm256_unpackhi_epi8(lo, hi);
@@ -146,10 +164,10 @@ static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes
             for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
             for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
                 __m256i pairs[2], rows[4];
-                nibble_pairs8(group_codes + chunk * 64 + half * 32, pairs);
+                int4_code_pairs8(group_codes + chunk * 64 + half * 32, pairs);
                 code_pair_rows8(pairs, rows);
                 for (int j = 0; j < 4; j++)
-                    for (int t = 0; t < tokens; t++) {
+                    for (int t = 0; t < tokens; t++) {  /* x̂ in `quads` order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
                         const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
                         sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[0]));
                     }
@@ -202,12 +220,12 @@ static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, 
     for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
 }
 
-/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
+/* ----- 4-bit tiles (`int4_layout`, `QUADS`) ------------------------------------------------- */
 /* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
 static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
                        float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
-    const TileActivations act = tile_activations(x, K, tokens);
+    const TileActivations act = tile_activations(x, K, tokens, 1);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t nb = item / 2;
@@ -234,7 +252,7 @@ void int4_avx2_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_
 static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
                      int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
-    const TileActivations act = tile_activations(x, K, tokens);
+    const TileActivations act = tile_activations(x, K, tokens, 0);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t nb = item / 2;

@@ -1,6 +1,7 @@
 """Weights in 4-bit and Q6_K tiles multiplied with AVX2 integer dot products (`avx2_tiles.c`), for x86-64
-CPUs without AVX-512: the tiles of `int4_layout.pack` and `gguf_matmul.pack_q6k`, the arithmetic of the
-AVX-512 kernels' int16 flavour (so the same bits), `vpmaddwd` in place of `vpdpwssd`.
+CPUs without AVX-512: 4-bit tiles in their own layout (`int4_layout.QUADS`, which the int8 kernels of `avx2_prompt`
+unpack with no byte shuffle), Q6_K tiles of `gguf_matmul.pack_q6k`, the arithmetic of the AVX-512 kernels' int16
+flavour (so the same bits), `vpmaddwd` in place of `vpdpwssd`.
 
 A tile is unpacked once per pass of up to 4 tokens; each token is computed alone, so a verify pass agrees
 bit for bit with one-token decoding. The C file is compiled on first use or by `specdraft kernels`
@@ -18,9 +19,10 @@ import torch
 
 from specdraft.kernels import avx2_prompt, isa
 from specdraft.kernels.build import bind, compiled_library
-from specdraft.kernels.int4_layout import PackedInt4, run_tile_kernel
+from specdraft.kernels.int4_layout import QUADS, PackedInt4, run_tile_kernel
 
 LEVEL = "avx2"
+INT4_LAYOUT = QUADS  # how `Int4Linear` packs its tiles for these kernels (`int4_layout`)
 _SOURCE = Path(__file__).with_name("avx2_tiles.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -51,7 +53,7 @@ def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`; in a prompt pass,
     x quantized to int8 per group of 32 (`avx2_prompt`)."""
     kernel = avx2_prompt.kernel("int4_avx2_q8_matmul") if avx2_prompt.active() else _loaded().int4_avx2_matmul
-    return run_tile_kernel(kernel, packed, x)
+    return run_tile_kernel(kernel, packed, x, INT4_LAYOUT)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:

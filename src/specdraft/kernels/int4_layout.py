@@ -1,11 +1,17 @@
-"""The packed 4-bit layout shared by the tile kernels (`amx_tiles.c`, `avx512_tiles.c`).
+"""The packed 4-bit layouts of the tile kernels: `PAIRS` (`amx_tiles.c`, `avx512_tiles.c`, `vnni_tiles.c`) and
+`QUADS` (`avx2_tiles.c`, `avx2_prompt.c`). Both hold 256 bytes for each block of 16 output rows and group g of
+32 inputs, two codes a byte, low nibble first:
 
-For each block of 16 output rows and group g of 32 inputs, 256 bytes: the code pair
-(q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is one byte, low nibble first, at
-64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4, so that two rounds of byte unpacking turn each
-64 bytes into four vectors of 16 code pairs (as bf16 128 + q: AMX's pair-interleaved B tile rows;
-as int16 q: the operand of AVX-512's `vpdpwssd`). Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16],
-with w = s·(q − 8) + z.
+- `PAIRS`: the code pair (q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is the byte at
+  64·(r / 4) + 16·(c / 4) + 4·(r % 4) + c % 4, so that two rounds of byte unpacking turn each 64 bytes into four
+  vectors of 16 code pairs (as bf16 128 + q: AMX's pair-interleaved B tile rows; as int16 q: the operand of
+  AVX-512's `vpdpwssd`).
+- `QUADS`: the codes (q[n0 + 8h + c][k0 + 8j + b], q[n0 + 8h + c][k0 + 8j + 4 + b]) are the byte at
+  64·j + 32·h + 4·c + b (c < 8, b < 4), so that a mask and a shift turn each 32 bytes into the two operands of
+  `vpmaddubsw` for 8 rows (dword c: four consecutive inputs of row c), with no byte shuffle.
+
+Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16], with w = s·(q − 8) + z. The integer sums the kernels
+take are exact whatever the order of their terms, so both layouts give the same bits.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+PAIRS, QUADS = "pairs", "quads"  # the layouts (module doc)
 GROUP = 32  # inputs per scale and minimum
 BLOCK_ROWS = 16  # outputs per tile
 _PACK_ROWS = 4096  # rows packed at a time (a multiple of BLOCK_ROWS)
@@ -26,18 +33,19 @@ def fits(out_features: int, in_features: int, group_size: int) -> bool:
 
 @dataclass
 class PackedInt4:
-    """A matrix in the kernel's layout: tile bytes `[N/16 · K/32 · 256]` (uint8), scale and zero
-    `[N/16, K/32, 16]` (bf16) with w = scale · (q − 8) + zero (zero = 8 · scale − minimum)."""
+    """A matrix in a kernel's layout: tile bytes `[N/16 · K/32 · 256]` (uint8) laid out as `layout` says, scale and
+    zero `[N/16, K/32, 16]` (bf16) with w = scale · (q − 8) + zero (zero = 8 · scale − minimum)."""
 
     tiles: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     out_features: int
     in_features: int
+    layout: str = PAIRS
 
 
 def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes `[rows, K]` (0..15, rows % 16 == 0) as tile bytes `[rows / 16, K / 32, 256]` (layout: module doc)."""
+    """Codes `[rows, K]` (0..15, rows % 16 == 0) as `PAIRS` tile bytes `[rows / 16, K / 32, 256]` (module doc)."""
     rows, k = codes.shape
     blocks, groups = rows // BLOCK_ROWS, k // GROUP
     # codes[n0 + c, k0 + 2r + e] -> a byte of tile (nb, g), low nibble e = 0, high nibble e = 1,
@@ -47,8 +55,23 @@ def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
     return nibbles.view(blocks, groups, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(blocks, groups, 256)
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> PackedInt4:
-    """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]` (layout: module doc)."""
+def quad_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `[rows, K]` (0..15, rows % 16 == 0) as `QUADS` tile bytes `[rows / 16, K / 32, 256]` (module doc)."""
+    rows, k = codes.shape
+    blocks, groups = rows // BLOCK_ROWS, k // GROUP
+    # codes[n0 + 8h + c, k0 + 8j + 4e + b] -> nibble e of byte 64·j + 32·h + 4·c + b of tile (nb, g)
+    split = codes.to(torch.uint8).view(blocks, 2, 8, groups, 4, 2, 4)  # [nb, h, c, g, j, e, b]
+    nibbles = split[..., 0, :] | (split[..., 1, :] << 4)  # [nb, h, c, g, j, b]
+    return nibbles.permute(0, 3, 4, 1, 2, 5).reshape(blocks, groups, 256)
+
+
+_TILE_BYTES = {PAIRS: nibble_tiles, QUADS: quad_tiles}
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: str = PAIRS) -> PackedInt4:
+    """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]`, tiles in `layout` (`PAIRS`, `QUADS`: module doc)."""
+    if layout not in _TILE_BYTES:
+        raise ValueError(f"unknown 4-bit tile layout {layout!r}; one of {sorted(_TILE_BYTES)}")
     n, k = codes.shape
     if not fits(n, k, k // scale.shape[1]):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
@@ -59,17 +82,20 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Pac
     for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
         rows = slice(start, min(start + _PACK_ROWS, n))
         part_blocks = (rows.stop - rows.start) // BLOCK_ROWS
-        tiles[rows.start * k // 2: rows.stop * k // 2] = nibble_tiles(codes[rows]).view(-1)
+        tiles[rows.start * k // 2: rows.stop * k // 2] = _TILE_BYTES[layout](codes[rows]).view(-1)
         block_range = slice(rows.start // BLOCK_ROWS, rows.stop // BLOCK_ROWS)
         part_scale = scale[rows].float()
         tile_scale[block_range] = part_scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
         tile_zero[block_range] = (8 * part_scale - minimum[rows].float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
-    return PackedInt4(tiles, tile_scale, tile_zero, n, k)
+    return PackedInt4(tiles, tile_scale, tile_zero, n, k, layout)
 
 
-def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
-    """Call a compiled `kernel(tiles, scale, zero, x, y, N, K, tokens)` for `x @ W^T`: x `[tokens, K]`
-    (rounded to bf16) -> float32 `[tokens, N]`."""
+def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Call a compiled `kernel(tiles, scale, zero, x, y, N, K, tokens)` that reads tiles in `layout` for
+    `x @ W^T`: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
+    if packed.layout != layout:
+        raise ValueError(f"this kernel reads {layout} tiles; the matrix was packed as {packed.layout} "
+                         f"(pack it with the kernel's INT4_LAYOUT)")
     x = x.to(torch.bfloat16).contiguous()
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")

@@ -68,7 +68,7 @@ class StackedProjection(nn.Module):
         n = sum(part.out_features for part in parts)
         if kind == "int4":
             packed = PackedInt4(torch.cat([p.tiles.tiles for p in parts]), torch.cat([p.tiles.scale for p in parts]),
-                                torch.cat([p.tiles.zero for p in parts]), n, self.in_features)
+                                torch.cat([p.tiles.zero for p in parts]), n, self.in_features, parts[0].tiles.layout)
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"run{index}_{name}", getattr(packed, name))
             return parts[0].tile_matmul, packed
