@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, isa, tiles
+from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack, unpack_rows
@@ -343,7 +343,7 @@ def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
     kernel = tile_kernel
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
-    packed = gguf_matmul.pack_q6k(raw)
+    packed = gguf_matmul.pack_q6k(raw, kernel.TILE_LAYOUT)
     assert packed.tiles.numel() == 48 * 768 * 13 // 16  # 6.5 bits a weight, as in the file
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     got = kernel.q6k_matmul(packed.tiles, packed.d, x, 48)  # [T, N]
@@ -356,6 +356,35 @@ def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
         gguf_matmul.pack_q6k(raw[:40])
 
 
+def test_q6k_quads_layout_holds_the_files_bits():
+    """`QUADS` Q6_K tiles: the nibbles as 4-bit `QUADS` tiles lay them out, and byte 256 + 32·j + 4·c + b of a tile the
+    top two bits of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b), (8 + c, 8j + 4 + b), from bit 0 up."""
+    raw = torch.from_numpy(random_q6k(32, 2, np.random.default_rng(5)))  # [32, 420]: K = 512
+    weight = q6k_unpack(raw)  # [32, 512]
+    packed = gguf_matmul.pack_q6k(raw, int4_layout.QUADS)
+    tiles_ = packed.tiles.view(2, 16, 416)  # [row blocks, groups, bytes]
+    pairs = gguf_matmul.pack_q6k(raw, int4_layout.PAIRS)
+    assert torch.equal(packed.d, pairs.d) and torch.equal(packed.tiles.view(2, 16, 416)[..., 384:],
+                                                          pairs.tiles.view(2, 16, 416)[..., 384:])  # scales as they were
+    # codes from the tiles, rebuilt by the layout's rule, give the weights back with the scales
+    low = torch.empty(32, 512, dtype=torch.int64)
+    for block in range(2):
+        for group in range(16):
+            tile = tiles_[block, group].tolist()
+            for j in range(4):
+                for h in range(2):
+                    for c in range(8):
+                        for b in range(4):
+                            byte, high = tile[64 * j + 32 * h + 4 * c + b], tile[256 + 32 * j + 4 * c + b]
+                            row, column = 16 * block + 8 * h + c, 32 * group + 8 * j + b
+                            low[row, column] = (byte & 0x0F) | (((high >> (4 * h)) & 0x03) << 4)
+                            low[row, column + 4] = (byte >> 4) | (((high >> (4 * h + 2)) & 0x03) << 4)
+    scales = tiles_[..., 384:].contiguous().view(torch.int8).view(2, 16, 2, 16).float()  # [block, group, sub-block, row]
+    d = packed.d.repeat_interleave(8, dim=1)  # [block, group, row]
+    s_ = (scales * d.unsqueeze(2)).permute(0, 3, 1, 2).reshape(32, 32).repeat_interleave(16, dim=1)  # [N, K]
+    assert torch.equal((s_ * (low.float() - 32)), weight.float())
+
+
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the Q6_K tile kernel does not run here")
 @pytest.mark.parametrize("level", ["amx", "avx512", "avx2"])
 def test_q6k_linears_take_the_fastest_kernel_the_isa_allows(level, monkeypatch):
@@ -364,10 +393,14 @@ def test_q6k_linears_take_the_fastest_kernel_the_isa_allows(level, monkeypatch):
         pytest.skip(f"this CPU has no {level}")
     monkeypatch.setenv(isa.VARIABLE, level)
     raw = torch.from_numpy(random_q6k(16, 1, np.random.default_rng(0)))
-    packed, x = gguf_matmul.pack_q6k(raw), torch.randn(2, 256).bfloat16()
+    x = torch.randn(2, 256).bfloat16()
     kernel = next(k for k in (amx_tiles, avx512_tiles, avx2_tiles) if isa.allows(tiles.kernel_name(k)) and k._library())
     assert tiles.tile_kernel() is kernel
+    packed = gguf_matmul.pack_q6k(raw, kernel.TILE_LAYOUT)
     assert torch.equal(gguf_matmul.block_matmul(packed, x), kernel.q6k_matmul(packed.tiles, packed.d, x, 16))
+    other = int4_layout.QUADS if kernel.TILE_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
+    with pytest.raises(ValueError, match=f"reads {kernel.TILE_LAYOUT} tiles; the matrix was packed as {other}"):
+        gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw, other), x)
 
 
 # ----- 3. the tiny GGUF model ------------------------------------------------------------------------

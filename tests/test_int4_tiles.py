@@ -3,13 +3,15 @@ the same per token at any pass width, and Int4Linear's choice among them and PyT
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import activations_as_multiplied
+from test_gguf_native import random_q6k
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, build, int4_layout, isa, prompt_pass,
-                               tile_dots, tiles, vnni_tiles)
+from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, build, gguf_matmul, int4_layout, isa,
+                               prompt_pass, tile_dots, tiles, vnni_tiles)
 from specdraft.models.quantize import Int4Linear
 
 
@@ -32,7 +34,7 @@ def test_matches_the_dequantized_weight(tile_kernel, tokens, inputs):
     kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(96, inputs)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    out = kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT), x)  # [T, N]
+    out = kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT), x)  # [T, N]
     expected = activations_as_multiplied(x, kernel) @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -42,15 +44,15 @@ def test_each_token_is_computed_alone(tile_kernel):
     """A token's output is bit-identical whether it runs alone or among 19 (verify pass == decode step)."""
     kernel = tile_kernel
     codes, scale, minimum, _ = affine_matrix(64, 128, seed=1)
-    packed = int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT)
+    packed = int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT)
     x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     together = kernel.matmul(packed, x)
     for i in range(19):
         assert torch.equal(kernel.matmul(packed, x[i:i + 1])[0], together[i])
     with pytest.raises(ValueError, match=r"\[tokens, 128\]"):
         kernel.matmul(packed, x[:, :64])
-    other = int4_layout.QUADS if kernel.INT4_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
-    with pytest.raises(ValueError, match=f"reads {kernel.INT4_LAYOUT} tiles; the matrix was packed as {other}"):
+    other = int4_layout.QUADS if kernel.TILE_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
+    with pytest.raises(ValueError, match=f"reads {kernel.TILE_LAYOUT} tiles; the matrix was packed as {other}"):
         kernel.matmul(int4_layout.pack(codes, scale, minimum, other), x)
 
 
@@ -183,6 +185,12 @@ def test_avx2_gives_the_avx512_int16_bits(tokens):
     wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul,
                                        int4_layout.pack(codes, scale, minimum), x, int4_layout.PAIRS)
     assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+    raw = torch.from_numpy(random_q6k(32, 1, np.random.default_rng(tokens)))  # [32, 210]: K = 256
+    q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
+    wide = torch.empty(tokens, 32)
+    avx512_tiles._built("int16").q6k_matmul(q6_pairs.tiles.data_ptr(), q6_pairs.d.data_ptr(), x.data_ptr(),
+                                            wide.data_ptr(), 32, 256, tokens)
+    assert torch.equal(avx2_tiles.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide)
 
 
 @pytest.mark.skipif(not vnni_tiles.available() or vnni_tiles._built("int16") is None or avx2_prompt._library() is None,
@@ -190,11 +198,15 @@ def test_avx2_gives_the_avx512_int16_bits(tokens):
 @pytest.mark.parametrize("tokens", [1, 5, 19])
 def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
     """The AVX2 prompt kernels compute `vnni_tiles.c`'s function in its order: the same bits (int16 tiles for the
-    leading precise row on both)."""
+    leading precise row on both), 4-bit and Q6_K, each kernel on its own tile layout."""
     codes, scale, minimum, _ = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     monkeypatch.setenv("SPECDRAFT_TILE_DOTS", "int16")
+    raw = torch.from_numpy(random_q6k(32, 2, np.random.default_rng(tokens)))  # [32, 420]: K = 512
+    q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
     with prompt_pass.prompt_pass(starts_sequence=True):
         wide = avx512_tiles.matmul(int4_layout.pack(codes, scale, minimum), x)
+        wide_q6 = avx512_tiles.q6k_matmul(q6_pairs.tiles, q6_pairs.d, x, 32)
         monkeypatch.setenv(isa.VARIABLE, "avx2")
         assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+        assert torch.equal(avx2_tiles.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide_q6)

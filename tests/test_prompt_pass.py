@@ -48,15 +48,16 @@ def int4_case(tokens: int):
     codes, scale, minimum, weight = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     kernel = tiles.tile_kernel()
-    return (lambda inputs: kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.INT4_LAYOUT), inputs)), x, x.double() @ weight.double().T
+    return (lambda inputs: kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT), inputs)), x, x.double() @ weight.double().T
 
 
 def q6k_case(tokens: int):
     raw = random_q6k_raw(48, 512, seed=tokens)
-    packed = gguf_matmul.pack_q6k(torch.from_numpy(raw))
+    kernel = tiles.tile_kernel()
+    packed = gguf_matmul.pack_q6k(torch.from_numpy(raw), kernel.TILE_LAYOUT)
     weight = dequantize(raw, "Q6_K", (48, 512))  # [N, K]
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    return (lambda inputs: tiles.tile_kernel().q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
+    return (lambda inputs: kernel.q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
 
 
 @pytest.mark.parametrize("case", [int4_case, q6k_case], ids=["int4", "q6k"])
@@ -89,9 +90,9 @@ def test_prompt_pass_over_long_rows_cuts_the_tokens_into_spans():
     """4,096 inputs a row: the AVX2 kernel sweeps the rows once per 64 tokens (its int8 activations kept in L2), so 70
     tokens take two sweeps; each token still gets its own bits and the int8 error."""
     codes, scale, minimum, weight = affine_matrix(32, 4096, seed=7)
-    packed = int4_layout.pack(codes, scale, minimum, tiles.tile_kernel().INT4_LAYOUT)
+    packed = int4_layout.pack(codes, scale, minimum, tiles.tile_kernel().TILE_LAYOUT)
     raw = random_q6k_raw(16, 4096, seed=7)
-    q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw))
+    q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw), tiles.tile_kernel().TILE_LAYOUT)
     x = torch.randn(70, 4096, generator=torch.Generator().manual_seed(7)).bfloat16()  # [T, K]
     cases = [(lambda inputs: tiles.tile_kernel().matmul(packed, inputs), weight),
              (lambda inputs: tiles.tile_kernel().q6k_matmul(q6.tiles, q6.d, inputs, 16), dequantize(raw, "Q6_K", (16, 4096)))]

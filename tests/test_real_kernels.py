@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from specdraft.kernels import avx2_prompt, gguf_matmul, prompt_pass, vnni_tiles
+from specdraft.kernels import avx2_prompt, gguf_matmul, prompt_pass, tiles, vnni_tiles
 from specdraft.models import registry
 from specdraft.models.gguf_blocks import dequantize, q4k_affine
 from specdraft.models.gguf_native import _TensorFile, build_native_model, tensor_index
@@ -66,7 +66,7 @@ def test_q6k_kernel_matches_the_file(target_file, name, tokens):
     source.close()
     weight = dequantize(raw.numpy(), "Q6_K", (raw.shape[0], entry.shape[1]))  # [N, K]
     x = torch.randn(tokens, entry.shape[1], generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    got = gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw), x).double()  # [tokens, N]
+    got = gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw, tiles.tile_kernel().TILE_LAYOUT), x).double()  # [tokens, N]
     want = x.double() @ weight.double().t()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 

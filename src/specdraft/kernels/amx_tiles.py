@@ -20,7 +20,7 @@ from specdraft.kernels import isa
 from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import PAIRS, PackedInt4, run_tile_kernel
 
-INT4_LAYOUT = PAIRS  # how `Int4Linear` packs its tiles for these kernels (`int4_layout`)
+TILE_LAYOUT = PAIRS  # how 4-bit and Q6_K tiles are laid out for these kernels (`int4_layout`, `gguf_matmul`)
 _SOURCE = Path(__file__).with_name("amx_tiles.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-shared",
           "-fPIC"]
@@ -54,7 +54,7 @@ def _loaded() -> ctypes.CDLL:
 
 def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
-    return run_tile_kernel(_loaded().int4_amx_matmul, packed, x, INT4_LAYOUT)
+    return run_tile_kernel(_loaded().int4_amx_matmul, packed, x, TILE_LAYOUT)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -62,21 +62,6 @@ static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale
     }
 }
 
-/* 32 bytes of a `QUADS` 4-bit tile (chunk j, rows of one half) -> two `vpmaddubsw` operands: lane c of quads[h] holds
- * the codes of inputs 8·j + 4h .. 8·j + 4h + 3 of row c. The layout puts them there: a mask and a shift, no shuffle. */
-static inline __attribute__((always_inline)) void int4_quads8(const uint8_t *bytes, __m256i quads[2]) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)bytes);
-    quads[0] = _mm256_and_si256(v, low);
-    quads[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-}
-
-/* Code pairs as `nibble_pairs8` lays them out -> the two operands of `int4_quads8`. */
-static inline __attribute__((always_inline)) void pairs_to_quads8(const __m256i pairs[2], __m256i quads[2]) {
-    quads[0] = _mm256_unpacklo_epi16(pairs[0], _mm256_bsrli_epi128(pairs[0], 8));
-    quads[1] = _mm256_unpacklo_epi16(pairs[1], _mm256_bsrli_epi128(pairs[1], 8));
-}
-
 /* int16 sums of q·â over the quads against one token's activation dwords -> int32 per row. */
 static inline __m256i widen16(__m256i words) { return _mm256_madd_epi16(words, _mm256_set1_epi16(1)); }
 
@@ -156,11 +141,9 @@ static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *ti
         for (int sub = 0; sub < 2; sub++) {  /* inputs 16·sub .. 16·sub + 15: chunks 2·sub, 2·sub + 1 */
             __m256i dots[Q8_WIDEST][2];
             for (int c = 0; c < 2; c++) {
-                __m256i pairs[2], low[2], high[2];
-                q6_pairs8(tile, 2 * sub + c, 0, pairs);
-                pairs_to_quads8(pairs, low);
-                q6_pairs8(tile, 2 * sub + c, 1, pairs);
-                pairs_to_quads8(pairs, high);
+                __m256i low[2], high[2];  /* the quads of rows 0-7 and 8-15 */
+                q6_quads8(tile, 2 * sub + c, 0, low);
+                q6_quads8(tile, 2 * sub + c, 1, high);
                 for (int t = 0; t < tokens; t++) {
                     const int32_t *xs = (const int32_t *)(xq + t * K + g * GROUP + sub * SUB);
                     const __m256i x0 = _mm256_set1_epi32(xs[2 * c]), x1 = _mm256_set1_epi32(xs[2 * c + 1]);

@@ -1,9 +1,9 @@
 /* AVX2 kernels for weights kept in 4-bit and 6-bit tiles: y = x W^T without unpacking W to float,
  * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
  *
- * 4-bit tiles in the `QUADS` layout of `int4_layout.py` (their own: no byte shuffle for the int8 kernels of
- * `avx2_prompt.c`), Q6_K tiles as the AVX-512 kernels have them (`gguf_matmul.pack_q6k`), and the same
- * arithmetic as the AVX-512 kernels' int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
+ * 4-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the int8
+ * kernels of `avx2_prompt.c` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
+ * int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
  * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
  * float32 in the same order:
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
@@ -38,14 +38,14 @@
 #define PREFETCH_BYTES 8192
 
 /* Token activations as int16 with a power of two per 16 inputs: x [tokens, K] bf16 -> x̂ [tokens, K],
- * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. `quads`: each 8 inputs of x̂ stored in the order
- * 0, 4, 1, 5, 2, 6, 3, 7, the pairs of a `QUADS` 4-bit tile byte (`int4_code_pairs8`). */
+ * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. Each 8 inputs of x̂ are stored in the order
+ * 0, 4, 1, 5, 2, 6, 3, 7: the code pairs of `quads_to_pairs8`. */
 typedef struct {
     int16_t *x;
     float *scale, *sums;
 } TileActivations;
 
-static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens, int quads) {
+static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens) {
     const int64_t parts = K / SUB;
     TileActivations act = {malloc(sizeof(int16_t) * (size_t)(tokens * K)), malloc(sizeof(float) * (size_t)(tokens * parts)),
                            malloc(sizeof(float) * (size_t)(tokens * parts))};
@@ -72,7 +72,7 @@ static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens
         }
         /* int32 -> int16 (|x̂| <= 2^15 − 2^7: no saturation); packs interleaves 64-bit lanes, the permute restores order */
         const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q_lo, q_hi), 0xD8);
-        _mm256_storeu_si256((__m256i *)(act.x + i * SUB), quads ? _mm256_shuffle_epi8(words, pair_order) : words);
+        _mm256_storeu_si256((__m256i *)(act.x + i * SUB), _mm256_shuffle_epi8(words, pair_order));
         act.scale[i] = ldexpf(1.0f, e);  /* 2^e */
         act.sums[i] = act.scale[i] * (float)hsum8_epi32(_mm256_add_epi32(q_lo, q_hi));
     }
@@ -85,55 +85,41 @@ static void release_activations(TileActivations act) {
     free(act.sums);
 }
 
-/* 32 bytes of nibbles (one half of a 64-byte chunk: rows 8·half .. 8·half + 7) -> the code pairs as bytes. */
-static inline __attribute__((always_inline)) void nibble_pairs8(const uint8_t *bytes, __m256i pairs[2]) {
+/* 32 bytes of a `QUADS` 4-bit tile (chunk j, rows 8·half .. 8·half + 7) -> two `vpmaddubsw` operands: dword c of
+ * quads[e] holds the codes of inputs 8j + 4e .. 8j + 4e + 3 of row c. The layout puts them there: a mask and a shift. */
+static inline __attribute__((always_inline)) void int4_quads8(const uint8_t *bytes, __m256i quads[2]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i v = _mm256_loadu_si256((const __m256i *)bytes);
-    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    pairs[0] = _mm256_unpacklo_epi8(lo, hi);
-    pairs[1] = _mm256_unpackhi_epi8(lo, hi);
+    quads[0] = _mm256_and_si256(v, low);
+    quads[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
-/* 32 bytes of a `QUADS` 4-bit tile (chunk j, rows 8·half .. 8·half + 7; byte 4·c + b holds inputs 8j + b and 8j + 4 + b of
- * row c) -> the code pairs as bytes as `nibble_pairs8` gives them, pair b being inputs (8j + b, 8j + 4 + b): a 4 x 4 byte
- * transpose in each 16-byte lane brings the layout of `PAIRS` (pair-major, byte 4·b + c % 4). */
-static inline __attribute__((always_inline)) void int4_code_pairs8(const uint8_t *bytes, __m256i pairs[2]) {
+/* The 6-bit codes of chunk j of a `QUADS` Q6_K tile, rows of `half`, arranged as `int4_quads8` arranges 4-bit ones:
+ * the nibbles with their top bits (`gguf_matmul._quad_high_bits`: bits 0-1 and 2-3 of a byte for rows 0-7, 4-5 and
+ * 6-7 for rows 8-15) moved to bits 4-5 by a shift and a mask. */
+static inline __attribute__((always_inline)) void q6_quads8(const uint8_t *tile, int chunk, int half, __m256i quads[2]) {
+    const __m256i top = _mm256_set1_epi8(0x30);
+    int4_quads8(tile + chunk * 64 + half * 32, quads);
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32));
+    const __m256i first = half ? high : _mm256_slli_epi16(high, 4);
+    const __m256i second = half ? _mm256_srli_epi16(high, 2) : _mm256_slli_epi16(high, 2);
+    quads[0] = _mm256_or_si256(quads[0], _mm256_and_si256(first, top));
+    quads[1] = _mm256_or_si256(quads[1], _mm256_and_si256(second, top));
+}
+
+/* `vpmaddubsw` operands of 8 rows -> four vectors of int16 code pairs: dword lane c of rows[b] = (q[c][8j + b],
+ * q[c][8j + 4 + b]), the pairs of the int16 kernels (activations stored to match: `tile_activations`). A 4 x 4 byte
+ * transpose per 16-byte lane makes the bytes pair-major (byte 4·b + c % 4), then bytes are interleaved and widened. */
+static inline __attribute__((always_inline)) void quads_to_pair_rows8(const __m256i quads[2], __m256i rows[4]) {
     const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)bytes), transpose);
-    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    pairs[0] = _mm256_unpacklo_epi8(lo, hi);
-    pairs[1] = _mm256_unpackhi_epi8(lo, hi);
-}
-
-/* Code bytes -> four vectors of int16 code pairs: dword lane c = (q[c][2r], q[c][2r + 1]) of 8 rows. */
-static inline __attribute__((always_inline)) void code_pair_rows8(const __m256i pairs[2], __m256i rows[4]) {
     const __m256i zero = _mm256_setzero_si256();
-    rows[0] = _mm256_unpacklo_epi8(pairs[0], zero);
-    rows[1] = _mm256_unpackhi_epi8(pairs[0], zero);
-    rows[2] = _mm256_unpacklo_epi8(pairs[1], zero);
-    rows[3] = _mm256_unpackhi_epi8(pairs[1], zero);
-}
-
-/* The 6-bit code pairs of chunk `chunk` (pairs 4·chunk .. 4·chunk + 3) of a Q6_K tile, rows of `half`, as bytes laid
- * out as `nibble_pairs8` lays them: the nibbles with their two high bits ORed in at bits 4-5 (AVX-512 shifts the
- * high-bit bytes by 4/0 for rows 0-7 and 2/2 for rows 8-15; see `tile_unpack.h`). */
-static inline __attribute__((always_inline)) void q6_pairs8(const uint8_t *tile, int chunk, int half, __m256i pairs[2]) {
-    const __m256i top = _mm256_set1_epi8(0x30);
-    nibble_pairs8(tile + chunk * 64 + half * 32, pairs);
-    const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 256 + chunk * 32));
-    const __m256i first = half ? _mm256_slli_epi16(high, 2) : _mm256_slli_epi16(high, 4);
-    const __m256i second = half ? _mm256_srli_epi16(high, 2) : high;
-    pairs[0] = _mm256_or_si256(pairs[0], _mm256_and_si256(first, top));
-    pairs[1] = _mm256_or_si256(pairs[1], _mm256_and_si256(second, top));
-}
-
-/* Four vectors of int16 code pairs of chunk `chunk` of a Q6_K tile, rows of `half`. */
-static inline __attribute__((always_inline)) void q6_unpack_rows8(const uint8_t *tile, int chunk, int half, __m256i rows[4]) {
-    __m256i pairs[2];
-    q6_pairs8(tile, chunk, half, pairs);
-    code_pair_rows8(pairs, rows);
+    const __m256i first = _mm256_shuffle_epi8(quads[0], transpose), second = _mm256_shuffle_epi8(quads[1], transpose);
+    const __m256i pairs0 = _mm256_unpacklo_epi8(first, second), pairs1 = _mm256_unpackhi_epi8(first, second);
+    rows[0] = _mm256_unpacklo_epi8(pairs0, zero);
+    rows[1] = _mm256_unpackhi_epi8(pairs0, zero);
+    rows[2] = _mm256_unpacklo_epi8(pairs1, zero);
+    rows[3] = _mm256_unpackhi_epi8(pairs1, zero);
 }
 
 /* Fetch the lines at `offset` of each 64 bytes of a tile of `bytes`, PREFETCH_BYTES ahead of `tile`. */
@@ -163,11 +149,11 @@ static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes
             __m256i sum[MAX_TOKENS];
             for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
             for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
-                __m256i pairs[2], rows[4];
-                int4_code_pairs8(group_codes + chunk * 64 + half * 32, pairs);
-                code_pair_rows8(pairs, rows);
+                __m256i quads[2], rows[4];
+                int4_quads8(group_codes + chunk * 64 + half * 32, quads);
+                quads_to_pair_rows8(quads, rows);
                 for (int j = 0; j < 4; j++)
-                    for (int t = 0; t < tokens; t++) {  /* x̂ in `quads` order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
+                    for (int t = 0; t < tokens; t++) {  /* x̂ in pair order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
                         const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
                         sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[0]));
                     }
@@ -200,8 +186,9 @@ static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, 
             for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
             const int16_t *xs = act->x + g * GROUP + sub * SUB;
             for (int c = 0; c < 2; c++) {
-                __m256i rows[4];
-                q6_unpack_rows8(tile, 2 * sub + c, half, rows);
+                __m256i quads[2], rows[4];
+                q6_quads8(tile, 2 * sub + c, half, quads);
+                quads_to_pair_rows8(quads, rows);
                 for (int j = 0; j < 4; j++)
                     for (int t = 0; t < tokens; t++) {
                         const int32_t *xp = (const int32_t *)(xs + t * K);
@@ -220,12 +207,12 @@ static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, 
     for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
 }
 
-/* ----- 4-bit tiles (`int4_layout`, `QUADS`) ------------------------------------------------- */
+/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
 /* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
 static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
                        float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
-    const TileActivations act = tile_activations(x, K, tokens, 1);
+    const TileActivations act = tile_activations(x, K, tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t nb = item / 2;
@@ -252,7 +239,7 @@ void int4_avx2_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_
 static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
                      int tokens, int64_t ldy) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
-    const TileActivations act = tile_activations(x, K, tokens, 0);
+    const TileActivations act = tile_activations(x, K, tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t nb = item / 2;

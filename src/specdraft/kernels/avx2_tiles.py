@@ -22,7 +22,7 @@ from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.int4_layout import QUADS, PackedInt4, run_tile_kernel
 
 LEVEL = "avx2"
-INT4_LAYOUT = QUADS  # how `Int4Linear` packs its tiles for these kernels (`int4_layout`)
+TILE_LAYOUT = QUADS  # how 4-bit and Q6_K tiles are laid out for these kernels (`int4_layout`, `gguf_matmul`)
 _SOURCE = Path(__file__).with_name("avx2_tiles.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -53,7 +53,7 @@ def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`; in a prompt pass,
     x quantized to int8 per group of 32 (`avx2_prompt`)."""
     kernel = avx2_prompt.kernel("int4_avx2_q8_matmul") if avx2_prompt.active() else _loaded().int4_avx2_matmul
-    return run_tile_kernel(kernel, packed, x, INT4_LAYOUT)
+    return run_tile_kernel(kernel, packed, x, TILE_LAYOUT)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from specdraft.kernels.build import bind, compiled_library
 from specdraft.kernels.tile_dots import build_options, dots
 from specdraft.kernels.int4_layout import PAIRS, PackedInt4, run_tile_kernel
 
-INT4_LAYOUT = PAIRS  # how `Int4Linear` packs its tiles for these kernels (`int4_layout`)
+TILE_LAYOUT = PAIRS  # how 4-bit and Q6_K tiles are laid out for these kernels (`int4_layout`, `gguf_matmul`)
 _SOURCE = Path(__file__).with_name("avx512_tiles.c")
 # The int16 build uses no BF16 instruction: CPUs with VNNI but not BF16 (Intel Cascade Lake, Ice Lake) run it too.
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -74,7 +74,7 @@ def matmul(packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`; in a
     `prompt_pass.prompt_pass()`, x quantized to int8 per group of 32."""
     kernel = vnni_tiles.kernel("int4_q8_matmul") if vnni_tiles.active() else _loaded().int4_avx512_matmul
-    return run_tile_kernel(kernel, packed, x, INT4_LAYOUT)
+    return run_tile_kernel(kernel, packed, x, TILE_LAYOUT)
 
 
 def q6k_matmul(tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ grants AMX), `avx512_tiles.c` or `avx2_tiles.c` (`tiles.tile_kernel`).
 PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for Q6_K's 6-bit
 codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
 int8 scales, d) into tiles of 16 rows x 32 inputs, 6.5 bits a weight like the file, with no
-rounding; where the kernels cannot build or run, `available()` is False and the loader unpacks
+rounding, laid out as the kernel reads them (its `TILE_LAYOUT`: `PAIRS` for AMX and AVX-512,
+`QUADS` for AVX2, whose int8 kernel then unpacks with masks and shifts alone); where the kernels cannot build or run, `available()` is False and the loader unpacks
 Q6_K to bf16 instead: the same function, slower and 2.4x larger.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from specdraft.kernels import tiles
-from specdraft.kernels.int4_layout import nibble_tiles
+from specdraft.kernels.int4_layout import PAIRS, QUADS, nibble_tiles, quad_tiles
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
 BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
@@ -53,22 +54,38 @@ def _high_bit_sources() -> torch.Tensor:
     return torch.from_numpy(sources.reshape(128, 4))
 
 
+def _quad_high_bits(high: torch.Tensor) -> torch.Tensor:
+    """Top two code bits `[rows, K]` (rows % 16 == 0) as `QUADS` high-bit bytes `[rows / 16, K / 32, 128]`: byte
+    32·j + 4·c + b holds, from bit 0 up, those of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b),
+    (8 + c, 8j + 4 + b): the bits of the two `vpmaddubsw` operands of both halves of chunk j (`avx2_prompt.c`)."""
+    rows, k = high.shape
+    split = high.view(rows // _TILE_ROWS, 2, 8, k // _TILE_INPUTS, 4, 2, 4)  # [nb, h, c, g, j, e, b]
+    fields = split[:, 0, :, :, :, 0] | (split[:, 0, :, :, :, 1] << 2) | (split[:, 1, :, :, :, 0] << 4) | (split[:, 1, :, :, :, 1] << 6)
+    return fields.permute(0, 2, 3, 1, 4).reshape(rows // _TILE_ROWS, k // _TILE_INPUTS, 128)  # [nb, g, j · c · b]
+
+
 @dataclass
 class PackedQ6K:
-    """A Q6_K matrix as tiles: `tiles [N/16 · K/32 · 416]` (uint8), `d [N/16, K/256, 16]` (float32)."""
+    """A Q6_K matrix as tiles: `tiles [N/16 · K/32 · 416]` (uint8) laid out as `layout` says, `d [N/16, K/256, 16]`
+    (float32)."""
 
     tiles: torch.Tensor
     d: torch.Tensor
     out_features: int
     in_features: int
+    layout: str = PAIRS
 
 
-def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
-    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for the Q6_K kernels, without rounding.
+def pack_q6k(raw: torch.Tensor, layout: str = PAIRS) -> PackedQ6K:
+    """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for the Q6_K kernels that read `layout` (`PAIRS`,
+    `QUADS`), without rounding. A tile: 256 bytes of low nibbles (as `int4_layout` lays out 4-bit codes), 128 of top
+    bits (`PAIRS`: as `avx512_tiles.c` unpacks them; `QUADS`: `_quad_high_bits`), 32 of int8 scales [sub-block][row].
 
     `raw` is only sliced by rows, 4096 at a time: a loader may pass an object with `shape`, `dtype`
     and row slicing that reads each slice from the file, so the raw matrix is never whole in memory.
     """
+    if layout not in (PAIRS, QUADS):
+        raise ValueError(f"unknown tile layout {layout!r}; one of {[PAIRS, QUADS]}")
     n, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % Q6K_BLOCK_BYTES or n % _TILE_ROWS:
         raise ValueError(f"Q6_K tiles need uint8 [N, K / 256 · {Q6K_BLOCK_BYTES}] with N % 16 == 0; "
@@ -90,13 +107,17 @@ def pack_q6k(raw: torch.Tensor) -> PackedQ6K:
         d = view[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, blocks)
         block_slice = slice(start // _TILE_ROWS, (start + rows) // _TILE_ROWS)
         nb = rows // _TILE_ROWS
-        tiles[block_slice, :, :256] = nibble_tiles(low)
-        tile_high = high.view(nb, _TILE_ROWS, groups, _TILE_INPUTS).permute(0, 2, 1, 3).reshape(nb, groups, 512)
-        fields = tile_high[..., sources]  # [nb, groups, 128, 4]
-        tiles[block_slice, :, 256:384] = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
+        if layout == QUADS:
+            tiles[block_slice, :, :256] = quad_tiles(low)
+            tiles[block_slice, :, 256:384] = _quad_high_bits(high)
+        else:
+            tiles[block_slice, :, :256] = nibble_tiles(low)
+            tile_high = high.view(nb, _TILE_ROWS, groups, _TILE_INPUTS).permute(0, 2, 1, 3).reshape(nb, groups, 512)
+            fields = tile_high[..., sources]  # [nb, groups, 128, 4]
+            tiles[block_slice, :, 256:384] = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
         tiles[block_slice, :, 384:] = scales.view(nb, _TILE_ROWS, groups, 2).permute(0, 2, 3, 1).reshape(nb, groups, 32)
         d_tiles[block_slice] = d.view(nb, _TILE_ROWS, blocks).permute(0, 2, 1)
-    return PackedQ6K(tiles.view(-1), d_tiles, n, k)
+    return PackedQ6K(tiles.view(-1), d_tiles, n, k, layout)
 
 
 def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +130,9 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
     kernel = tiles.tile_kernel()  # one kernel for every pass on a machine
+    if packed.layout != kernel.TILE_LAYOUT:
+        raise ValueError(f"the {tiles.kernel_name(kernel)} kernel reads {kernel.TILE_LAYOUT} tiles; the matrix was "
+                         f"packed as {packed.layout} (pack it with the kernel's TILE_LAYOUT)")
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 
@@ -119,7 +143,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
-        self.packed = pack_q6k(raw)
+        self.packed = pack_q6k(raw, tiles.tile_kernel().TILE_LAYOUT)
         self.register_buffer("tiles", self.packed.tiles)  # buffers, so the module's memory shows them
         self.register_buffer("tile_d", self.packed.d)
         self.type_name = type_name

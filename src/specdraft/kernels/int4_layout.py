@@ -95,7 +95,7 @@ def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor, layout: str) ->
     `x @ W^T`: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
     if packed.layout != layout:
         raise ValueError(f"this kernel reads {layout} tiles; the matrix was packed as {packed.layout} "
-                         f"(pack it with the kernel's INT4_LAYOUT)")
+                         f"(pack it with the kernel's TILE_LAYOUT)")
     x = x.to(torch.bfloat16).contiguous()
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")

@@ -73,7 +73,7 @@ class StackedProjection(nn.Module):
                 self.register_buffer(f"run{index}_{name}", getattr(packed, name))
             return parts[0].tile_matmul, packed
         packed = gguf_matmul.PackedQ6K(torch.cat([p.packed.tiles for p in parts]), torch.cat([p.packed.d for p in parts]),
-                                       n, self.in_features)
+                                       n, self.in_features, parts[0].packed.layout)
         self.register_buffer(f"run{index}_tiles", packed.tiles)
         self.register_buffer(f"run{index}_d", packed.d)
         return gguf_matmul.block_matmul, packed
