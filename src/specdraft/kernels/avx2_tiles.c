@@ -39,7 +39,7 @@
 
 /* Token activations as int16 with a power of two per 16 inputs: x [tokens, K] bf16 -> x̂ [tokens, K],
  * 2^e and S = Σ x (exact), both per 16 inputs [tokens, K/16]. Each 8 inputs of x̂ are stored in the order
- * 0, 4, 1, 5, 2, 6, 3, 7: the code pairs of `quads_to_pairs8`. */
+ * 0, 4, 1, 5, 2, 6, 3, 7: the code pairs of `quads_to_pair_rows8`. */
 typedef struct {
     int16_t *x;
     float *scale, *sums;

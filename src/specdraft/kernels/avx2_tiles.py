@@ -1,6 +1,6 @@
 """Weights in 4-bit and Q6_K tiles multiplied with AVX2 integer dot products (`avx2_tiles.c`), for x86-64
-CPUs without AVX-512: 4-bit tiles in their own layout (`int4_layout.QUADS`, which the int8 kernels of `avx2_prompt`
-unpack with no byte shuffle), Q6_K tiles of `gguf_matmul.pack_q6k`, the arithmetic of the AVX-512 kernels' int16
+CPUs without AVX-512: 4-bit and Q6_K tiles in their own layout (`int4_layout.QUADS`, `gguf_matmul.pack_q6k`),
+which the int8 kernels of `avx2_prompt` unpack with no byte shuffle; the arithmetic of the AVX-512 kernels' int16
 flavour (so the same bits), `vpmaddwd` in place of `vpdpwssd`.
 
 A tile is unpacked once per pass of up to 4 tokens; each token is computed alone, so a verify pass agrees

@@ -5,7 +5,8 @@ PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for
 codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
 int8 scales, d) into tiles of 16 rows x 32 inputs, 6.5 bits a weight like the file, with no
 rounding, laid out as the kernel reads them (its `TILE_LAYOUT`: `PAIRS` for AMX and AVX-512,
-`QUADS` for AVX2, whose int8 kernel then unpacks with masks and shifts alone); where the kernels cannot build or run, `available()` is False and the loader unpacks
+`QUADS` for AVX2, whose int8 kernel then unpacks with masks and shifts alone); where the
+kernels cannot build or run, `available()` is False and the loader unpacks
 Q6_K to bf16 instead: the same function, slower and 2.4x larger.
 """
 
