@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from specdraft.kernels import tiles
-from specdraft.kernels.int4_layout import PAIRS, QUADS, nibble_tiles, quad_tiles
+from specdraft.kernels.int4_layout import PAIRS, QUADS, require_layout, tile_bytes
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
 BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
@@ -85,8 +85,7 @@ def pack_q6k(raw: torch.Tensor, layout: str = PAIRS) -> PackedQ6K:
     `raw` is only sliced by rows, 4096 at a time: a loader may pass an object with `shape`, `dtype`
     and row slicing that reads each slice from the file, so the raw matrix is never whole in memory.
     """
-    if layout not in (PAIRS, QUADS):
-        raise ValueError(f"unknown tile layout {layout!r}; one of {[PAIRS, QUADS]}")
+    to_bytes = tile_bytes(layout)
     n, row_bytes = raw.shape
     if raw.dtype != torch.uint8 or row_bytes % Q6K_BLOCK_BYTES or n % _TILE_ROWS:
         raise ValueError(f"Q6_K tiles need uint8 [N, K / 256 · {Q6K_BLOCK_BYTES}] with N % 16 == 0; "
@@ -108,11 +107,10 @@ def pack_q6k(raw: torch.Tensor, layout: str = PAIRS) -> PackedQ6K:
         d = view[..., 208:210].contiguous().view(torch.float16).float().reshape(rows, blocks)
         block_slice = slice(start // _TILE_ROWS, (start + rows) // _TILE_ROWS)
         nb = rows // _TILE_ROWS
+        tiles[block_slice, :, :256] = to_bytes(low)
         if layout == QUADS:
-            tiles[block_slice, :, :256] = quad_tiles(low)
             tiles[block_slice, :, 256:384] = _quad_high_bits(high)
         else:
-            tiles[block_slice, :, :256] = nibble_tiles(low)
             tile_high = high.view(nb, _TILE_ROWS, groups, _TILE_INPUTS).permute(0, 2, 1, 3).reshape(nb, groups, 512)
             fields = tile_high[..., sources]  # [nb, groups, 128, 4]
             tiles[block_slice, :, 256:384] = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
@@ -131,9 +129,7 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
     kernel = tiles.tile_kernel()  # one kernel for every pass on a machine
-    if packed.layout != kernel.TILE_LAYOUT:
-        raise ValueError(f"the {tiles.kernel_name(kernel)} kernel reads {kernel.TILE_LAYOUT} tiles; the matrix was "
-                         f"packed as {packed.layout} (pack it with the kernel's TILE_LAYOUT)")
+    require_layout(packed.layout, kernel.TILE_LAYOUT)
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 

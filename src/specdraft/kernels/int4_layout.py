@@ -68,10 +68,24 @@ def quad_tiles(codes: torch.Tensor) -> torch.Tensor:
 _TILE_BYTES = {PAIRS: nibble_tiles, QUADS: quad_tiles}
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: str = PAIRS) -> PackedInt4:
-    """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]`, tiles in `layout` (`PAIRS`, `QUADS`: module doc)."""
+def tile_bytes(layout: str):
+    """The function that lays out codes as tile bytes in `layout` (`nibble_tiles`, `quad_tiles`); a ValueError naming
+    the layouts for any other."""
     if layout not in _TILE_BYTES:
         raise ValueError(f"unknown 4-bit tile layout {layout!r}; one of {sorted(_TILE_BYTES)}")
+    return _TILE_BYTES[layout]
+
+
+def require_layout(packed: str, kernel: str) -> None:
+    """A ValueError where a matrix packed in layout `packed` is given to a kernel that reads `kernel`."""
+    if packed != kernel:
+        raise ValueError(f"this kernel reads {kernel} tiles; the matrix was packed as {packed} "
+                         f"(pack it with the kernel's TILE_LAYOUT)")
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: str = PAIRS) -> PackedInt4:
+    """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]`, tiles in `layout` (`PAIRS`, `QUADS`: module doc)."""
+    to_bytes = tile_bytes(layout)
     n, k = codes.shape
     if not fits(n, k, k // scale.shape[1]):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
@@ -82,7 +96,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout
     for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
         rows = slice(start, min(start + _PACK_ROWS, n))
         part_blocks = (rows.stop - rows.start) // BLOCK_ROWS
-        tiles[rows.start * k // 2: rows.stop * k // 2] = _TILE_BYTES[layout](codes[rows]).view(-1)
+        tiles[rows.start * k // 2: rows.stop * k // 2] = to_bytes(codes[rows]).view(-1)
         block_range = slice(rows.start // BLOCK_ROWS, rows.stop // BLOCK_ROWS)
         part_scale = scale[rows].float()
         tile_scale[block_range] = part_scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
@@ -93,9 +107,7 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout
 def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor, layout: str) -> torch.Tensor:
     """Call a compiled `kernel(tiles, scale, zero, x, y, N, K, tokens)` that reads tiles in `layout` for
     `x @ W^T`: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
-    if packed.layout != layout:
-        raise ValueError(f"this kernel reads {layout} tiles; the matrix was packed as {packed.layout} "
-                         f"(pack it with the kernel's TILE_LAYOUT)")
+    require_layout(packed.layout, layout)
     x = x.to(torch.bfloat16).contiguous()
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
