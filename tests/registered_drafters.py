@@ -15,20 +15,22 @@ OPTIONS = {"early-exit": {"exit-layer": 1}, "ngram+model": {"ngram-min": 3}}  # 
 COMPOSED = ["ngram+model"]  # compositions tested beside the registered drafters
 
 
-def random_medusa(target: CausalLM) -> MedusaDrafter:
-    """Medusa heads with random (not zero) blocks: proposals that differ from the target's guesses."""
+def random_medusa(target: CausalLM, min_confidence: float = 0.0) -> MedusaDrafter:
+    """Medusa heads with random (not zero) blocks: proposals that differ from the target's guesses; `min_confidence`
+    the chain cut (`draft-confidence`; the registry's default where the statistical tests test the default)."""
     torch.manual_seed(11)
     heads = MedusaHeads(MedusaConfig(target.config.hidden_size, num_heads=3, rank=8))
     with torch.no_grad():
         heads.up.normal_(0.0, 3.0)
-    return MedusaDrafter(target, heads, torch.arange(target.vocab_size))
+    return MedusaDrafter(target, heads, torch.arange(target.vocab_size), min_confidence)
 
 
-def random_eagle(target: CausalLM) -> EagleDrafter:
+def random_eagle(target: CausalLM, min_confidence: float = 0.0) -> EagleDrafter:
+    """An EAGLE layer with random weights (`min_confidence`: as `random_medusa`)."""
     torch.manual_seed(12)
     model = EagleDrafterModel(EagleConfig(target.config.hidden_size, width=128, num_heads=1, num_kv_heads=1,
                                           intermediate_size=64)).eval()
-    return EagleDrafter(target, model, torch.arange(target.vocab_size))
+    return EagleDrafter(target, model, torch.arange(target.vocab_size), min_confidence)
 
 
 TRAINED = {"medusa": random_medusa, "eagle": random_eagle}

@@ -187,3 +187,48 @@ def test_train_and_trained_drafter_errors_are_one_line(tiny_model_dirs, tmp_path
     assert warm.exit_code == 2 and "--warmup must be >= 0" in warm.output
     unshipped = run("generate", "def add", *target, "--dtype", "float32", "--drafter", "eagle", "--json")
     assert unshipped.exit_code == 2 and "No eagle drafter is shipped" in unshipped.output
+
+
+class RedrawnUnlikelyFirstToken:
+    """A deliberately biased drafter (a test fixture): the `model` drafter, but its first draft token is drawn twice
+    and the likelier draw kept, while q still says it was drawn once. Whether a drawn token stays depends on its own
+    value: the output leans towards the draft's likeliest tokens."""
+
+    @staticmethod
+    def build(options, draft_model=None, **_resources):
+        from specdraft.drafters import ModelDrafter
+        from specdraft.sampling import sample
+
+        class Redrawn(ModelDrafter):
+            def propose(self, ctx, k):
+                draft = super().propose(ctx, k)
+                if draft.q_draft is None:
+                    return draft
+                tokens, again = draft.tokens[:1].clone(), sample(draft.q_draft[:1], ctx.generator)  # [1], [1]
+                if draft.q_draft[0, again[0]] > draft.q_draft[0, tokens[0]]:
+                    tokens = again
+                return type(draft).chain(tokens, draft.q_draft[:1])
+
+        return Redrawn(draft_model, min_confidence=0.0)
+
+
+def test_check_passes_a_lossless_drafter_and_fails_a_biased_one(tiny_args, monkeypatch):
+    """`specdraft check`: greedy identity and the sampled distribution test pass for the `model` drafter (with its
+    default cut) and state the bias they could detect; a drafter that redraws its unlikely first tokens fails (exit 1)."""
+    from specdraft.drafters import DRAFTERS, DrafterInfo
+
+    check = ["check", *tiny_args, "--prompt", "def add", "--prompt", "The quick", "--samples", 300,
+             "--temperature", 1.0, "--top-p", 0.95, "--k", 2, "--greedy-tokens", 12, "--json"]
+    report = _json(run(*check, "--drafter", "model"))
+    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report
+    assert report["sampled"]["samples"] == 600 and 0 < report["sampled"]["detectable_total_variation"] < 0.5
+    monkeypatch.setitem(DRAFTERS, "biased", DrafterInfo("test fixture", RedrawnUnlikelyFirstToken.build, True, {}))
+    result = run(*check, "--drafter", "biased")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert not report["sampled"]["passed"] and report["sampled"]["p_value"] < 1e-3, report
+
+
+def test_check_refuses_bad_options_before_loading(tiny_args):
+    result = run("check", *tiny_args, "--prompt", "x", "--prompts", "missing.jsonl")
+    assert result.exit_code == 2 and "not both" in result.output

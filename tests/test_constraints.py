@@ -26,7 +26,7 @@ from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.engine import FORCED
 from specdraft.errors import SpecdraftError
-from specdraft.exactness import chi_square_pvalue
+from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import sample, warp
 

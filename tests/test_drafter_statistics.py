@@ -20,7 +20,8 @@ from transformers import Qwen2ForCausalLM
 import specdraft.verify as verify_module
 from conftest import perturbed, tiny_config
 from registered_drafters import build, random_eagle, random_medusa, registered
-from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+from specdraft.exactness import exact_two_tokens
+from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters import make_drafter
 from specdraft.models.causal_lm import CausalLM

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.exactness import chi_square_pvalue
+from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.sampling import SamplingParams, sample, warp
 from specdraft.tree import TreeLayout
 from specdraft.verify import verify_greedy, verify_sampled, verify_tree

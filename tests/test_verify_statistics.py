@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import specdraft.verify as verify_module
-from specdraft.exactness import chi_square_pvalue
+from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.sampling import SamplingParams, sample, warp
 from specdraft.verify import verify_sampled
 from seeded import gen, transition_logits

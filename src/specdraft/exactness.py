@@ -1,7 +1,5 @@
 """Checking greedy output against plain decoding, with DESIGN.md's near-tie rule.
 
-Also the chi-square test the statistical (tier 2) checks share.
-
 Kernels for different batch shapes (one token vs k + 1 tokens a pass) round differently,
 so in bf16 two greedy runs may part where the target's top two logits are nearly equal.
 A divergence is accepted only there: `compare_greedy` scores the reference prefix up to the
@@ -83,29 +81,3 @@ def exact_two_tokens(model, prompt: list[int]) -> np.ndarray:
     rows = torch.tensor([prompt + [a] for a in range(vocab)], device=model.device)  # [V, L + 1]
     second = model(rows).logits[:, -1].double().softmax(-1)  # [V, V]
     return (first[:, None] * second).cpu().numpy()
-
-
-def chi_square_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
-    """p-value of `observed` counts under `expected` counts (same total), cell by cell.
-
-    A count in a cell the target can never produce fails outright. Cells with expected count
-    < 5 are pooled into one; a pool still under 5 joins the smallest cell.
-    """
-    impossible = expected == 0
-    assert observed[impossible].sum() == 0, "committed a sequence the target can never produce"
-    small = (expected < 5) & ~impossible
-    big = ~small & ~impossible
-    obs, exp = list(observed[big]), list(expected[big])
-    if small.any():
-        pooled_obs, pooled_exp = observed[small].sum(), expected[small].sum()
-        if pooled_exp < 5:
-            j = int(np.argmin(exp))
-            obs[j] += pooled_obs
-            exp[j] += pooled_exp
-        else:
-            obs.append(pooled_obs)
-            exp.append(pooled_exp)
-    assert len(exp) >= 2
-    from scipy.stats import chisquare  # a development dependency (tests, the device check)
-
-    return float(chisquare(np.array(obs), np.array(exp)).pvalue)

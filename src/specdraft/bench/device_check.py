@@ -61,7 +61,8 @@ from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import ModelDrafter, make_drafter
 from specdraft.drafters.oracle import OracleDrafter
 from specdraft.engine import SpeculativeDecoder, sync_device
-from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+from specdraft.exactness import exact_two_tokens
+from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM
 from specdraft.sampling import SamplingParams
 

@@ -7,7 +7,10 @@ The heads cannot see the draft tokens before their own depth, which is Medusa's 
 serial draft steps, lower acceptance deeper down.
 
 Chain: head d's top token (greedy) or a token drawn from its warped distribution q_d
-(sampling; verified with min(1, p/q) like any drafted token). Tree (`tree_branch` > 1):
+(sampling; verified with min(1, p/q) like any drafted token). With a `min_confidence` the chain
+ends after the first token at which the heads' running product of the chosen tokens' probabilities
+falls below it: that token stays (its presence was decided by the tokens before it), the later
+ones go. Tree (`tree_branch` > 1):
 best-first over the heads' candidates, a node's score being the product of head
 probabilities along its path. Sampling, each node's first child is drawn from q and always
 kept once its parent is (its place is decided before its value is known), the others are
@@ -83,9 +86,11 @@ class MedusaDrafter(FeatureDrafter):
                 chosen.append(int(row.argmax(-1) if greedy else sample(row, ctx.generator)))
                 rows.append(row)
             probs, tokens = torch.cat(rows), torch.tensor(chosen, device=logits.device)  # [depth, V], [depth]
-        if self.min_confidence:  # stop where the heads' estimate that the whole chain survives falls too low
+        if self.min_confidence:  # stop after the token where the heads' estimate that the chain survives falls too low
             survival = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
-            keep = max(1, int((survival >= self.min_confidence).sum()))
+            # Token i stays when the chain *before* it is sure enough (survival[i - 1]), never by its own value: a
+            # drawn token kept or cut by its own probability would no longer be distributed as its q row.
+            keep = 1 + int((survival[:-1] >= self.min_confidence).sum())
             tokens, probs = tokens[:keep], probs[:keep]
         return Draft.chain(tokens, None if greedy else probs)
 

@@ -487,11 +487,13 @@ from specdraft.surfaces.train_cli import train_app  # noqa: E402  (after the com
 
 app.add_typer(train_app, name="train")
 
-from specdraft.surfaces.model_setup import with_drafter_flags  # noqa: E402
+from specdraft.surfaces.check_cli import SHARED_OPTIONS as CHECK_SHARED_OPTIONS, check  # noqa: E402
+from specdraft.surfaces.model_setup import flag_names, with_drafter_flags, with_options_of  # noqa: E402
 from specdraft.surfaces.serve_cli import with_generate_options  # noqa: E402
 
 with_drafter_flags(generate, after="k")
 app.command("serve")(with_generate_options(generate))
+app.command("check")(with_options_of(check, generate, [*CHECK_SHARED_OPTIONS, *flag_names()]))
 
 
 def main() -> None:

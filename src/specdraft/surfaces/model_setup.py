@@ -42,6 +42,17 @@ def with_drafter_flags(command: Callable, after: str) -> Callable:
     return command
 
 
+def with_options_of(command: Callable, source: Callable, names: list[str]) -> Callable:
+    """`command` (which takes `**options`) taking, after its own options, the options of command `source` named in
+    `names`, declared as `source` declares them (typer reads the signature)."""
+    shared = inspect.signature(source, eval_str=True).parameters
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    command.__signature__ = inspect.Signature([*own, *(shared[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                                                       for name in names)])
+    return command
+
+
 def drafter_flags(**given) -> dict[str, Any]:
     """The drafter options given on the command line (by Python name), keyed by option (None = not given)."""
     from specdraft.drafters import user_options
