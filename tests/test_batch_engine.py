@@ -276,7 +276,8 @@ def stat_target():
                                                  ("model", 3)])  # the draft model's q, chains and trees, quick
 def test_batched_sampling_with_a_different_k_per_sequence_follows_the_target(stat_target, drafter, tree_budget):
     from conftest import perturbed
-    from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+    from specdraft.exactness import exact_two_tokens
+    from specdraft.goodness_of_fit import chi_square_pvalue
     from specdraft.models.causal_lm import CausalLM
 
     draft = perturbed(stat_target, noise=0.5, seed=3)
@@ -291,7 +292,8 @@ def test_verifying_a_sequence_against_its_neighbours_rows_is_caught(stat_target)
     """Negative control: each sequence verified against the pass's rows one token off (a neighbour's at the edges)."""
     import torch
 
-    from specdraft.exactness import chi_square_pvalue, exact_two_tokens
+    from specdraft.exactness import exact_two_tokens
+    from specdraft.goodness_of_fit import chi_square_pvalue
 
     class OffByOne(MixedK):
         def step(self):
@@ -481,3 +483,153 @@ def test_each_step_says_what_its_pass_was_and_a_step_without_one_says_none(tiny_
     batch.add(BatchRequest([(5 * i + 1) % 60 for i in range(12)], SamplingParams(temperature=0.0), 3))
     run()
     assert seen[:2] == [None, None] and seen[-1] == (1, 1, True)  # its read's chunks ran no step
+
+
+# ---- faults: what raises fails the sequences it concerns, and no other -------------------------------------------
+
+class Planted(ModelDrafter):
+    """A draft model's drafter whose `call`-th call of `method` (begin, propose, features or commit) raises."""
+
+    def __init__(self, model: CausalLM, method: str, call: int) -> None:
+        super().__init__(model)
+        self.method, self.countdown = method, call
+        self.needs_features = method == "features"  # only then is it handed the target's features
+
+    def _planted(self, method: str) -> None:
+        if method == self.method:
+            self.countdown -= 1
+            if self.countdown == 0:
+                raise RuntimeError(f"planted {method} fault")
+
+    def begin(self, prompt):
+        self._planted("begin")
+        super().begin(prompt)
+
+    def features(self, hidden):
+        self._planted("features")
+
+    def propose_steps(self, ctx, k):  # raises once its draft passes have run: its draft rows are in
+        draft = yield from super().propose_steps(ctx, k)
+        self._planted("propose")
+        return draft
+
+    def commit(self, prev_len, path):
+        self._planted("commit")
+        super().commit(prev_len, path)
+
+
+def run_checked(batch: BatchedDecoder) -> tuple[dict[int, list[int]], list[tuple[int, Exception]]]:
+    """Step `batch` until it is empty: each sequence's tokens, and the sequences that failed. After every step the
+    target's cache and each packed draft cache hold exactly the rows their `row_owner` names, none a failed one's."""
+    tokens: dict[int, list[int]] = {}
+    failed: list[tuple[int, Exception]] = []
+    while batch.size:
+        for ident, event in batch.step():
+            tokens.setdefault(ident, []).extend(event.token_ids)
+        failed += batch.take_failed()
+        gone = {ident for ident, _ in failed}
+        assert batch.target.cache_len == len(batch.row_owner) and not gone & set(batch.row_owner)
+        for packed in batch._draft_caches.values():
+            assert packed.lm.cache_len == len(packed.row_owner) and not gone & set(packed.row_owner)
+    return tokens, failed
+
+
+@pytest.mark.parametrize("method", ["begin", "propose", "features", "commit"])
+def test_a_drafter_that_raises_fails_its_request_alone(tiny_target, drafts, make_lm, method):
+    """A sequence whose drafter raises, as it joins (begin) or at a step (propose, features, commit), fails alone:
+    it is in `take_failed()` with its error, its rows and draft rows leave, and the others (the next to join among
+    them, one sharing its draft weights, one seeded sampled at a fixed k) answer as alone. Before, a failed begin
+    dropped the next request waiting instead and left the failed one's rows; a fault at a step escaped it."""
+    make = lambda: ModelDrafter(make_lm(drafts["close"], name="draft"))  # noqa: E731
+    healthy = [BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 20, make_drafter=make),
+               BatchRequest(PROMPTS[2], SamplingParams(temperature=0.8, seed=3), 20, make_drafter=make, k=2)]
+    expected = [SpeculativeDecoder(make_lm(tiny_target), make(), k=r.k or "auto").generate(
+        r.prompt_ids, r.sampling, max_new_tokens=r.max_new_tokens).token_ids for r in healthy]
+    batch = BatchedDecoder(make_lm(tiny_target), max_batch=3)
+    planted = lambda: Planted(make_lm(drafts["close"], name="draft"), method, 1 if method == "begin" else 2)  # noqa
+    broken = batch.add(BatchRequest(PROMPTS[4], SamplingParams(temperature=0.0), 20, make_drafter=planted, k=3))
+    idents = [batch.add(request) for request in healthy]
+    tokens, failed = run_checked(batch)
+    assert [(ident, str(error)) for ident, error in failed] == [(broken, f"planted {method} fault")]
+    assert [tokens.get(ident) for ident in idents] == expected
+    assert batch.target.cache_len == 0 and not batch.row_owner and not batch._draft_caches
+
+
+def test_a_target_pass_that_raises_part_way_fails_its_step_and_spares_the_waiting(tiny_target, drafts, make_lm,
+                                                                                   monkeypatch):
+    """A target pass that raises part-way (its first layer has written the pass's rows, its second raises) fails
+    the sequences of that step with its error, and every layer of the cache goes back to the rows before the pass;
+    a prompt being read meanwhile and a request waiting behind it answer as alone. Before, the error escaped the
+    step, and the first layer kept the failed pass's rows."""
+    from specdraft.models import causal_lm
+
+    monkeypatch.setattr(causal_lm, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr("specdraft.batch_engine.PREFILL_CHUNK", 4)
+    make = lambda: ModelDrafter(make_lm(drafts["close"], name="draft"))  # noqa: E731
+    waiting = [BatchRequest([(7 * i + 3) % 60 for i in range(30)], SamplingParams(temperature=0.0), 12),
+               BatchRequest(PROMPTS[4], SamplingParams(temperature=0.8, seed=5), 12, k=2)]
+    expected = [SpeculativeDecoder(make_lm(tiny_target), make(), k=r.k or "auto").generate(
+        r.prompt_ids, r.sampling, max_new_tokens=r.max_new_tokens).token_ids for r in waiting]
+    batch = BatchedDecoder(make_lm(tiny_target), make, max_batch=4)
+    running = [batch.add(BatchRequest(p, SamplingParams(temperature=0.0), 20)) for p in PROMPTS[:2]]
+    batch.step()
+    batch.step()
+    idents = [batch.add(request) for request in waiting]
+    state = {"in_pass": False, "fired": False}
+
+    def second_layer(module, args):  # raises once, in the target's pass (the prompt reader shares the weights)
+        if state["in_pass"] and not state["fired"]:
+            state["fired"] = True
+            raise RuntimeError("planted pass fault")
+
+    forward = batch.target.forward
+
+    def target_forward(*args, **kwargs):
+        state["in_pass"] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state["in_pass"] = False
+
+    monkeypatch.setattr(batch.target, "forward", target_forward)
+    hook = tiny_target.model.layers[1].register_forward_pre_hook(second_layer)
+    try:
+        assert batch.step() == []  # reads a chunk of the long prompt; the pass of the two running raises
+    finally:
+        hook.remove()
+    assert state["fired"]
+    assert sorted((ident, str(error)) for ident, error in batch.take_failed()) == [
+        (ident, "planted pass fault") for ident in running]
+    assert not batch.active and [joining.sequence.ident for joining in batch.joining] == idents
+    assert batch.target.cache_len == len(batch.row_owner) == 0
+    assert all(layer.get_seq_length() == 0 for layer in batch.target._cache.layers)
+    tokens, failed = run_checked(batch)
+    assert not failed and [tokens.get(ident) for ident in idents] == expected
+
+
+def test_a_prefix_cache_that_raises_as_a_prompt_joins_fails_that_request_alone(tiny_target, make_lm, monkeypatch):
+    """`PrefixCache.keep` raising once a joining prompt's rows are in the packed cache: that request fails, its rows
+    leave with it, and the requests running and waiting behind it answer as alone. Before, its rows stayed with no
+    owner, and the other sequences' masks were shifted against the cache."""
+    from specdraft.prefix_cache import PrefixCache
+
+    sampled = SamplingParams(temperature=0.9, seed=2)
+    expected = [alone(make_lm(tiny_target), PROMPTS[0], 16), alone(make_lm(tiny_target), PROMPTS[5], 16, sampled)]
+    batch = BatchedDecoder(make_lm(tiny_target), None, max_batch=3)
+    batch.prefixes = PrefixCache(1 << 20)  # the float32 target keeps none by itself (not split-exact)
+    keep, calls = batch.prefixes.keep, []
+
+    def second_keep_raises(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("planted keep fault")
+        return keep(*args, **kwargs)
+
+    monkeypatch.setattr(batch.prefixes, "keep", second_keep_raises)
+    first = batch.add(BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 16))
+    [(_, event)] = batch.step()
+    broken = batch.add(BatchRequest(PROMPTS[2], SamplingParams(temperature=0.0), 16))
+    after = batch.add(BatchRequest(PROMPTS[5], sampled, 16))  # shares no beginning with a kept prompt
+    tokens, failed = run_checked(batch)
+    assert [(ident, str(error)) for ident, error in failed] == [(broken, "planted keep fault")]
+    assert [event.token_ids + tokens[first], tokens.get(after)] == expected

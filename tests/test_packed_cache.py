@@ -3,6 +3,7 @@ draft models run a depth's tokens in one pass."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdraft.models.packed_cache import DEAD, PackedCache
@@ -74,3 +75,27 @@ def test_a_tree_pass_and_what_it_keeps_are_seen_as_alone(tiny_target, make_lm):
     torch.testing.assert_close(b_next[0], alone(make_lm, tiny_target, B)[-1], rtol=1e-4, atol=1e-4)
     packed.compact()
     assert DEAD not in packed.row_owner and packed.row_owner.count(0) == packed.live(0) == 7
+
+
+def test_a_pass_that_raises_part_way_drops_what_it_wrote(tiny_target, make_lm):
+    """A packed pass whose second layer raises (its first has written the pass's rows) leaves the cache as it was:
+    every layer holds exactly the rows `row_owner` names, and the owners' next passes get what they get alone.
+    Before, the first layer kept the failed pass's rows and every later pass read them."""
+    packed = PackedCache(make_lm(tiny_target))
+    packed.run([(0, torch.tensor(A[:4]))])
+    packed.run([(1, torch.tensor(B[:3]))])
+
+    def second_layer(module, args):
+        raise RuntimeError("planted")
+
+    hook = tiny_target.model.layers[1].register_forward_pre_hook(second_layer)
+    try:
+        with pytest.raises(RuntimeError, match="planted"):
+            packed.run([(0, torch.tensor(A[4:5])), (1, torch.tensor(B[3:4]))])
+    finally:
+        hook.remove()
+    assert packed.lm.cache_len == len(packed.row_owner) == 7
+    assert all(layer.get_seq_length() == 7 for layer in packed.lm._cache.layers)
+    a_next, b_next = packed.run([(0, torch.tensor(A[4:5])), (1, torch.tensor(B[3:4]))])
+    torch.testing.assert_close(a_next[0], alone(make_lm, tiny_target, A[:5])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b_next[0], alone(make_lm, tiny_target, B[:4])[-1], rtol=1e-4, atol=1e-4)

@@ -56,13 +56,22 @@ from the chunks that read it, then each step the rows the pass kept, before its 
 
 Constraints (`constraints`): a sequence's drafter masks its q and its target rows are masked as alone; before each
 step, the tokens its grammar alone decides are appended without a pass (`_force`) and lead its next block, unscored.
+
+Faults: what raises fails the sequences it concerns, and no other. A sequence's own work (its prompt's read and join,
+its drafter's calls, a draft pass of its own, its verification, commit and event) fails that sequence alone
+(`_own_work`); a draft pass several sequences share fails them all, and its packed cache drops what it wrote. A
+failed target pass fails every sequence of the step, and the cache goes back to its rows before the pass, however
+far the pass got. A failed sequence leaves as a cancelled one does (its rows, its draft rows), emits nothing at that
+step, and goes to `take_failed()` with its error; the cache's length is `len(row_owner)` after any fault, and the
+other sequences, stepping, joining or waiting, go on as if it had never been there.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -128,7 +137,8 @@ DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
 class BatchRequest:
     """One request for the batch: prompt token ids, sampling, budget, stop strings, and optionally its own
     drafter factory (None: plain decoding), a fixed k (None: the goodput rule chooses each step; a fixed k keeps a
-    seeded sampled answer reproducible whatever else is in the batch) and log-probabilities (as `engine.stream`)."""
+    seeded sampled answer reproducible whatever else is in the batch), log-probabilities and a cache salt (as
+    `engine.stream`)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -138,6 +148,7 @@ class BatchRequest:
     k: int | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None  # what the answer must match (`constraints`)
+    cache_salt: str = ""  # the prompt shares prefix-cache rows only with prompts of the same salt
 
 
 @dataclass
@@ -178,7 +189,35 @@ class _Joining:
     sequence: _Sequence
     read: int = 0  # prompt tokens read so far (or taken from the prefix cache)
     looked_up: bool = False  # whether the prefix cache was asked for its prompt's beginning
+    cache_salt: str = ""  # its prefix-cache partition (`BatchRequest.cache_salt`)
     features: list[torch.Tensor] = field(default_factory=list)  # each [chunk, H]: for a drafter that reads them
+
+
+@contextmanager
+def _own_work(seq: _Sequence, faults: dict[int, Exception]) -> Iterator[None]:
+    """Work that is `seq`'s alone (its drafter's calls, its verification, its event): an exception fails `seq` only,
+    its first going to `faults` under its id, and the batch goes on without it (module doc: faults)."""
+    try:
+        yield
+    except Exception as error:
+        faults.setdefault(seq.ident, error)
+
+
+@dataclass
+class _Verified:
+    """What a step's pass decided for one sequence, before it commits (`BatchedDecoder._verify_pass`)."""
+
+    seq: _Sequence
+    draft: Draft
+    plan: tuple[str | None, int, int]  # (source, k, unread) as its policy planned it
+    seconds: float  # its drafting's
+    num_accepted: int
+    next_token: int  # the recovered or bonus token
+    bonus: bool
+    path: list[int]  # the accepted draft nodes, root to leaf
+    accepted: list[int]  # their tokens
+    rows: torch.Tensor  # [k + 1, V]: the pass's logits after its last token, then after its draft's
+    kept: list[int]  # the rows of its block the cache keeps: its unscored ones (its last, forced ones), the path's
 
 
 class BatchedDecoder:
@@ -207,7 +246,7 @@ class BatchedDecoder:
         self._policy = AutoK(max_k=nodes, tree=bool(tree_budget), costs=self.costs)
         self.active: list[_Sequence] = []
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
-        self.failed: list[tuple[int, Exception]] = []  # sequences whose prompt failed to read: the caller takes them
+        self.failed: list[tuple[int, Exception]] = []  # sequences that failed, with why: the caller takes them
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
         self.last_step: BatchStep | None = None  # for the metrics
         self.largest_batch = 0
@@ -266,7 +305,8 @@ class BatchedDecoder:
         run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
                        request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
                        stats, time.perf_counter(), request.logprobs, grammar)
-        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need)))
+        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need),
+                                     cache_salt=request.cache_salt))
         return ident
 
     def _pack_drafter(self, ident: int, drafter: Drafter) -> None:
@@ -313,7 +353,8 @@ class BatchedDecoder:
         at a time at the offsets a single request's prefill reads them, until PREFILL_CHUNK tokens were read this
         step: into a cache of their own over the same weights (`_reader`), whose rows join the packed cache once the
         whole prompt is read. So a sequence holds the very states it holds alone, bit for bit, and a long prompt
-        stalls the running answers a chunk's time at a step. A prompt that fails to read leaves (`failed`)."""
+        stalls the running answers a chunk's time at a step. A prompt that fails to read or join leaves (`failed`),
+        its rows with it, and the next one is read."""
         budget = PREFILL_CHUNK
         while self.joining and budget > 0:
             joining = self.joining[0]
@@ -332,10 +373,7 @@ class BatchedDecoder:
                 if joining.read == prompt.shape[0]:
                     self._join(joining, prompt.shape[0])
             except Exception as error:  # this request fails; the packed cache and the others go on as they were
-                self.joining.pop(0)
-                self._reader.reset()
-                self._release_drafts(seq.ident)
-                self.failed.append((seq.ident, error))
+                self._remove({seq.ident: error})
 
     def _take_prefix(self, joining: _Joining, prompt: torch.Tensor) -> None:  # prompt: [L - 1]
         """Start reading a joining prompt after the longest beginning it shares with a prompt read before: its rows
@@ -344,7 +382,8 @@ class BatchedDecoder:
         seq = joining.sequence
         if self.prefixes is None or seq.reads_features:
             return
-        joining.read = seq.run.stats.cached_prompt_tokens = self.prefixes.resume(self._reader, prompt)
+        joining.read = seq.run.stats.cached_prompt_tokens = self.prefixes.resume(self._reader, prompt,
+                                                                                    joining.cache_salt)
 
     def clear_prefixes(self) -> None:
         """Forget the prompts kept for their prefixes (a benchmark's cold start)."""
@@ -359,7 +398,8 @@ class BatchedDecoder:
 
     def _join(self, joining: _Joining, rows: int) -> None:
         """The read prompt's `rows` join the packed cache and the sequence steps from now on (a drafter that reads
-        the target's features gets the prompt's, but its last token's, as alone: `Drafter.features`)."""
+        the target's features gets the prompt's, but its last token's, as alone: `Drafter.features`). The rows are
+        the sequence's as soon as they are in: should what follows raise, they leave with it (`_read_joining`)."""
         seq, target, cached = joining.sequence, self.target, self.target.cache_len
         try:
             if rows:
@@ -367,50 +407,62 @@ class BatchedDecoder:
         except BaseException:
             target.truncate(cached)
             raise
+        self.row_owner += [seq.ident] * rows  # the cache's length and its owners agree from here on
         if self.prefixes is not None:
-            self.prefixes.keep(self._reader, seq.run.sequence[:rows])
+            self.prefixes.keep(self._reader, seq.run.sequence[:rows], joining.cache_salt)
         self._reader.reset()
-        self.row_owner += [seq.ident] * rows
-        self.joining.pop(0)
         if seq.drafter is not None:
             seq.drafter.begin(seq.run.sequence)
             if seq.reads_features:
                 hidden = target.config.hidden_size
                 seq.drafter.features(torch.cat(joining.features) if joining.features else
                                      torch.zeros(0, hidden, dtype=target.dtype, device=target.device))
+        self.joining.pop(0)  # it is the first: prompts are read in order
         self.active.append(seq)
 
     def take_failed(self) -> list[tuple[int, Exception]]:
-        """The sequences that failed to join since the last call, with why (each is out of the batch)."""
+        """The sequences that failed since the last call, joining or stepping, with why (each is out of the batch,
+        its rows and draft rows gone: module doc, faults)."""
         failed, self.failed = self.failed, []
         return failed
 
     def cancel(self, ident: int) -> None:
         """Stop sequence `ident` now (its rows leave the cache, or its prompt stops being read); unknown ids are
         ignored."""
-        for index, joining in enumerate(self.joining):
-            if joining.sequence.ident == ident:
-                if index == 0:
-                    self._reader.reset()
-                del self.joining[index]
-                self._release_drafts(ident)
-                return
-        self._leave([seq for seq in self.active if seq.ident == ident])
+        self._remove({ident: None})
 
-    def _leave(self, leaving: list[_Sequence]) -> None:
-        """These sequences leave: their drafters end, and their rows go in one pass over the cache."""
+    def _remove(self, errors: dict[int, Exception | None]) -> None:
+        """The sequences of `errors` (id -> why it failed; None: cancelled) leave now, joining or stepping: a joining
+        one's prompt stops being read, and each leaves as `_leave` has it (a failed join's rows too); unknown ids
+        are ignored."""
+        joining = [entry for entry in self.joining if entry.sequence.ident in errors]
+        if joining and joining[0] is self.joining[0]:
+            self._reader.reset()  # its prompt was being read
+        self.joining = [entry for entry in self.joining if entry.sequence.ident not in errors]
+        leaving = [entry.sequence for entry in joining] + [seq for seq in self.active if seq.ident in errors]
+        self._leave(leaving, errors)
+
+    def _leave(self, leaving: list[_Sequence], errors: dict[int, Exception | None] | None = None) -> None:
+        """These sequences leave (out of `joining` already, or stepping): a stepping one's drafter ends, and their
+        rows and draft rows go, in one pass over each cache. Those with an error in `errors` failed: they go to
+        `failed` with it, as does one whose drafter's `end` raises (it has left all the same)."""
         if not leaving:
             return
-        for seq in leaving:
-            self.active.remove(seq)
-            if seq.drafter is not None:
-                seq.drafter.end(seq.run.sequence)
-                self._policy = seq.policy
-        self._release_drafts(*(seq.ident for seq in leaving))
+        errors = dict(errors or {})
         gone = {seq.ident for seq in leaving}
+        for seq in self.active:
+            if seq.ident in gone and seq.drafter is not None:
+                self._policy = seq.policy
+                try:
+                    seq.drafter.end(seq.run.sequence)
+                except Exception as error:  # a broken drafter's end: the sequence leaves all the same
+                    errors[seq.ident] = errors.get(seq.ident) or error
+        self.active = [seq for seq in self.active if seq.ident not in gone]
+        self._release_drafts(*gone)
         kept = [row for row, owner in enumerate(self.row_owner) if owner not in gone]
         self.target.keep(0, kept)
         self.row_owner = [self.row_owner[row] for row in kept]
+        self.failed += [(seq.ident, errors[seq.ident]) for seq in leaving if errors.get(seq.ident) is not None]
 
     # ----- one step -----------------------------------------------------------------------------------
     def _force(self) -> list[tuple[int, StepEvent]]:
@@ -500,29 +552,34 @@ class BatchedDecoder:
             ks[i] = k
         return ks
 
-    def _propose_all(self, stepping: list[_Sequence], contexts: list[DraftContext],
-                     ks: list[int]) -> tuple[list[Draft], list[float]]:
+    def _propose_all(self, stepping: list[_Sequence], contexts: list[DraftContext], ks: list[int],
+                     faults: dict[int, Exception]) -> tuple[list[Draft | None], list[float]]:
         """Every sequence's draft of its k tokens (k = 0: none), and the seconds each took. The drafters' model passes
         (`Drafter.propose_steps`) run in lockstep: the passes asked of one packed draft cache at a step go through it
         together (`PackedCache.run`), the longest feed first so the fewest logits are computed, and each shares the
-        pass's time by its tokens; a first read (which must lead its pass: `kernels.prompt_pass`) runs alone."""
+        pass's time by its tokens; a first read (which must lead its pass: `kernels.prompt_pass`) runs alone. A
+        sequence whose drafter, or a pass of its own, raises has no draft (None) and goes to `faults`; a shared pass
+        that raises sends all its sequences there (its packed cache drops what it wrote)."""
         drafts: list[Draft | None] = [None] * len(stepping)
         seconds = [0.0] * len(stepping)
         steps, asked = {}, {}
 
         def advance(i: int, logits: torch.Tensor | None) -> None:  # send the logits on; the draft if it is done
             began = time.perf_counter()
-            try:
-                asked[i] = next(steps[i]) if logits is None else steps[i].send(logits)
-            except StopIteration as done:
-                drafts[i] = done.value
-                asked.pop(i, None)
+            asked.pop(i, None)
+            with _own_work(stepping[i], faults):
+                try:
+                    asked[i] = next(steps[i]) if logits is None else steps[i].send(logits)
+                except StopIteration as done:
+                    drafts[i] = done.value
             seconds[i] += time.perf_counter() - began
 
         for i, (seq, ctx, k) in enumerate(zip(stepping, contexts, ks)):
             if k > 0:
-                steps[i] = seq.drafter.propose_steps(ctx, k)
-                advance(i, None)
+                with _own_work(seq, faults):
+                    steps[i] = seq.drafter.propose_steps(ctx, k)
+                if i in steps:
+                    advance(i, None)
             else:
                 drafts[i] = Draft.chain(ctx.sequence.new_empty(0))
         while asked:
@@ -533,17 +590,26 @@ class BatchedDecoder:
                     together.setdefault(id(request.model.packed), []).append(i)
                     continue
                 began = time.perf_counter()
-                answers[i] = request.model.forward(request.tokens, logits_to_keep=1, prompt=request.prompt).logits[0]
+                with _own_work(stepping[i], faults):
+                    answers[i] = request.model.forward(request.tokens, logits_to_keep=1,
+                                                       prompt=request.prompt).logits[0]  # [1, V]
                 seconds[i] += time.perf_counter() - began
             for members in together.values():
                 members.sort(key=lambda i: -asked[i].tokens.shape[1])
                 packed = asked[members[0]].model.packed
                 began = time.perf_counter()
-                rows = packed.run([(asked[i].model.owner, asked[i].tokens[0]) for i in members])  # each [1, V]
+                try:
+                    rows = packed.run([(asked[i].model.owner, asked[i].tokens[0]) for i in members])  # each [1, V]
+                except Exception as error:  # a pass of several sequences' drafts: each of them fails
+                    for i in members:
+                        faults.setdefault(stepping[i].ident, error)
+                    continue
                 spent, fed = time.perf_counter() - began, sum(asked[i].tokens.shape[1] for i in members)
                 for i, logits in zip(members, rows):
                     answers[i] = logits
                     seconds[i] += spent * asked[i].tokens.shape[1] / fed
+            for i in [i for i in asked if stepping[i].ident in faults]:
+                del asked[i]
             for i, logits in answers.items():
                 advance(i, logits)
         return drafts, seconds
@@ -559,8 +625,8 @@ class BatchedDecoder:
 
     def step(self) -> list[tuple[int, StepEvent]]:
         """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
-        finished sequence's event has its finish_reason and the sequence has left. Sequences that failed to join
-        are in `take_failed()`."""
+        finished sequence's event has its finish_reason and the sequence has left. Sequences that failed, joining or
+        stepping, have no event at the step they fail and are in `take_failed()` (module doc: faults)."""
         self.last_step = None  # set again below if a pass runs
         self._read_joining()
         forced = self._force()  # 1. tokens the grammar alone decides
@@ -570,15 +636,83 @@ class BatchedDecoder:
         stepping = self._stepping()
         self.largest_batch = max(self.largest_batch, len(stepping))
         t0, captures = time.perf_counter(), graphs_captured()
-        contexts, limits = zip(*(self._context(seq) for seq in stepping))
+        faults: dict[int, Exception] = {}  # the sequences whose own work failed this step: the first error of each
+        cached = target.cache_len
+        try:
+            verified, width, t1, pass_seconds = self._verify_pass(stepping, faults)  # 2.-4.
+        except Exception as error:  # the pass failed, and with it every sequence of the step
+            target.truncate(cached)  # the cache as before the pass, however far it got
+            del self.row_owner[cached:]
+            for seq in stepping:
+                faults.setdefault(seq.ident, error)
+            verified, width, t1, pass_seconds = [], 0, t0, 0.0
+        # a step that captured a CUDA graph paid once what no step pays again
+        timed = width > 0 and graphs_captured() == captures
+        if timed:
+            self.costs.time_pass(width, pass_seconds)
+        events, finished, eos_token_ids = [], [], target.eos_token_ids
+        for v in verified:  # 5. each sequence commits its verdict and emits it, as alone
+            seq, run, k, (source, _, read) = v.seq, v.seq.run, v.draft.k, v.plan
+            with _own_work(seq, faults):
+                prev_len = run.sequence.shape[0]
+                if k > 0:
+                    seq.drafter.commit(prev_len, v.path)
+                if seq.drafter is not None:  # the pass was timed above, by its total width
+                    seq.policy.observe(k, v.num_accepted, v.seconds, None, source if k > 0 else None, v.path, read,
+                                       v.draft.scores, timed=timed)
+                event = run.emit(k, v.accepted, v.next_token, v.bonus, eos_token_ids, target.max_context)
+                run.stats.record_step(k, event.accepted, source if k > 0 else None, v.path,
+                                      v.draft.layout.height if v.draft.layout is not None else k, v.seconds,
+                                      pass_seconds + (t1 - t0) / len(stepping))
+                run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
+                if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
+                    decided = [row - seq.unscored + 1 for row in v.kept[seq.unscored - 1 :]]  # in `v.rows`
+                    add_logprobs(event, v.rows[decided[: len(event.token_ids)]], run.logprobs)
+                seq.unscored = 1  # the pass read everything but the token it emitted last
+                events.append((seq.ident, event))
+                if event.finish_reason is not None:
+                    finished.append(seq)
+        for packed in self._draft_caches.values():  # the rejected drafts' rows, in one pass a cache
+            packed.compact()
+        self._leave(finished)
+        self._remove(faults)
+        events = [(ident, event) for ident, event in forced + events if ident not in faults]
+        if width:
+            self.last_step = BatchStep(len(stepping), sum(v.draft.k for v in verified),
+                                       sum(len(event.token_ids) for _, event in events), time.perf_counter() - t0,
+                                       width, pass_seconds if timed else None)
+        if timed:
+            self.realized.record(len(stepping), self.last_step.drafted > 0, self.last_step.committed,
+                                 self.last_step.seconds)
+        return events
+
+    def _verify_pass(self, stepping: list[_Sequence],
+                     faults: dict[int, Exception]) -> tuple[list[_Verified], int, float, float]:
+        """Steps 2 to 4 for the sequences stepping: each drafts, one target pass scores every block, each is verified
+        as alone, and the cache keeps each one's last row and accepted path. A sequence whose own work raises goes
+        to `faults` and drops out (the cache keeps none of its rows of the pass); what serves them all (the pass,
+        the cache's keep) raises. Returns the verdicts, the pass's width (0: no pass ran, every sequence failed
+        first), when it began and its seconds (its verification's included)."""
+        target = self.target
         # where drafting has given less than plain steps at this batch size, the auto sequences step plain
         gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
-        plans = [(None, 0, 0) if seq.unscored > 1 and seq.reads_features else self._plan(seq, ctx, limit, gated)
-                 for seq, ctx, limit in zip(stepping, contexts, limits)]  # features of forced tokens come from a pass
+        contexts, limits = zip(*(self._context(seq) for seq in stepping))
+        plans: list[tuple[str | None, int, int]] = [(None, 0, 0)] * len(stepping)
+        for i, (seq, ctx, limit) in enumerate(zip(stepping, contexts, limits)):
+            if not (seq.unscored > 1 and seq.reads_features):  # features of forced tokens come from a pass
+                with _own_work(seq, faults):
+                    plans[i] = self._plan(seq, ctx, limit, gated)
         ks = self._choose(stepping, plans)
-        drafts, draft_seconds = self._propose_all(stepping, contexts, ks)  # 2. draft passes shared by depth
-        drafts = [self._trimmed(seq, draft, source) for seq, draft, (source, _, _) in zip(stepping, drafts, plans)]
-        ks = [draft.k for draft in drafts]
+        drafts, draft_seconds = self._propose_all(stepping, contexts, ks, faults)  # 2. draft passes shared by depth
+        for i, (seq, draft, (source, _, _)) in enumerate(zip(stepping, drafts, plans)):
+            if draft is not None:
+                with _own_work(seq, faults):
+                    drafts[i] = self._trimmed(seq, draft, source)
+        well = [i for i, seq in enumerate(stepping) if seq.ident not in faults]  # those still in the step
+        stepping, plans, drafts, draft_seconds = ([column[i] for i in well]
+                                                  for column in (stepping, plans, drafts, draft_seconds))
+        if not stepping:
+            return [], 0, time.perf_counter(), 0.0
         # 3. one target pass over [last, d1 .. dk] of every sequence (forced tokens after its last), each at its own
         # positions (a tree: by depth)
         blocks = [torch.cat([seq.run.sequence[-seq.unscored:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
@@ -615,69 +749,37 @@ class BatchedDecoder:
         to_host = torch.cat([logits.argmax(-1), tokens]) if any(together) else tokens
         host = to_host.tolist()
         choice, fed = host[: -tokens.shape[0]], host[-tokens.shape[0] :]  # [T] argmax per row (if read), [T] tokens
-        events, kept_rows, start = forced, [], 0
-        verdicts, rows_of, paths, decided_by, accepted_tokens = [], [], [], [], []
-        for seq, draft, block, plain in zip(stepping, drafts, blocks, together):  # 4. verify each sequence as alone
+        verified, kept_rows, start = [], [], 0
+        for seq, draft, block, plain, plan, seconds in zip(stepping, drafts, blocks, together, plans, draft_seconds):
             width, tree, run, unscored = block.shape[0], draft.layout, seq.run, seq.unscored
-            rows_of.append(logits[start + unscored - 1 : start + width])  # [k + 1, V]: after its last, then the draft
-            if plain:  # the longest draft prefix equal to the rows' argmax, then the argmax (`verify_greedy`)
-                targets, drafted = choice[start + unscored - 1 : start + width], fed[start + unscored : start + width]
-                num_accepted = next((i for i, (d, t) in enumerate(zip(drafted, targets)) if d != t), len(drafted))
-                next_token, deepest = targets[num_accepted], num_accepted - 1
-            else:
-                p_target = target_rows(run.masked(rows_of[-1], draft), run.params, run.seen, block[unscored - 1 :],
-                                       None if tree is None else tree.rows_ancestors())  # [k + 1, V]
-                verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
-                num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
-                                                               verdict.deepest()[:1]]).tolist()
-            path = tree.path(deepest) if tree is not None else list(range(num_accepted))
-            accepted_tokens.append([fed[start + unscored + node] for node in path])
-            bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
-            verdicts.append((num_accepted, next_token, bonus))
-            paths.append(path)
-            # in the block: its unscored rows (its last, and forced ones) and the path's
-            decided_by.append(list(range(unscored)) + [unscored + node for node in path])
-            in_pass = [start + row for row in decided_by[-1]]
-            kept_rows += in_pass
-            if seq.reads_features:  # the kept rows' states, before commit
-                seq.drafter.features(scored.hidden_states[0][in_pass])
+            with _own_work(seq, faults):  # 4. verify each sequence as alone
+                rows = logits[start + unscored - 1 : start + width]  # [k + 1, V]: after its last, then the draft
+                if plain:  # the longest draft prefix equal to the rows' argmax, then the argmax (`verify_greedy`)
+                    targets = choice[start + unscored - 1 : start + width]
+                    drafted = fed[start + unscored : start + width]
+                    num_accepted = next((i for i, (d, t) in enumerate(zip(drafted, targets)) if d != t), len(drafted))
+                    next_token, deepest = targets[num_accepted], num_accepted - 1
+                else:
+                    p_target = target_rows(run.masked(rows, draft), run.params, run.seen, block[unscored - 1 :],
+                                           None if tree is None else tree.rows_ancestors())  # [k + 1, V]
+                    verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
+                    num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
+                                                                   verdict.deepest()[:1]]).tolist()
+                path = tree.path(deepest) if tree is not None else list(range(num_accepted))
+                bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
+                # in the block: its unscored rows (its last, and forced ones) and the path's
+                kept = list(range(unscored)) + [unscored + node for node in path]
+                in_pass = [start + row for row in kept]
+                if seq.reads_features:  # the kept rows' states, before commit
+                    seq.drafter.features(scored.hidden_states[0][in_pass])
+                kept_rows += in_pass
+                verified.append(_Verified(seq, draft, plan, seconds, num_accepted, next_token, bonus, path,
+                                          [fed[start + unscored + node] for node in path], rows, kept))
             start += width
         pass_seconds = time.perf_counter() - t1
-        timed = graphs_captured() == captures  # a step that captured a CUDA graph paid once what no step pays again
-        if timed:
-            self.costs.time_pass(tokens.shape[0], pass_seconds)
         target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner += [seq.ident for seq, kept in zip(stepping, decided_by) for _ in kept]
-        finished, eos_token_ids = [], target.eos_token_ids
-        for seq, draft, (source, _, read), (num_accepted, next_token, bonus), path, accepted, seconds, rows, kept in \
-                zip(stepping, drafts, plans, verdicts, paths, accepted_tokens, draft_seconds, rows_of, decided_by):
-            run, k = seq.run, draft.k
-            prev_len = run.sequence.shape[0]
-            if k > 0:
-                seq.drafter.commit(prev_len, path)
-            if seq.drafter is not None:  # the pass was timed above, by its total width
-                seq.policy.observe(k, num_accepted, seconds, None, source if k > 0 else None, path, read, draft.scores,
-                                   timed=timed)
-            event = run.emit(k, accepted, next_token, bonus, eos_token_ids, target.max_context)
-            run.stats.record_step(k, event.accepted, source if k > 0 else None, path,
-                                  draft.layout.height if draft.layout is not None else k, seconds,
-                                  pass_seconds + (t1 - t0) / len(stepping))
-            run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-            if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
-                decided = [row - seq.unscored + 1 for row in kept[seq.unscored - 1 :]]  # in `rows`
-                add_logprobs(event, rows[decided[: len(event.token_ids)]], run.logprobs)
-            seq.unscored = 1  # the pass read everything but the token it emitted last
-            events.append((seq.ident, event))
-            if event.finish_reason is not None:
-                finished.append(seq)
-        for packed in self._draft_caches.values():  # the rejected drafts' rows, in one pass a cache
-            packed.compact()
-        self._leave(finished)
-        self.last_step = BatchStep(len(stepping), sum(ks), sum(len(event.token_ids) for _, event in events),
-                                   time.perf_counter() - t0, tokens.shape[0], pass_seconds if timed else None)
-        if timed:
-            self.realized.record(len(stepping), sum(ks) > 0, self.last_step.committed, self.last_step.seconds)
-        return events
+        self.row_owner += [v.seq.ident for v in verified for _ in v.kept]
+        return verified, tokens.shape[0], t1, pass_seconds
 
     def stats(self, ident: int) -> GenerationStats | None:
         """The statistics of sequence `ident`, stepping or joining (None once it has left)."""

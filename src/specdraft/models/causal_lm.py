@@ -159,14 +159,17 @@ class CausalLM:
         self.cache_len = 0
 
     def truncate(self, length: int) -> None:
-        """Cut the cache back to its first `length` tokens (a no-op when it is not longer)."""
+        """Cut the cache back to its first `length` tokens (a no-op when it is not longer). Each layer is cut by
+        what it holds, so this also undoes a pass that failed part-way: its first layers hold its rows, and
+        `cache_len` does not count them yet."""
         if length < 0:
             raise ValueError(f"cannot truncate to a negative length {length}")
-        excess = self.cache_len - length
-        if excess > 0:
-            if self._static is None:
-                self._cache.crop(-excess)
-            self.cache_len = length
+        if self._static is None:  # a static cache's slots past cache_len are simply overwritten
+            for layer in self._cache.layers:
+                excess = layer.get_seq_length() - length
+                if excess > 0:
+                    layer.crop(-excess)
+        self.cache_len = min(self.cache_len, length)
 
     @torch.inference_mode()
     def append_cache(self, other: "CausalLM") -> None:

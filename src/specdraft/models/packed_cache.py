@@ -16,6 +16,9 @@ all owners (the batch calls it once a step).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from specdraft.errors import SpecdraftError
@@ -106,8 +109,9 @@ class PackedCache:
         ends = torch.cumsum(torch.tensor([feed.shape[0] for _, feed in feeds]), 0) - 1  # [B]
         keep = tokens.shape[0] - int(ends[0])
         reach = max(self.live(owner) + feed.shape[0] for owner, feed in feeds)
-        logits = self.lm.forward(tokens.unsqueeze(0), keep, offsets=positions - self.lm.cache_len, visible=visible,
-                                 prompt=prompt, reach=reach).logits[0]  # [keep, V]
+        with self._undone_on_failure():
+            logits = self.lm.forward(tokens.unsqueeze(0), keep, offsets=positions - self.lm.cache_len,
+                                     visible=visible, prompt=prompt, reach=reach).logits[0]  # [keep, V]
         for owner, feed in feeds:
             self._append(owner, feed.shape[0])
         first = tokens.shape[0] - keep
@@ -132,10 +136,21 @@ class PackedCache:
         positions = len(held) + offsets  # [T]
         # its furthest position; on a static (GPU) cache the width bounds the depths without a device sync
         reach = len(held) + (count if self.lm.static else int(offsets.max()) + 1)
-        logits = self.lm.forward(tokens.unsqueeze(0), logits_to_keep, offsets=positions - self.lm.cache_len,
-                                 visible=allowed, reach=reach).logits[0]  # [logits_to_keep, V]
+        with self._undone_on_failure():
+            logits = self.lm.forward(tokens.unsqueeze(0), logits_to_keep, offsets=positions - self.lm.cache_len,
+                                     visible=allowed, reach=reach).logits[0]  # [logits_to_keep, V]
         self._append(owner, count)
         return logits
+
+    @contextmanager
+    def _undone_on_failure(self) -> Iterator[None]:
+        """Write into `lm`: should the pass (or append) raise, the rows it wrote, some layers' or all, leave again,
+        so the cache holds exactly the rows `row_owner` names and the other owners draft on as before."""
+        try:
+            yield
+        except BaseException:
+            self.lm.truncate(len(self.row_owner))
+            raise
 
     def keep(self, owner: int, start: int, rows: list[int]) -> None:
         """Keep `owner`'s first `start` rows and those at `start + r` for r in `rows` (increasing); the others turn
@@ -153,7 +168,8 @@ class PackedCache:
         reader = self._reader
         try:
             logits = reader.forward(tokens.unsqueeze(0), logits_to_keep=1, prompt=prompt).logits[0]
-            self.lm.append_cache(reader)
+            with self._undone_on_failure():
+                self.lm.append_cache(reader)
         finally:
             reader.reset()
         self._append(owner, tokens.shape[0])

@@ -4,7 +4,9 @@ Between steps, queued jobs join while the batch has room (each choice of `n` is 
 free place and the cache its budget can fill within the KV budget, all choices of a job or none), and
 sequences whose client went away or whose request ran past its timeout leave; a finished sequence leaves by
 itself. Each step's events go back to their jobs as `Step`s, and a job whose choices have all finished gets its
-`Finished`. The queue in front, its 429s, shutdown and the result channel are `Worker`'s.
+`Finished`. A sequence the batch fails (its join or its step raised: `BatchedDecoder.take_failed`) ends its job with
+the error, a 500 naming it where it is a bug; the other jobs and the engine thread go on. The queue in front, its
+429s, shutdown and the result channel are `Worker`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class _Admitted:
     idents: list[int]
     stats: list[GenerationStats]
     left: set[int] = field(default_factory=set)  # sequence ids still generating
+
+
+def internal_error(error: Exception) -> ApiError:
+    """The 500 of a request a bug failed, naming the error (its traceback goes to the log)."""
+    return ApiError(500, f"The server failed on this request ({type(error).__name__}: {error}); this is a bug, "
+                         "please report it.", code="internal_error")
 
 
 class BatchWorker(Worker):
@@ -77,15 +85,11 @@ class BatchWorker(Worker):
                 continue
             try:
                 events = self.batch.step()
-            except Exception:  # a bug: fail what runs, keep serving, keep the traceback in the log
+            except Exception as error:  # a bug the batch pinned on no sequence: fail what runs, keep serving
                 log.exception("batched step failed")
                 for admitted in self._jobs():
-                    self._end(admitted, Failed(ApiError(500, "The server failed while generating; this is a bug, "
-                                                             "please report it.", code="internal_error")))
+                    self._end(admitted, Failed(internal_error(error)))
                 continue
-            for ident, error in self.batch.take_failed():  # prompts that failed to read
-                if ident in self._admitted:
-                    self._refuse(self._admitted[ident], error)
             step = self.batch.last_step
             if self.metrics is not None and step is not None:
                 self.metrics.record_batch_step(step.sequences, step.drafted, step.committed, step.seconds, step.width,
@@ -97,6 +101,10 @@ class BatchWorker(Worker):
                     admitted.left.discard(ident)
                     if not admitted.left:
                         self._end(admitted, Finished(reduce(GenerationStats.merge, admitted.stats)))
+            # after the events: a job whose choice failed may have another's event in this step
+            for ident, error in self.batch.take_failed():  # joins and steps that failed
+                if ident in self._admitted:
+                    self._refuse(self._admitted[ident], error)
             for admitted in self._jobs():
                 if admitted.job.cancelled:
                     self._end(admitted, None)
@@ -146,7 +154,8 @@ class BatchWorker(Worker):
                 ident = self.batch.add(BatchRequest(generation.prompt_ids, sampling, generation.max_tokens,
                                                     generation.stop, make_drafter=make,
                                                     k=key.k if isinstance(key.k, int) and key.k > 0 else None,
-                                                    logprobs=generation.logprobs, constraint=generation.constraint))
+                                                    logprobs=generation.logprobs, constraint=generation.constraint,
+                                                    cache_salt=generation.cache_salt))
                 admitted.idents.append(ident)
                 admitted.left.add(ident)
                 admitted.stats.append(self.batch.stats(ident))
@@ -168,14 +177,14 @@ class BatchWorker(Worker):
         return True
 
     def _refuse(self, admitted: _Admitted, error: Exception, param: str | None = None) -> None:
-        """A job that failed to join ends: a user's mistake (SpecdraftError, about `param`) is a 400; anything else
-        is a bug, logged, a 500 for this request alone (the others and the engine thread go on)."""
+        """A job that failed to join, or whose sequence failed a step, ends: a user's mistake (SpecdraftError, about
+        `param`) is a 400; anything else is a bug, logged, a 500 naming it for this request alone (the others and
+        the engine thread go on)."""
         if isinstance(error, SpecdraftError):
             self._end(admitted, Failed(ApiError(400, str(error), param=param)))
             return
-        log.error("joining the batch failed", exc_info=error)
-        self._end(admitted, Failed(ApiError(500, "The server failed while starting this request; this is a bug, "
-                                                 "please report it.", code="internal_error")))
+        log.error("a request in the batch failed", exc_info=error)
+        self._end(admitted, Failed(internal_error(error)))
 
     def _end(self, admitted: _Admitted, result: Finished | Failed | None) -> None:
         """A job leaves the batch (its sequences still running stop) with `result` (None: cancelled, nobody
