@@ -170,3 +170,19 @@ def tiny_model_dirs(tmp_path_factory, tiny_tokenizer):
         tiny_tokenizer.save_pretrained(path)
         paths[name] = path
     return paths
+
+
+@pytest.fixture(scope="session")
+def eagle_file(tiny_model_dirs, tmp_path_factory):
+    """Random EAGLE weights for the tiny target, as `specdraft train eagle` writes them."""
+    from transformers import AutoConfig
+
+    from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+    from specdraft.models.trained import save_trained
+
+    config = AutoConfig.from_pretrained(tiny_model_dirs["target"])
+    torch.manual_seed(5)
+    eagle = EagleDrafterModel(EagleConfig(config.hidden_size, width=64, num_heads=1, num_kv_heads=1,
+                                          intermediate_size=64))
+    return save_trained(tmp_path_factory.mktemp("eagle") / "eagle.safetensors", "eagle", eagle,
+                        torch.arange(config.vocab_size), "tiny", {})

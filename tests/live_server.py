@@ -16,7 +16,7 @@ from specdraft.surfaces.server_app import build_app
 def make_app(dirs, **overrides):
     """The app `specdraft serve` would build over the tiny target and draft (float32, draft not quantized)."""
     options = dict(api_key=None, served_model_name=None, max_queue=64, request_timeout=60.0, max_tokens=16,
-                   shutdown_grace=2.0, seed=0, target=str(dirs["target"]), draft=str(dirs["draft"]), drafter="model",
+                   shutdown_grace=2.0, seed=None, target=str(dirs["target"]), draft=str(dirs["draft"]), drafter="model",
                    k="3", tree_budget=0, tree_branch=4, draft_quant="none", draft_vocab=0, dtype="float32",
                    device="cpu", gguf_weights="auto", draft_confidence=None, ngram_max=None, ngram_min=None,
                    suffix_min_match=None, suffix_min_score=None, suffix_factor=None, exit_layer=None, trained=None)

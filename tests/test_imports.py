@@ -15,7 +15,7 @@ ROOT = Path(specdraft.__file__).parent
 # Lowest first. A module may import from its own layer and the ones below, never from above.
 LAYERS = [
     {"errors", "paths", "gguf_layout"},
-    {"sampling", "tree", "text", "stats", "policy", "goodput", "prompts"},
+    {"sampling", "tree", "text", "stats", "policy", "goodput", "prompts", "goodness_of_fit"},
     {"kernels"},
     {"models"},
     {"constraints"},

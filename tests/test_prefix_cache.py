@@ -102,6 +102,20 @@ def test_the_prefix_cache_gives_the_longest_shared_beginning_and_keeps_to_its_bu
     assert shared_length(torch.tensor([4, 5]), torch.tensor([4, 5, 6])) == 2
 
 
+def test_a_prompt_shares_rows_only_with_prompts_kept_under_its_salt():
+    """Prompts kept under one salt are invisible to every other (unsalted included), and neither covers nor
+    replaces the others' (vLLM's `cache_salt`)."""
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.add(torch.tensor([1, 2, 3, 4]), rows_of([1, 2, 3, 4]), salt="a")
+    assert cache.match(torch.tensor([1, 2, 3, 4, 5])) == (0, [])
+    assert cache.match(torch.tensor([1, 2, 3, 4, 5]), "b") == (0, [])
+    assert cache.match(torch.tensor([1, 2, 3, 4, 5]), "a")[0] == 4
+    cache.add(torch.tensor([1, 2, 3]), rows_of([1, 2, 3]))  # "a" holds these rows, but not for the unsalted
+    cache.add(torch.tensor([1, 2, 3, 4, 5, 6]), rows_of([1, 2, 3, 4, 5, 6]), salt="b")  # covers "a"'s: both stay
+    assert len(cache) == 3
+    assert [cache.match(torch.tensor([1, 2, 3, 4, 5, 6]), salt)[0] for salt in ("", "a", "b", "c")] == [3, 4, 6, 0]
+
+
 def test_a_batch_reads_only_what_follows_a_shared_beginning_and_answers_as_alone(level):
     """Prompts sharing a system prompt: each after the first reads from where they part, and answers, greedy and
     sampled, as it does alone."""

@@ -175,9 +175,15 @@ def test_32_concurrent_streaming_clients_three_requests_each(live):
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_model_dirs, monkeypatch):
+    """A full queue answers 429 before the request is parsed and tokenized (`prepare` never runs for it)."""
+    import specdraft.server.app as server_app
+
     app = make_app(tiny_model_dirs, max_queue=2, max_batch=1)  # one at a time: the second waits in the queue
     gate = threading.Event()
     slow_down(monkeypatch, app, gate=gate)
+    prepared = []
+    counted = server_app.prepare
+    monkeypatch.setattr(server_app, "prepare", lambda *args: prepared.append(1) or counted(*args))
     with Live(app) as server, ThreadPoolExecutor(3) as pool:
         client = server.client(max_retries=0, timeout=30)
 
@@ -194,6 +200,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dirs, monkeypatch):
             assert refused.value.status_code == 429
             assert int(refused.value.response.headers["retry-after"]) >= 1
             assert refused.value.body["code"] == "queue_full"
+        assert len(prepared) == 3  # the running one and the two queued: none of the refused
         gate.set()
         assert all(future.result().usage.completion_tokens >= 1 for future in accepted)
         assert 'status="429"' in httpx.get(f"{server.url}/metrics").text
@@ -272,7 +279,8 @@ BAD_CHAT = [
     {**CHAT_OK, "n": 0}, {**CHAT_OK, "n": 17}, {**CHAT_OK, "n": "2"}, {**CHAT_OK, "max_tokens": 0},
     {**CHAT_OK, "max_tokens": -5}, {**CHAT_OK, "max_tokens": 1.5}, {**CHAT_OK, "max_tokens": "10"},
     {**CHAT_OK, "max_tokens": 10**6}, {**CHAT_OK, "seed": -1}, {**CHAT_OK, "seed": "x"},
-    {**CHAT_OK, "stop": ["a", "b", "c", "d", "e"]}, {**CHAT_OK, "stop": 123}, {**CHAT_OK, "stream": "yes"},
+    {**CHAT_OK, "stop": ["a", "b", "c", "d", "e"]}, {**CHAT_OK, "stop": "x" * 257}, {**CHAT_OK, "stop": 123},
+    {**CHAT_OK, "stream": "yes"}, {**CHAT_OK, "cache_salt": ""}, {**CHAT_OK, "speculative": {"k": 100000}},
     {**CHAT_OK, "stream_options": {"include_usage": True}}, {**CHAT_OK, "logprobs": "yes"},
     {**CHAT_OK, "top_logprobs": 2}, {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, {**CHAT_OK, "foo": 1}, {**CHAT_OK, "tools": [{"type": "function"}]},
     {**CHAT_OK, "frequency_penalty": 0.5}, {**CHAT_OK, "speculative": {"drafter": "nope"}},

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
 from live_server import Live, make_app
 from specdraft.prefix_cache import PrefixCache
@@ -110,6 +109,43 @@ def test_a_request_that_fails_to_join_gets_500_and_the_engine_goes_on(tiny_model
         assert server.health() == {"status": "ok", "queue_depth": 0, "running": 0}
 
 
+def test_a_request_whose_step_fails_gets_500_naming_it_and_the_batch_goes_on(tiny_model_dirs, monkeypatch):
+    """A drafter that raises at a step (every draft model's here, once its draft passes ran) fails its request alone:
+    a 500 naming the error, while a request streaming beside it in the batch gets its answer alone, and a later one
+    is served. Before, the error escaped the step and every request in the batch got a 500."""
+    import json
+
+    from specdraft.batch_engine import BatchedDecoder
+    from specdraft.drafters.model import ModelDrafter
+
+    propose, step = ModelDrafter.propose_steps, BatchedDecoder.step
+
+    def raises(self, ctx, k):
+        yield from propose(self, ctx, k)
+        raise RuntimeError("planted draft fault")
+
+    monkeypatch.setattr(ModelDrafter, "propose_steps", raises)
+    monkeypatch.setattr(BatchedDecoder, "step", lambda self: (time.sleep(0.02), step(self))[1])  # so the two meet
+    plain = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.0,
+             "speculative": {"drafter": "none"}}
+    app = make_app(tiny_model_dirs, max_batch=2)
+    with Live(app) as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30, json={**plain, "stream": True}) as out:
+            lines = out.iter_lines()
+            streamed = [next(lines)]  # it runs
+            broken = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                                json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8})  # the draft model's
+            streamed += list(lines)
+        assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error"
+        assert "RuntimeError: planted draft fault" in broken.json()["error"]["message"]
+        assert app.state.worker.batch.largest_batch == 2  # they stepped together
+        text = "".join(json.loads(line[len("data: "):])["choices"][0]["text"] for line in streamed
+                       if line.startswith("data: {"))
+        later = httpx.post(f"{server.url}/v1/completions", timeout=30, json=plain)
+        assert later.status_code == 200 and text == later.json()["choices"][0]["text"] != ""
+        server.wait_until(lambda health: health["running"] == 0 and health["queue_depth"] == 0)
+
+
 def test_the_kv_budget_queues_what_does_not_fit_now_and_refuses_what_never_fits(tiny_model_dirs):
     app = make_app(tiny_model_dirs, max_batch=4, kv_budget_mb=0.5)
     batch = app.state.worker.batch
@@ -147,22 +183,6 @@ def test_the_kv_budget_option_defaults_to_half_the_free_memory_and_0_lifts_it(ti
     assert make_app(tiny_model_dirs, max_batch=2, kv_budget_mb=0).state.worker.batch.kv_budget is None
     assert 0 < make_app(tiny_model_dirs, max_batch=2).state.worker.batch.kv_budget < free_memory_bytes(torch.device("cpu"))
     assert abs(default_kv_budget(torch.device("cpu")) / free_memory_bytes(torch.device("cpu")) - 0.5) < 0.1
-
-
-@pytest.fixture(scope="module")
-def eagle_file(tiny_model_dirs, tmp_path_factory):
-    """Random EAGLE weights for the tiny target, as `specdraft train eagle` writes them."""
-    from transformers import AutoConfig
-
-    from specdraft.models.eagle import EagleConfig, EagleDrafterModel
-    from specdraft.models.trained import save_trained
-
-    config = AutoConfig.from_pretrained(tiny_model_dirs["target"])
-    torch.manual_seed(5)
-    eagle = EagleDrafterModel(EagleConfig(config.hidden_size, width=64, num_heads=1, num_kv_heads=1,
-                                          intermediate_size=64))
-    return save_trained(tmp_path_factory.mktemp("eagle") / "eagle.safetensors", "eagle", eagle,
-                        torch.arange(config.vocab_size), "tiny", {})
 
 
 def test_serving_batches_every_drafter_by_default(tiny_model_dirs, eagle_file):

@@ -1,6 +1,7 @@
 """Stopping (EOS, stop strings, budget) in the middle of a committed block, and streamed text."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from conftest import perturbed
 from specdraft import ModelDrafter, SamplingParams, SpeculativeDecoder
@@ -116,6 +117,35 @@ def test_stop_string_beginning_before_an_unfinished_character_is_held_back():
     assert inc.delta("ab \ufffd", final=False) == "ab"
     assert inc.delta("ab \u043fc", final=False) == " \u043fc"  # (the caller cuts at the stop before this)
     assert IncrementalText(None, stops=["xyz"]).delta("ab \ufffd", final=False) == "ab "
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("ab\ufffd", max_size=14), stops=st.lists(st.text("ab", min_size=1, max_size=9), min_size=1,
+                                                              max_size=3))
+def test_what_is_held_back_is_the_longest_stop_prefix_the_finished_text_ends_with(text, stops):
+    """The KMP look-back (linear in a stop string's length) holds back what trying every prefix did: the longest
+    proper prefix of a stop string that the text ends with, before its unfinished characters, and those."""
+    finished = text.rstrip("\ufffd")
+    overlap = max(n for stop in stops for n in range(min(len(stop) - 1, len(finished)) + 1)
+                  if finished.endswith(stop[:n]))
+    assert IncrementalText(None, stops=stops).delta(text, final=False) == text[: len(finished) - overlap]
+
+
+def test_each_token_searches_only_where_a_stop_string_could_end(tiny_tokenizer, monkeypatch):
+    """Stop strings are checked in linear time: each token's text is searched from the longest stop string's length
+    less one before what it added, not from the step's beginning again (which searched a step's text k times)."""
+    import specdraft.text as text_module
+
+    searched, find = [], text_module.find_stop
+    monkeypatch.setattr(text_module, "find_stop",
+                        lambda text, stops, start=0: searched.append(len(text) - start) or find(text, stops, start))
+    ids = tiny_tokenizer("The quick brown fox jumps over the lazy dog. " * 4, add_special_tokens=False)["input_ids"]
+    texts, stopped = IncrementalText(tiny_tokenizer, stops=["zebra", "dog!"]).token_texts([], ids)
+    assert not stopped and len(searched) == len(ids) > 40
+    widest = max(len(after) - len(before) for before, after in zip([""] + texts, texts))  # the most a token added
+    assert max(searched) <= widest + len("zebra") - 1
+    texts, stopped = IncrementalText(tiny_tokenizer, stops=["zebra", "dog."]).token_texts([], ids)
+    assert stopped and texts[-1] == "The quick brown fox jumps over the lazy "  # still found where it begins
 
 
 def test_sampled_run_stops_at_budget_and_counts(text_pair):

@@ -250,6 +250,7 @@ class SpeculativeDecoder:
         stats: GenerationStats | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        cache_salt: str = "",
     ) -> Iterator[StepEvent]:
         """Generate step by step; each event carries the tokens and text one step committed.
 
@@ -258,6 +259,7 @@ class SpeculativeDecoder:
         to the events, read from the verification pass that decided the token (no extra pass).
         `constraint`: the answer must match it (`constraints`); tokens its grammar alone decides come as
         events of their own (kind FORCED, no pass), except with `logprobs`, where every token is scored.
+        `cache_salt`: the prompt shares the prefix cache's rows only with prompts read under the same salt.
         """
         params = sampling or SamplingParams()
         if max_new_tokens < 1:
@@ -284,11 +286,12 @@ class SpeculativeDecoder:
         target.reset()
         wants_features = drafter is not None and drafter.needs_features
         # a feature drafter needs the whole prompt's states
-        reused = self.prefixes.resume(target, sequence[:-1]) if self.prefixes is not None and not wants_features else 0
+        reused = (self.prefixes.resume(target, sequence[:-1], cache_salt)
+                  if self.prefixes is not None and not wants_features else 0)
         stats.cached_prompt_tokens = reused
         prompt_features = target.prefill(sequence[reused:-1].unsqueeze(0), hidden=wants_features)  # [L - 1, H] or None
         if self.prefixes is not None:
-            self.prefixes.keep(target, sequence[:-1])
+            self.prefixes.keep(target, sequence[:-1], cache_salt)
         if drafter is not None:
             drafter.begin(sequence)
             if wants_features:

@@ -4,7 +4,9 @@ Chat prompts share their beginnings: the template's system prompt, a few-shot pr
 turns. `PrefixCache` keeps the cached rows (every layer's keys and values) of the prompts read last, up to a byte
 budget, the least recently used leaving first. A prompt takes the rows of the longest prefix it shares with any kept
 prompt and reads on from there: a batch's joining prompt (`batch_engine`), or a single request's
-(`SpeculativeDecoder(prefixes=)`).
+(`SpeculativeDecoder(prefixes=)`). Each prompt is kept under a salt (vLLM's `cache_salt`; "" by default) and shares
+its rows only with prompts of the same salt: tenants of one server neither reuse nor learn (from
+`cached_tokens`, or the time to the first token) what the others sent.
 
 It is exact where the target `reads_split_exactly`: every token is computed alone there, so a prefix's rows are the
 same bits however the prompt around them was read, and reading the rest after them gives the bits of one read
@@ -29,6 +31,7 @@ class _Entry:
     tokens: torch.Tensor  # [n] int64: the prompt tokens whose rows these are
     rows: Rows
     nbytes: int
+    salt: str = ""  # only prompts of the same salt share these rows
 
 
 def shared_length(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -54,12 +57,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: torch.Tensor) -> tuple[int, Rows]:
-        """The longest prefix of `tokens` ([n] int64) that a kept prompt begins with: its length and its rows (views
-        of the kept ones; (0, []) when none shares a token)."""
+    def match(self, tokens: torch.Tensor, salt: str = "") -> tuple[int, Rows]:
+        """The longest prefix of `tokens` ([n] int64) that a prompt kept under `salt` begins with: its length and its
+        rows (views of the kept ones; (0, []) when none shares a token)."""
         with self._lock:
             best, best_key = 0, None
             for key, entry in self._entries.items():
+                if entry.salt != salt:
+                    continue
                 length = shared_length(entry.tokens, tokens)
                 if length > best:
                     best, best_key = length, key
@@ -70,27 +75,30 @@ class PrefixCache:
             rows = self._entries[best_key].rows
         return best, [None if layer is None else (layer[0][..., :best, :], layer[1][..., :best, :]) for layer in rows]
 
-    def resume(self, lm, tokens: torch.Tensor) -> int:
-        """Put the rows of the longest kept beginning of prompt `tokens` ([n] int64) into `lm`'s empty cache (a
-        `CausalLM`'s); returns how many tokens they hold, where its read goes on."""
-        reused, rows = self.match(tokens)
+    def resume(self, lm, tokens: torch.Tensor, salt: str = "") -> int:
+        """Put the rows of the longest beginning of prompt `tokens` ([n] int64) kept under `salt` into `lm`'s empty
+        cache (a `CausalLM`'s); returns how many tokens they hold, where its read goes on."""
+        reused, rows = self.match(tokens, salt)
         lm.append_rows(rows)
         return reused
 
-    def keep(self, lm, tokens: torch.Tensor) -> None:
-        """Keep the rows `lm`'s cache holds for prompt `tokens` ([n] int64, its first n cached tokens)."""
-        self.add(tokens, lm.rows(tokens.shape[0]))
+    def keep(self, lm, tokens: torch.Tensor, salt: str = "") -> None:
+        """Keep the rows `lm`'s cache holds for prompt `tokens` ([n] int64, its first n cached tokens) under `salt`."""
+        self.add(tokens, lm.rows(tokens.shape[0]), salt)
 
-    def add(self, tokens: torch.Tensor, rows: Rows) -> None:
-        """Keep a copy of `rows`, the cached rows of prompt `tokens` ([n] int64), unless a kept prompt already begins
-        with them; kept prompts that `tokens` begin with leave (these rows hold theirs). The least recently used leave
-        while the budget is exceeded; rows larger than the whole budget are not kept."""
+    def add(self, tokens: torch.Tensor, rows: Rows, salt: str = "") -> None:
+        """Keep a copy of `rows`, the cached rows of prompt `tokens` ([n] int64), under `salt`, unless a prompt kept
+        under it already begins with them; prompts kept under it that `tokens` begin with leave (these rows hold
+        theirs). The least recently used leave while the budget is exceeded; rows larger than the whole budget are
+        not kept."""
         count = tokens.shape[0]
         nbytes = sum(2 * layer[0][..., :count, :].nbytes for layer in rows if layer is not None)
         if count == 0 or nbytes > self.max_bytes:
             return
         with self._lock:
             for key, entry in list(self._entries.items()):
+                if entry.salt != salt:
+                    continue
                 shared = shared_length(entry.tokens, tokens)
                 if shared == count:  # a kept prompt begins with these tokens: it holds their rows already
                     self._entries.move_to_end(key)
@@ -101,7 +109,7 @@ class PrefixCache:
                 self._drop(next(iter(self._entries)))
             copied = [None if layer is None else (layer[0][..., :count, :].clone(), layer[1][..., :count, :].clone())
                       for layer in rows]
-            self._entries[self._next_key] = _Entry(tokens.clone(), copied, nbytes)
+            self._entries[self._next_key] = _Entry(tokens.clone(), copied, nbytes, salt)
             self._next_key += 1
             self.nbytes += nbytes
 

@@ -39,20 +39,39 @@ def find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
     return min(hits) if hits else None
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters could still become a stop string, or an unfinished character.
+def _finished_length(text: str) -> int:
+    """`text`'s length without its trailing U+FFFD (the bytes of a character still to come), found from the end."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    return end
 
-    A stop string may begin just before an unfinished character (decoded as U+FFFD for now),
-    so its prefixes are looked for in the text without those."""
-    finished = text.rstrip("\ufffd")
-    unfinished = len(text) - len(finished)  # bytes of a character still to come
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(finished)), 0, -1):
-            if finished.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold + unfinished
+
+def _failure(stop: str) -> list[int]:
+    """KMP's failure function of `stop`: [i] is the length of the longest proper prefix of stop[: i + 1] that is
+    also its suffix."""
+    fail, matched = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while matched and stop[i] != stop[matched]:
+            matched = fail[matched - 1]
+        if stop[i] == stop[matched]:
+            matched += 1
+        fail[i] = matched
+    return fail
+
+
+def _overlap(text: str, end: int, stop: str, fail: list[int]) -> int:
+    """The length of the longest proper prefix of `stop` that text[:end] ends with: KMP over its last len(stop) - 1
+    characters (`fail`: `_failure(stop)`), so O(len(stop)) where trying every prefix cost O(len(stop)²)."""
+    if not end or stop.find(text[end - 1], 0, len(stop) - 1) < 0:  # the last character ends no prefix
+        return 0
+    matched = 0
+    for char in text[max(0, end - len(stop) + 1) : end]:  # fewer than len(stop): `matched` stays a proper prefix
+        while matched and stop[matched] != char:
+            matched = fail[matched - 1]
+        if stop[matched] == char:
+            matched += 1
+    return matched
 
 
 DECODE_CONTEXT = 6  # tokens before the settled point decoded again with the new ones (see `IncrementalText.decoded`)
@@ -66,12 +85,16 @@ class IncrementalText:
     into a stop string. `stop_at` reports where a stop string starts, so the caller can cut.
 
     The text of the ids so far is kept, so a step decodes its new tokens and a few before them, not the whole
-    answer again (`decoded`).
+    answer again (`decoded`). Stop strings are checked in linear time: each token's text is searched only where a
+    stop string could end in what it added (the last characters before it, as many as the longest stop string
+    less one), and what to hold back is found by KMP over the tail (`_overlap`).
     """
 
     def __init__(self, tokenizer, stops: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in (stops or []) if s]
+        self._failures = [_failure(s) for s in self.stops]
+        self._longest = max(map(len, self.stops), default=0)
         self.emitted = ""
         self._settled: list[int] = []  # ids whose text is known and ends on a whole character
         self._settled_text = ""  # decode(_settled)
@@ -114,14 +137,18 @@ class IncrementalText:
         if self.tokenizer is None:
             return [""] * len(new), False
         texts, ids = [], list(before)
+        start = len(self.emitted)  # where a stop string may begin: text before it was searched already
         for token in new:
             ids = ids + [token]  # a new list each token: `settle` keeps the last one
             decoded = self.decoded(ids)
-            at = find_stop(decoded, self.stops, start=len(self.emitted)) if self.stops else None
+            at = find_stop(decoded, self.stops, start=start) if self.stops else None
             if at is not None:
                 texts.append(decoded[:at])
                 return texts, True
             texts.append(decoded)
+            # the finished text held no stop string: one found later ends after it, so begins at most
+            # longest - 1 characters before its end
+            start = max(start, _finished_length(decoded) - self._longest + 1)
         if texts:
             self.settle(ids, texts[-1])
         return texts, False
@@ -140,9 +167,19 @@ class IncrementalText:
 
     def delta(self, text: str, final: bool) -> str:
         """The new text to emit given the full decoded `text` so far."""
-        stable = len(text) if final else len(text) - _held_back(text, self.stops)
+        stable = len(text) if final else len(text) - self._held_back(text)
         if stable <= len(self.emitted):
             return ""
         piece = text[len(self.emitted):stable]
         self.emitted = text[:stable]
         return piece
+
+    def _held_back(self, text: str) -> int:
+        """How many trailing characters of `text` could still become a stop string, or an unfinished character.
+
+        A stop string may begin just before an unfinished character (decoded as U+FFFD for now), so its prefixes
+        are looked for in the text without those."""
+        finished = _finished_length(text)
+        overlap = max((_overlap(text, finished, stop, fail) for stop, fail in zip(self.stops, self._failures)),
+                      default=0)
+        return overlap + len(text) - finished

@@ -19,7 +19,8 @@ from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.model import DEFAULT_CATCH_UP, DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.oracle import DEFAULT_ALPHA as ORACLE_ALPHA, DEFAULT_SEED as ORACLE_SEED, OracleDrafter
-from specdraft.drafters.suffix import DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH, DEFAULT_MIN_SCORE, SuffixDrafter
+from specdraft.drafters.suffix import (DEFAULT_MAX_REQUESTS, DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH,
+                                       DEFAULT_MIN_SCORE, SuffixDrafter)
 from specdraft.errors import SpecdraftError
 
 
@@ -47,6 +48,8 @@ class DrafterInfo:
 
     `build(options, draft_model=..., target_model=...)` gets every option of `options` filled in (the values).
     `bench_only`: a measuring tool `specdraft bench` alone can feed (`generate` and `serve` refuse it).
+    `remembers_requests`: one drafter learns from the earlier requests it drafted for (cross-request memory, which
+    a server partitions by `cache_salt`; `make_drafter(remember=False)` builds it without).
     """
 
     description: str
@@ -54,6 +57,7 @@ class DrafterInfo:
     needs_draft_model: bool
     options: dict[str, Option]
     bench_only: bool = False
+    remembers_requests: bool = False
 
 
 def _build_model(options: dict, draft_model=None, **_resources) -> Drafter:
@@ -67,9 +71,9 @@ def _build_ngram(options: dict, **_resources) -> Drafter:
     return NgramDrafter(max_n=options["ngram-max"], min_n=options["ngram-min"])
 
 
-def _build_suffix(options: dict, **_resources) -> Drafter:
+def _build_suffix(options: dict, remember: bool = True, **_resources) -> Drafter:
     return SuffixDrafter(min_match=options["suffix-min-match"], min_score=options["suffix-min-score"],
-                         max_spec_factor=options["suffix-factor"])
+                         max_spec_factor=options["suffix-factor"], max_requests=DEFAULT_MAX_REQUESTS if remember else 0)
 
 
 def _build_oracle(options: dict, **_resources) -> Drafter:
@@ -141,7 +145,7 @@ DRAFTERS: dict[str, DrafterInfo] = {
                               "suffix-min-score": Option(DEFAULT_MIN_SCORE, "stop a draft once its estimated "
                                                          "survival falls below this"),
                               "suffix-factor": Option(DEFAULT_MAX_SPEC_FACTOR, "at most this many draft tokens per "
-                                                      "matched token")}),
+                                                      "matched token")}, remembers_requests=True),
     "early-exit": DrafterInfo("self-speculation: the target's first L layers, final norm and LM head draft (shared "
                               "weights; accepts little unless the model was trained for early exit)",
                               _build_early_exit, False, {
@@ -189,6 +193,11 @@ def needs_draft_model(name: str) -> bool:
     return any(DRAFTERS[part].needs_draft_model for part in drafter_parts(name))
 
 
+def remembers_requests(name: str) -> bool:
+    """Whether any part of drafter `name` learns from earlier requests (`DrafterInfo.remembers_requests`)."""
+    return any(DRAFTERS[part].remembers_requests for part in drafter_parts(name))
+
+
 def drafter_options(name: str) -> dict[str, Any]:
     """Every option the parts of `name` read, with its default."""
     options: dict[str, Any] = {}
@@ -222,8 +231,9 @@ def check_drafter(name: str, options: dict[str, Any] | None = None) -> dict[str,
 
 def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) -> Drafter:
     """Build drafter `name` (parts joined by `+`) with `options` over the defaults, from the given
-    resources (`draft_model=`, `target_model=`, and `shared=`: a dict a batch passes with every sequence's build, in
-    which trained drafters keep the weights they load once for all)."""
+    resources (`draft_model=`, `target_model=`, `shared=`: a dict passed with every build of a batch's sequences or
+    a server's decoders, in which trained drafters keep the weights they load once for all, and `remember=False`:
+    a drafter that learns from earlier requests remembers none)."""
     filled = check_drafter(name, options)
     drafters = [DRAFTERS[part].build(filled, **resources) for part in drafter_parts(name)]
     composed = drafters[-1]
@@ -235,4 +245,4 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
 __all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EagleDrafter",
            "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Option", "OracleDrafter",
            "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options", "make_drafter",
-           "needs_draft_model", "user_options"]
+           "needs_draft_model", "remembers_requests", "user_options"]

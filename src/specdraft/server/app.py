@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import random
 import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from enum import Enum
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request
@@ -17,6 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft.batch_engine import DEFAULT_PREFIX_CACHE_BYTES
+from specdraft.errors import SpecdraftError
 from specdraft.server.batch_worker import BatchWorker
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
@@ -32,9 +35,20 @@ DISCONNECT_POLL_SECONDS = 0.25
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
+class CrossRequestMemory(str, Enum):
+    """Who shares what the server remembers across requests (the prefix cache, the `suffix` drafter's corpus), which
+    `usage.prompt_tokens_details.cached_tokens`, the tokens' `kinds` and the time to the first token let a client
+    probe. A request's `cache_salt` partitions it further in `shared` and `key`."""
+
+    shared = "shared"  # every request (of the same cache_salt)
+    key = "key"  # requests sent with the same API key (of the same cache_salt)
+    off = "off"  # nobody: no prefix cache, and the drafters remember no earlier request
+
+
 @dataclass
 class ServerSettings:
-    """What `specdraft serve` sets besides the models: names, limits, the key."""
+    """What `specdraft serve` sets besides the models: names, limits, the keys (`api_key`: one, or several separated
+    by commas), who shares cross-request memory."""
 
     served_model: str
     api_key: str | None = None
@@ -42,11 +56,26 @@ class ServerSettings:
     request_timeout: float = 600.0
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
-    seed: int = 0  # seeds the seeds of requests that give none
+    seed: int | None = None  # seeds the seeds of requests that give none; None: each drawn from the OS
     max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
     max_batch: int = 1  # sequences generating together (continuous batching); 1: one request at a time
     kv_budget: int | None = None  # bytes of KV cache the batch's sequences may reserve together; None: unbounded
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # rows of prompts read before, kept for their prefixes; 0: none
+    cross_request_memory: CrossRequestMemory = CrossRequestMemory.shared
+
+    def __post_init__(self) -> None:
+        try:
+            self.cross_request_memory = CrossRequestMemory(self.cross_request_memory)
+        except ValueError:
+            modes = ", ".join(mode.value for mode in CrossRequestMemory)
+            raise SpecdraftError(f"--cross-request-memory must be one of {modes}, got {self.cross_request_memory!r}."
+                                 ) from None
+        if self.api_key is not None and not self.api_keys():
+            raise SpecdraftError("--api-key holds no key; give one, or several separated by commas.")
+
+    def api_keys(self) -> list[str]:
+        """The keys a client may send (none: the server is open)."""
+        return [key.strip() for key in (self.api_key or "").split(",") if key.strip()]
 
 
 class ClientGone(Exception):
@@ -125,18 +154,23 @@ def _validation_error(error: ValidationError) -> ApiError:
 
 def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     """The server over `pool`'s models: one engine thread (batching up to `settings.max_batch` sequences), a queue
-    of `settings.max_queue` in front of it."""
-    seeds = random.Random(settings.seed)
+    of `settings.max_queue` in front of it. Requests without a seed draw one from the OS, so restarts and replicas
+    sample differently (the response reports it); with `settings.seed` they draw the same sequence every time."""
+    seeds = random.SystemRandom() if settings.seed is None else random.Random(settings.seed)
     started = int(time.time())
     batched = settings.max_batch > 1
+    remember = settings.cross_request_memory != CrossRequestMemory.off
+    prefix_cache_bytes = settings.prefix_cache_bytes if remember else 0
+    pool.remember = remember
+    keys = [key.encode() for key in settings.api_keys()]
     metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running,
                       kv_cache=(lambda: (worker.batch.kv_reserved, worker.batch.kv_budget)) if batched else None)
     if batched:
         worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
                              max_batch=settings.max_batch, kv_budget=settings.kv_budget,
-                             prefix_cache_bytes=settings.prefix_cache_bytes)
+                             prefix_cache_bytes=prefix_cache_bytes)
     else:
-        pool.keep_prefixes(settings.prefix_cache_bytes)
+        pool.keep_prefixes(prefix_cache_bytes)
         worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
 
     @asynccontextmanager
@@ -150,14 +184,25 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
 
+    def bearer(request: Request) -> str | None:
+        """The key the request sent ('Authorization: Bearer <key>'), if any."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+
     def check_key(request: Request) -> None:
-        if settings.api_key is None:
+        if not keys:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        token = (bearer(request) or "").encode()
+        if not sum(hmac.compare_digest(token, key) for key in keys):  # every key compared: no early exit
             raise ApiError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def tenant(request: Request) -> str:
+        """The part of the cross-request memory the request's client shares: with `key`, that of its API key (a
+        digest: the key itself is kept nowhere); else everyone's ("")."""
+        if settings.cross_request_memory != CrossRequestMemory.key:
+            return ""
+        return hashlib.sha256((bearer(request) or "").encode()).hexdigest()
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -235,18 +280,21 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
 
     preparing = threading.Lock()  # one tokenizer, used by one preparing thread at a time
 
-    def checked(schema: type[ChatCompletionRequest] | type[CompletionRequest], body: bytes) -> Generation:
-        """The request in `body`, parsed, validated and tokenized (ApiError 4xx where it is wrong)."""
+    def checked(schema: type[ChatCompletionRequest] | type[CompletionRequest], body: bytes, part: str) -> Generation:
+        """The request in `body`, parsed, validated and tokenized (ApiError 4xx where it is wrong); `part`: its
+        `tenant`."""
         try:
             parsed = schema.model_validate_json(body)
         except ValidationError as error:
             raise _validation_error(error) from None
         with preparing:
-            return prepare(parsed, pool, settings.served_model, settings.default_max_tokens, seeds)
+            worker.check_room()  # the queue may have filled while this request waited for the tokenizer
+            return prepare(parsed, pool, settings.served_model, settings.default_max_tokens, seeds, part)
 
     async def answer(schema: type[ChatCompletionRequest] | type[CompletionRequest], request: Request) -> Response:
+        worker.check_room()  # a full queue answers 429 before the body is read, parsed and tokenized
         # Parsing and tokenizing a long prompt takes seconds: off the event loop, which keeps answering meanwhile.
-        generation = await asyncio.to_thread(checked, schema, await request.body())
+        generation = await asyncio.to_thread(checked, schema, await request.body(), tenant(request))
         return await generate(generation, request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
@@ -262,12 +310,14 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:
-        """The one served model, with the drafters a request may ask for and the server's defaults."""
+        """The one served model, with the drafters a request may ask for, the server's defaults and the largest
+        fixed k it takes."""
         default = pool.default
         return {"object": "list", "data": [{
             "id": settings.served_model, "object": "model", "created": started, "owned_by": "specdraft",
             "max_context": pool.target.max_context,
-            "specdraft": {"drafters": pool.drafters(), "default": {"drafter": default.drafter, "k": default.k}},
+            "specdraft": {"drafters": pool.drafters(), "default": {"drafter": default.drafter, "k": default.k},
+                          "max_k": pool.max_k},
         }]}
 
     @app.get("/health")

@@ -17,7 +17,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
 from specdraft.server.decoders import DecoderKey, DecoderPool
 from specdraft.server.errors import ApiError
-from specdraft.server.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from specdraft.server.schemas import (MAX_STOP_LENGTH, MAX_STOPS, ChatCompletionRequest, CompletionRequest,
+                                      ResponseFormat)
 from specdraft.text import encode_messages, encode_prompt
 
 
@@ -32,6 +33,7 @@ class Generation:
     model: str
     prompt_ids: list[int]
     samplings: list[SamplingParams]  # one per choice: the request's seed, seed + 1, ...
+    seed: int  # the request's seed, or the one drawn for it (the response reports it)
     max_tokens: int
     stop: list[str]
     decoder: DecoderKey
@@ -39,6 +41,7 @@ class Generation:
     include_usage: bool
     logprobs: int | None = None  # alternatives per token returned with its log-probability; None: none
     constraint: Constraint | None = None  # what the answer must match (`response_format`)
+    cache_salt: str = ""  # the partition of the server's cross-request memory this request reads and adds to
 
 
 def _bad(error: SpecdraftError | str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -108,9 +111,36 @@ def _constraint(response_format: ResponseFormat | None, target) -> Constraint | 
     return constraint
 
 
+def _stops(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """The request's stop strings, at most MAX_STOPS of at most MAX_STOP_LENGTH characters."""
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOPS:
+        raise _bad(f"At most {MAX_STOPS} stop strings, got {len(stops)}.", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise _bad(f"A stop string may be at most {MAX_STOP_LENGTH} characters long, got one of {longest}; "
+                   "shorten it.", param="stop")
+    return stops
+
+
+def _decoder(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPool, cache_salt: str) -> DecoderKey:
+    """The decoder the request's `speculative` settings ask for, a fixed k at most the server's `max_k`."""
+    speculative = request.speculative
+    k = speculative.k if speculative else None
+    if isinstance(k, int) and k > pool.max_k:
+        raise _bad(f"speculative.k may be at most {pool.max_k} on this server, got {k}; ask for fewer draft tokens "
+                   "per step or 'auto' (the server's --max-k sets the limit).", param="speculative.k")
+    try:
+        return pool.resolve(speculative.drafter if speculative else None, k, cache_salt)
+    except SpecdraftError as error:
+        raise _bad(error, param="speculative") from None
+
+
 def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPool, served_model: str,
-            default_max_tokens: int, seeds: random.Random) -> Generation:
-    """Check `request` against the loaded models and turn it into a `Generation` (ApiError otherwise)."""
+            default_max_tokens: int, seeds: random.Random, tenant: str = "") -> Generation:
+    """Check `request` against the loaded models and turn it into a `Generation` (ApiError otherwise). A request
+    without a seed gets the next of `seeds`; `tenant` is the part of the server's cross-request memory its client
+    shares (its `cache_salt` partitions it further)."""
     if request.model != served_model:
         raise ApiError(404, f"The model {request.model!r} does not exist here; this server serves "
                             f"{served_model!r} (GET /v1/models).", param="model", code="model_not_found")
@@ -137,9 +167,7 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
                    f"holds {target.max_context} in all; shorten the prompt or lower max_tokens.",
                    param="messages" if chat else "prompt", code="context_length_exceeded")
 
-    stops = request.stop_strings()
-    if len(stops) > MAX_STOPS:
-        raise _bad(f"At most {MAX_STOPS} stop strings, got {len(stops)}.", param="stop")
+    stops = _stops(request)
     seed = request.seed if request.seed is not None else seeds.randrange(2**31)
     try:
         samplings = [SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
@@ -148,13 +176,10 @@ def prepare(request: ChatCompletionRequest | CompletionRequest, pool: DecoderPoo
     except SpecdraftError as error:
         raise _bad(error) from None
     constraint = _constraint(request.response_format, target)
-    speculative = request.speculative
-    try:
-        decoder = pool.resolve(speculative.drafter if speculative else None, speculative.k if speculative else None)
-    except SpecdraftError as error:
-        raise _bad(error, param="speculative") from None
-    return Generation(chat=chat, model=served_model, prompt_ids=prompt_ids, samplings=samplings,
-                      max_tokens=max_tokens, stop=stops, decoder=decoder, stream=request.stream,
+    cache_salt = tenant if request.cache_salt is None else f"{tenant}:{request.cache_salt}"
+    return Generation(chat=chat, model=served_model, prompt_ids=prompt_ids, samplings=samplings, seed=seed,
+                      max_tokens=max_tokens, stop=stops, decoder=_decoder(request, pool, cache_salt),
+                      stream=request.stream,
                       include_usage=bool(request.stream_options and request.stream_options.include_usage),
-                      logprobs=logprobs, constraint=constraint)
+                      logprobs=logprobs, constraint=constraint, cache_salt=cache_salt)
 

@@ -3,7 +3,9 @@
 Each stream chunk carries `"specdraft": {"kinds", "pieces", "drafted", "accepted", "depth"}`:
 what happened to each token of the step (accepted / recovered / bonus / target), the text
 each adds, and the step's draft counts. `usage` carries the speculation statistics. `logprobs`, when
-asked for, are the target's own log-probabilities (before temperature, top-k and top-p).
+asked for, are the target's own log-probabilities (before temperature, top-k and top-p). Every response object and
+stream chunk carries `"seed"`: the request's own, or the one the server drew for it (choice i sampled with seed + i),
+so sending it back as `seed` samples the same answer again (in a batch: with a fixed `speculative.k`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class ResponseShape:
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.generation.model,
-                "choices": choices}
+                "seed": self.generation.seed, "choices": choices}
 
     def usage(self, stats: GenerationStats) -> dict:
         """OpenAI's token counts plus the speculation statistics of every choice together."""

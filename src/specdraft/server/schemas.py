@@ -2,7 +2,8 @@
 
 Ranges follow OpenAI's where it has one; `top_k`, `min_p`, `repetition_penalty` and
 `speculative` are this server's extensions, and so are `response_format` types `regex` and `grammar`
-(and `response_format` on /v1/completions).
+(and `response_format` on /v1/completions). `cache_salt` is vLLM's: requests share what the server remembers
+across requests (the prefix cache, the `suffix` drafter's corpus) only with requests of the same salt.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-# Most samples one request may ask for, and most stop strings.
+# Most samples one request may ask for, most stop strings and the longest one (in characters: each token's stop
+# check looks back that far), and the longest `cache_salt`.
 MAX_N = 16
 MAX_STOPS = 4
+MAX_STOP_LENGTH = 256
+MAX_CACHE_SALT_LENGTH = 256
 
 
 class Speculative(BaseModel):
@@ -69,6 +73,7 @@ class SamplingFields(BaseModel):
     user: Optional[StrictStr] = None  # accepted and ignored, as OpenAI only logs it
     speculative: Optional[Speculative] = None
     response_format: Optional[ResponseFormat] = None
+    cache_salt: Optional[StrictStr] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
 
     def stop_strings(self) -> list[str]:
         """The stop strings as a list (OpenAI allows one string or a list)."""

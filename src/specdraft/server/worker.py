@@ -126,19 +126,33 @@ class Worker:
         self._accepting = True
         self._thread.start()
 
+    def _refusal(self) -> ApiError:
+        """The 429 (with Retry-After) of a request that finds the queue full."""
+        wait = math.ceil(self._mean_job_seconds * (self.queue_depth + 1))
+        return ApiError(429, f"Too many requests waiting ({self.queue_depth}); retry in about {wait} s.",
+                        code="queue_full", headers={"Retry-After": str(max(1, wait))})
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise ApiError(503, "The server is shutting down; retry against another instance or later.",
+                           code="shutting_down")
+
+    def check_room(self) -> None:
+        """What `submit` would answer now, asked before a request is read, parsed and tokenized (work a full queue
+        would waste): ApiError 429 when the queue is full, 503 when stopping."""
+        self._check_accepting()
+        if self._queue.full():
+            raise self._refusal()
+
     def submit(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue `generation`; ApiError 429 (with Retry-After) when the queue is full, 503 when stopping."""
         job = Job(generation, self.timeout, loop)
         with self._lock:
-            if not self._accepting:
-                raise ApiError(503, "The server is shutting down; retry against another instance or later.",
-                               code="shutting_down")
+            self._check_accepting()
             try:
                 self._queue.put_nowait(job)
             except queue.Full:
-                wait = math.ceil(self._mean_job_seconds * (self.queue_depth + 1))
-                raise ApiError(429, f"Too many requests waiting ({self.queue_depth}); retry in about {wait} s.",
-                               code="queue_full", headers={"Retry-After": str(max(1, wait))}) from None
+                raise self._refusal() from None
         return job
 
     def stop(self, grace: float) -> None:
@@ -201,7 +215,8 @@ class Worker:
                 stats = GenerationStats()
                 choices.append(stats)
                 events = decoder.stream(generation.prompt_ids, sampling, generation.max_tokens, generation.stop,
-                                        stats=stats, logprobs=generation.logprobs, constraint=generation.constraint)
+                                        stats=stats, logprobs=generation.logprobs, constraint=generation.constraint,
+                                        cache_salt=generation.cache_salt)
                 with closing(events):  # closing ends the drafter's request even when stopped early
                     for event in events:
                         job.put(Step(index, event, stats.depth_per_step[-1] if event.drafted else 0))

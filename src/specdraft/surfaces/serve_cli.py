@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import typer
@@ -10,7 +9,8 @@ from rich.console import Console
 
 from specdraft.batch_engine import DEFAULT_MAX_BATCH, megabytes
 from specdraft.errors import SpecdraftError
-from specdraft.surfaces.model_setup import flag_names
+from specdraft.policy import GPU_MAX_AUTO_K
+from specdraft.surfaces.model_setup import flag_names, with_options_of
 from specdraft.surfaces.server_app import build_app, check_speculation
 
 err = Console(stderr=True, soft_wrap=True)
@@ -25,7 +25,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDRAFT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on everything but /health and /."),
+                                          help="Require 'Authorization: Bearer KEY' on everything but /health and /; "
+                                               "several keys separated by commas (one per client, e.g. with "
+                                               "--cross-request-memory key)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="The model id clients send (default: the target's name)."),
     max_queue: int = typer.Option(64, "--max-queue", min=1, help="Requests that may wait for the engine; more get 429."),
@@ -34,7 +36,18 @@ def serve(
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Token budget of requests that set none."),
     shutdown_grace: float = typer.Option(10.0, "--shutdown-grace",
                                          help="On shutdown, seconds the running generation may take to finish."),
-    seed: int = typer.Option(0, help="Seeds the seeds of sampled requests that give none."),
+    seed: Optional[int] = typer.Option(
+        None, help="Seeds the seeds of sampled requests that give none: the same sequence every start and replica. "
+                   "Default: each drawn from the OS (every response reports its seed, to sample it again)."),
+    max_k: int = typer.Option(
+        GPU_MAX_AUTO_K, "--max-k", min=1,
+        help="The largest fixed k a request may ask for (speculative.k; past it, 400): what one pass can use (on a "
+             "GPU a pass of 33 tokens costs about one token's)."),
+    cross_request_memory: str = typer.Option(
+        "shared", "--cross-request-memory",
+        help="Who shares what the server remembers across requests (the prefix cache, the suffix drafter's "
+             "corpus), which cached_tokens and the tokens' kinds let a client probe: shared (every request), key "
+             "(requests with the same API key) or off (nobody). A request's cache_salt partitions it further."),
     max_batch: int = typer.Option(
         DEFAULT_MAX_BATCH, "--max-batch", min=1,
         help="Sequences that generate together, each step one target pass over all (continuous batching; every "
@@ -76,7 +89,8 @@ def serve(
     options = dict(api_key=api_key, served_model_name=served_model_name, max_queue=max_queue,
                    request_timeout=request_timeout, max_tokens=max_tokens, shutdown_grace=shutdown_grace, seed=seed,
                    max_body_mb=max_body_mb, max_batch=max_batch, kv_budget_mb=kv_budget_mb,
-                   prefix_cache_mb=prefix_cache_mb, **model_options)
+                   prefix_cache_mb=prefix_cache_mb, max_k=max_k, cross_request_memory=cross_request_memory,
+                   **model_options)
     try:
         if ray:
             return serve_on_ray(options, host, port, threads, replicas, min_replicas, max_replicas, target_ongoing,
@@ -114,7 +128,10 @@ def serve_on_ray(options: dict, host: str, port: int, threads: int | None, repli
                             max_ongoing=options["max_batch"] + options["max_queue"],
                             drain_seconds=options["shutdown_grace"] + DRAIN_MARGIN_SECONDS)
     check_speculation(options["k"], options["tree_budget"], options["tree_branch"],
-                      {name: options[name] for name in flag_names()})
+                      {name: options[name] for name in flag_names()}, options["max_k"])
+    from specdraft.server import ServerSettings  # its checks of the keys and --cross-request-memory, before Ray starts
+
+    ServerSettings(served_model="", api_key=options["api_key"], cross_request_memory=options["cross_request_memory"])
     err.print(f"starting {scale.describe()} on Ray Serve", highlight=False)
     metrics = "" if address else f"; Ray's metrics on http://127.0.0.1:{metrics_port}/metrics"
     scale_out.run(options, scale, host, port, address, metrics_port, ready=lambda: err.print(
@@ -123,10 +140,4 @@ def serve_on_ray(options: dict, host: str, port: int, threads: int | None, repli
 
 def with_generate_options(generate):
     """`serve` taking, besides its own options, those of `generate` named in SHARED_OPTIONS (for typer)."""
-    shared = inspect.signature(generate, eval_str=True).parameters
-    own = [p for p in inspect.signature(serve, eval_str=True).parameters.values()
-           if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    names = [*SHARED_OPTIONS, *flag_names()]
-    serve.__signature__ = inspect.Signature([*own, *(shared[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                                                     for name in names)])
-    return serve
+    return with_options_of(serve, generate, [*SHARED_OPTIONS, *flag_names()])
