@@ -232,3 +232,9 @@ def test_check_passes_a_lossless_drafter_and_fails_a_biased_one(tiny_args, monke
 def test_check_refuses_bad_options_before_loading(tiny_args):
     result = run("check", *tiny_args, "--prompt", "x", "--prompts", "missing.jsonl")
     assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_check_runs_the_servers_batched_engine(tiny_args):
+    report = _json(run("check", *tiny_args, "--prompt", "def add", "--samples", 100, "--temperature", 0.8,
+                       "--drafter", "ngram+model", "--batch", 8, "--greedy-tokens", 12, "--json"))
+    assert report["engine"] == "batched" and report["passed"] and report["sampled"]["samples"] == 100, report

@@ -345,3 +345,30 @@ def test_the_draft_model_drafts_forced_tokens_without_a_pass(lm, tokenizer):
     assert out.token_ids == SpeculativeDecoder(lm("target")).generate([1, 2, 3], max_new_tokens=48,
                                                                        constraint=constraint).token_ids
     assert out.stats.drafted > len(passes)  # more draft tokens than draft passes: a drawn one costs a pass each
+
+
+@pytest.mark.slow
+def test_sampled_answers_follow_the_masked_target_with_power(models, tokenizer):
+    """Full power, as `test_engine_statistics.py`: the draft model's chain at its default cut under TWO_CHARS
+    (temperature 0.9, top-p 0.95), the first two tokens in cells of every token the masked target can produce and
+    the answer's end; as many answers as catch a total variation of 0.02 with probability 0.9 at α = 1e-3."""
+    from specdraft.analysis.check import check_distribution, target_cells
+    from specdraft.goodness_of_fit import samples_for_bias
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    one_layer = {"target": tiny_model(tiny_config(vocab_size=len(tokenizer), eos=eos, layers=1), seed=1)}  # cheaper
+    target = flat_target(one_layer, tokenizer)
+    prompt = [5, 9, 14]
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    decoder = SpeculativeDecoder(target, ModelDrafter(CausalLM(perturbed(one_layer["target"], noise=1.0, seed=5),
+                                                               tokenizer)), k=3)
+    mask = start_grammar(TWO_CHARS, target).mask_rows
+    cells = target_cells(target, prompt, params, depth=2, top=None, mask=mask)
+    samples = samples_for_bias(0.02, len(cells.paths) - 1, P_PASS)
+
+    def answers(prompt, samplings, max_new_tokens):
+        return [decoder.generate(list(prompt), sampling, max_new_tokens, constraint=TWO_CHARS).token_ids
+                for sampling in samplings]
+
+    verdict = check_distribution(target, answers, [prompt], params, samples, depth=2, top=None, alpha=P_PASS, mask=mask)
+    assert verdict.detectable <= 0.02 + 1e-9 and verdict.passed, verdict

@@ -8,6 +8,11 @@ proposals, verified as point masses) propose from the first step. A negative con
 (a residual that keeps a rejected deterministic proposal) must fail the same test. Tree
 drafts (`model`, `medusa`, `eagle`, `ngram`, `suffix` with a tree budget) face the same test after a prompt
 whose tail was followed by three different tokens.
+
+Power: 1,500 draws over 64 cells at α = 1e-3 catch every bias of total variation ≥ 0.10 with probability 0.9
+(`goodness_of_fit.detectable_bias(1500, 63, 1e-3)`): these quick tests catch gross errors of every drafter; the
+full-power tests (total variation 0.02, the drafters' default options, warpers on) are in
+`test_engine_statistics.py`.
 """
 
 from __future__ import annotations

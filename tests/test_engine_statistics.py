@@ -6,7 +6,7 @@ target's exact distribution over cells (`analysis.check.target_cells`: the likel
 "other" cell). Power: a chi-square test over m cells at level α = 1e-3 catches every bias of total variation δ with
 probability ≥ 0.9 once 4nδ² reaches the noncentrality λ(m - 1) at which the noncentral χ² passes the test's
 quantile 90% of the time (`goodness_of_fit`, module doc). Each test draws n = `samples_for_bias(0.02, m - 1)`
-answers (19,000-25,000 here: 1.5-2 minutes each on 2 cores, so `slow`) and asserts that its detectable bias is
+answers (19,000-25,000 here, so `slow`) and asserts that its detectable bias is
 ≤ 0.02 before it asserts the verdict.
 
 Planted-bias controls run the same tests on drafts biased the way real bugs were: a chain cut that looks at the
@@ -27,14 +27,14 @@ from transformers import Qwen2ForCausalLM
 from conftest import perturbed, tiny_config
 from registered_drafters import random_eagle, random_medusa
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.analysis.check import batched_answers, check_distribution, single_answers, target_cells
-from specdraft.batch_engine import BatchedDecoder
+from specdraft.analysis.check import check_distribution, single_answers, target_cells
+from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import MedusaDrafter, make_drafter
 from specdraft.drafters.base import DraftContext
 from specdraft.drafters.model import DEFAULT_MIN_CONFIDENCE
 from specdraft.goodness_of_fit import chi_square_pvalue, detectable_bias, samples_for_bias
 from specdraft.models.causal_lm import CausalLM
-from specdraft.policy import FixedK
+from specdraft.policy import AutoK, FixedK
 from specdraft.sampling import sample
 from specdraft.verify import verify_sampled
 
@@ -46,10 +46,13 @@ PROMPT = [1, 2, 3, 4, 1, 2, 3]  # [2, 3] occurred before: lookups propose from t
 TREE_PROMPT = [1, 2, 3, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # [1, 2] was followed by 3, 5 and 6: lookup trees branch
 
 
+FIXED_CHAIN = MedusaDrafter._chain  # the chain as drafted now (a control below patches the class's)
+
+
 def old_medusa_chain(self, logits, ctx):
     """Medusa's chain cut before the fix: a token stays while the running product *including its own
     probability* stays above the threshold, so a drawn token is kept or cut by its own value (biased)."""
-    probs = MedusaDrafter._chain(SimpleNamespace(min_confidence=0.0), logits, ctx)
+    probs = FIXED_CHAIN(SimpleNamespace(min_confidence=0.0), logits, ctx)
     tokens, q_rows = probs.tokens, probs.q_draft
     if self.min_confidence and q_rows is not None:
         survival = q_rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
@@ -87,7 +90,7 @@ def toy_second_tokens(chain) -> np.ndarray:
 def test_the_medusa_chain_cut_keeps_the_target_distribution():
     """Power: 4 cells, 20,000 draws at α = 1e-3 catch every total variation ≥ 0.018 with probability 0.9."""
     assert detectable_bias(TOY_DRAWS, 3, ALPHA, POWER) <= BIAS
-    counts = toy_second_tokens(lambda self, logits, ctx: MedusaDrafter._chain(self, logits, ctx))
+    counts = toy_second_tokens(FIXED_CHAIN)
     assert chi_square_pvalue(counts, TOY_P.numpy() * TOY_DRAWS) > ALPHA, counts / TOY_DRAWS
 
 
@@ -104,14 +107,14 @@ def test_a_cut_that_looks_at_the_drawn_token_is_caught_on_the_toy():
 @pytest.fixture(scope="module")
 def target_model() -> Qwen2ForCausalLM:
     torch.manual_seed(7)
-    model = Qwen2ForCausalLM(tiny_config(vocab_size=V, layers=2)).float().eval()
+    model = Qwen2ForCausalLM(tiny_config(vocab_size=V, layers=1)).float().eval()  # one layer: a pass costs least
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
     return model
 
 
 def powered_check(target: CausalLM, answers, prompt: list[int], params: SamplingParams, depth: int = 2,
-                  top: int = 3):
+                  top: int = 2):
     """The verdict on answers to `prompt`, with as many draws as catch a bias of BIAS with probability POWER."""
     cells = target_cells(target, prompt, params, depth, top)
     samples = samples_for_bias(BIAS, len(cells.paths) - 1, ALPHA, POWER)
@@ -120,34 +123,46 @@ def powered_check(target: CausalLM, answers, prompt: list[int], params: Sampling
     return verdict
 
 
+class AutoKOnAPinnedMachine(AutoK):
+    """`k=auto` whose timings are pinned: a target pass over w tokens costs 10 ms · (1 + 0.3 (w - 1)), a draft token
+    1 ms, whatever the clock says. Its choices (k, probes, tree trims) then rest on the acceptance it has seen alone,
+    so a seed reproduces a run, and they vary: drafting pays on these tiny models, but not always at full depth."""
+
+    def observe(self, k, accepted, draft_seconds, verify_seconds, *args, **kwargs):
+        pass_seconds = None if verify_seconds is None else 1e-2 * (1 + 0.3 * k)
+        super().observe(k, accepted, 1e-3 * max(k, 1), pass_seconds, *args, **kwargs)
+
+
+def pinned_auto(tree_budget: int = 0) -> AutoKOnAPinnedMachine:
+    """`k=auto` (`make_policy("auto", tree_budget)`) on the pinned machine."""
+    return AutoKOnAPinnedMachine(max_k=tree_budget, tree=True) if tree_budget else AutoKOnAPinnedMachine()
+
+
 # Each case: a drafter with its default options (or the option named), the sampling it runs under, how far the
-# test looks, and the decoder's k / tree.
+# test looks, and the decoder's k (an integer, or what makes its policy) / tree. `early-exit` drafts with the `model` drafter's code (its cut included);
+# `suffix`, `ngram` and `oracle` propose point masses only, which the verifier tests cover at full power: their
+# whole-engine runs are in the quick set (`test_drafter_statistics.py`).
 CASES = {
-    "medusa default cut, temperature 0.8, top-k 6": dict(
+    "medusa default cut, temperature 0.7, top-p 0.9": dict(
         drafter=lambda target, draft: random_medusa(target, DEFAULT_MIN_CONFIDENCE), k=3,
-        params=SamplingParams(temperature=0.8, top_k=6)),
+        params=SamplingParams(temperature=0.7, top_p=0.9)),
     "model default cut, k=auto, top-p 0.9, min-p 0.05, three tokens": dict(
-        drafter=lambda target, draft: make_drafter("model", draft_model=draft), k="auto", depth=3, top=2,
+        drafter=lambda target, draft: make_drafter("model", draft_model=draft), k=pinned_auto, depth=3,
         params=SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05)),
     "eagle default cut, repetition penalty 1.3": dict(
         drafter=lambda target, draft: random_eagle(target, DEFAULT_MIN_CONFIDENCE), k=3,
         params=SamplingParams(temperature=1.0, repetition_penalty=1.3)),
     "model trees trimmed by k=auto, temperature 0.7": dict(
-        drafter=lambda target, draft: make_drafter("model", draft_model=draft), k="auto", tree_budget=6,
+        drafter=lambda target, draft: make_drafter("model", draft_model=draft), k=lambda: pinned_auto(6), tree_budget=6,
         tree_branch=3, prompt=TREE_PROMPT, params=SamplingParams(temperature=0.7)),
-    "suffix trees, top-k 5": dict(
-        drafter=lambda target, draft: make_drafter("suffix"), k="auto", tree_budget=5, tree_branch=2,
-        prompt=TREE_PROMPT, params=SamplingParams(temperature=1.0, top_k=5)),
-    "early-exit default cut, min-p 0.1": dict(
-        drafter=lambda target, draft: make_drafter("early-exit", {"exit-layer": 1}, target_model=target), k=3,
-        params=SamplingParams(temperature=1.0, min_p=0.1)),
 }
 
 
 def decoder_for(case: dict, target_model: Qwen2ForCausalLM) -> tuple[CausalLM, SpeculativeDecoder]:
     target = CausalLM(target_model)
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
-    decoder = SpeculativeDecoder(target, case["drafter"](target, draft), k=case.get("k", 3),
+    k = case.get("k", 3)  # an integer, or what makes a policy
+    decoder = SpeculativeDecoder(target, case["drafter"](target, draft), k=k if isinstance(k, int) else k(),
                                  tree_budget=case.get("tree_budget", 0), tree_branch=case.get("tree_branch", 4))
     return target, decoder
 
@@ -165,21 +180,30 @@ def test_sampled_output_follows_the_target_with_power(target_model, name):
                            for sampling in samplings[:200]))
         return answers(prompt, samplings, max_new_tokens)
 
-    verdict = powered_check(target, counted, case.get("prompt", PROMPT), case["params"], case.get("depth", 2),
-                            case.get("top", 3))
-    assert drafted[0] > 100, f"{name}: only {drafted[0]} of 200 answers drafted"
+    verdict = powered_check(target, counted, case.get("prompt", PROMPT), case["params"], case.get("depth", 2))
+    assert drafted[0] > 50, f"{name}: only {drafted[0]} of 200 answers drafted"
     assert verdict.passed, f"{name}: {verdict}"
 
 
 @pytest.mark.slow
-def test_batched_speculation_with_the_goodput_rule_follows_the_target_with_power(target_model):
-    """The batched engine (what `serve` runs), `ngram+model` at its defaults, k chosen each step for the batch."""
+def test_batched_speculation_follows_the_target_with_power(target_model):
+    """The batched engine (what `serve` runs), `ngram+model` at its defaults, each sequence with its own k (1, 2 or
+    3: on these tiny models the goodput rule would step plain, a draft model costing what the target does)."""
     target = CausalLM(target_model)
     draft = perturbed(target_model, noise=0.5, seed=3)
     decoder = BatchedDecoder(target, lambda: make_drafter("ngram+model", draft_model=CausalLM(draft)),
-                             max_batch=16, prefix_cache_bytes=0)
+                             max_batch=32, prefix_cache_bytes=0)
     params = SamplingParams(temperature=1.0, top_k=5)
-    verdict = powered_check(target, batched_answers(decoder), PROMPT, params)
+    drafted = []
+
+    def answers(prompt, samplings, max_new_tokens):  # the answers, and how many of them drafted
+        completions = decoder.generate_all([BatchRequest(list(prompt), sampling, max_new_tokens, k=1 + sampling.seed % 3)
+                                            for sampling in samplings])
+        drafted.append(sum(completion.stats.drafted > 0 for completion in completions))
+        return [completion.token_ids for completion in completions]
+
+    verdict = powered_check(target, answers, PROMPT, params)
+    assert drafted[0] > verdict.samples // 4, f"only {drafted[0]} of {verdict.samples} answers drafted"
     assert verdict.passed, verdict
 
 
@@ -187,7 +211,7 @@ def test_batched_speculation_with_the_goodput_rule_follows_the_target_with_power
 def test_the_old_medusa_cut_is_caught_through_the_engine(target_model, monkeypatch):
     """Planted bias: Medusa's default options with the cut before the fix, the same test as above."""
     monkeypatch.setattr(MedusaDrafter, "_chain", old_medusa_chain)
-    case = CASES["medusa default cut, temperature 0.8, top-k 6"]
+    case = CASES["medusa default cut, temperature 0.7, top-p 0.9"]
     target, decoder = decoder_for(case, target_model)
     verdict = powered_check(target, single_answers(decoder), PROMPT, case["params"])
     assert not verdict.passed, verdict
@@ -195,13 +219,13 @@ def test_the_old_medusa_cut_is_caught_through_the_engine(target_model, monkeypat
 
 class TrimDrawnByValue(FixedK):
     """Planted bias: trims a sampled tree's drawn chain after its first token when the second drawn token's own
-    path score is low (ignoring `keep`, which protects drawn tokens)."""
+    path score is below 0.025, about its median here (ignoring `keep`, which protects drawn tokens)."""
 
     def __init__(self) -> None:
         super().__init__(3, tree_budget=6)
 
     def trim(self, scores: list[float], source: str = "", keep: int = 1) -> int:
-        return 1 if keep > 1 and scores[1] < 0.1 else len(scores)
+        return 1 if keep > 1 and scores[1] < 0.025 else len(scores)
 
 
 @pytest.mark.slow
@@ -209,7 +233,8 @@ def test_a_trim_by_the_drawn_tokens_value_is_caught_through_the_engine(target_mo
     case = CASES["model trees trimmed by k=auto, temperature 0.7"]
     target = CausalLM(target_model)
     draft = CausalLM(perturbed(target_model, noise=0.5, seed=3))
-    decoder = SpeculativeDecoder(target, make_drafter("model", draft_model=draft), k=TrimDrawnByValue(),
-                                 tree_budget=6, tree_branch=3)
+    # a low cut, so drawn chains go two deep and more (at the default 0.35 they rarely pass one)
+    decoder = SpeculativeDecoder(target, make_drafter("model", {"draft-confidence": 0.05}, draft_model=draft),
+                                 k=TrimDrawnByValue(), tree_budget=6, tree_branch=3)
     verdict = powered_check(target, single_answers(decoder), TREE_PROMPT, case["params"])
     assert not verdict.passed, verdict

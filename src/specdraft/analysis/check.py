@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from specdraft.engine import SpeculativeDecoder
 
 OTHER = -1  # a cell's token standing for every token its place does not list
+END = -2  # a cell's token standing for the answer's end (an end-of-sequence token)
 DEFAULT_DEPTH = 2
 DEFAULT_TOP = 6
 DEFAULT_ALPHA = 1e-3
@@ -47,8 +48,9 @@ class Cells:
     """The first `depth` tokens of an answer, grouped into cells with their exact probabilities under the target.
 
     `paths[i]` is cell i's tokens from the first generated one, OTHER standing for any token its place does not
-    list (the path ends there); a path ends early at an end-of-sequence token. `rows` holds the warped next-token
-    distribution after each listed prefix (# each [V]), so an answer token the target can never produce is known.
+    list and END for the answer's end (any end-of-sequence token: the engine does not emit it); a path ends there.
+    `rows` holds the warped next-token distribution after each listed prefix (# each [V]), so an answer token the
+    target can never produce is known.
     """
 
     paths: list[tuple[int, ...]]
@@ -56,12 +58,15 @@ class Cells:
     depth: int
     rows: dict[tuple[int, ...], torch.Tensor] = field(repr=False)  # prefix -> [V] warped distribution after it
     listed: dict[tuple[int, ...], set[int]] = field(repr=False)  # prefix -> tokens with a place of their own
+    eos: frozenset[int] = frozenset()  # the target's end-of-sequence ids (one END cell for all)
 
     def cell_of(self, tokens: Sequence[int]) -> int | None:
-        """The cell an answer's tokens fall in; None where the target could never have produced them (a token of
-        probability 0 after its prefix). ValueError for an answer that stops before its cell is decided."""
+        """The cell an answer's tokens fall in (an answer shorter than `depth` ended there: its END cell); None where
+        the target could never have produced them (a token, or the end, of probability 0 after its prefix)."""
         prefix: tuple[int, ...] = ()
-        for token in tokens[: self.depth]:
+        for token in [*tokens[: self.depth], END]:
+            if token == END or token in self.eos:  # the answer ended here
+                return self._index.get(prefix + (END,))
             if float(self.rows[prefix][token]) <= 0:
                 return None
             if token not in self.listed[prefix]:
@@ -69,7 +74,7 @@ class Cells:
             prefix += (token,)
             if prefix in self._index:
                 return self._index[prefix]
-        raise ValueError(f"an answer of {len(tokens)} tokens stops before its cell is decided ({self.depth} tokens)")
+        raise AssertionError("unreachable: every path ends in a cell")
 
     def __post_init__(self) -> None:
         self._index = {path: i for i, path in enumerate(self.paths)}
@@ -102,10 +107,12 @@ def next_distributions(target: CausalLM, prompt: Sequence[int], prefixes: list[t
 def target_cells(target: CausalLM, prompt: Sequence[int], params: SamplingParams, depth: int = DEFAULT_DEPTH,
                  top: int | None = DEFAULT_TOP, mask: Mask | None = None) -> Cells:
     """The cells of the first `depth` answer tokens after `prompt` and their exact probabilities (module doc):
-    at each place the `top` likeliest tokens (None: every token the target can produce) and an "other" cell."""
+    at each place the `top` likeliest tokens (None: every token the target can produce), an "other" cell and an
+    "end" cell (every end-of-sequence token)."""
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    eos = set(target.eos_token_ids)
+    eos = frozenset(target.eos_token_ids)
+    ends = torch.tensor(sorted(eos), dtype=torch.long)  # [E]
     paths, probabilities, rows, listed = [], [], {}, {}
     level = [((), 1.0)]  # prefixes to expand, with their probabilities
     for place in range(depth):
@@ -114,22 +121,27 @@ def target_cells(target: CausalLM, prompt: Sequence[int], params: SamplingParams
         for (prefix, mass), row in zip(level, distributions.double().cpu()):
             row = row / row.sum()  # [V]
             rows[prefix] = row
-            possible = int((row > 0).sum())
-            values, ids = row.topk(possible if top is None else min(top, possible))
+            end = float(row[ends].sum()) if len(ends) else 0.0
+            if end > 0:
+                paths.append(prefix + (END,))
+                probabilities.append(mass * end)
+            others = row.index_fill(0, ends, 0.0) if len(ends) else row  # [V] the tokens that go on
+            possible = int((others > 0).sum())
+            values, ids = others.topk(possible if top is None else min(top, possible))
             listed[prefix] = set(ids.tolist())
             for token, p in zip(ids.tolist(), values.tolist()):
-                if token in eos or place == depth - 1:
+                if place == depth - 1:
                     paths.append(prefix + (token,))
                     probabilities.append(mass * p)
                 else:
                     following.append((prefix + (token,), mass * p))
-            rest = max(0.0, float(row.sum() - values.sum()))
+            rest = max(0.0, float(others.sum() - values.sum()))
             if len(listed[prefix]) < possible and rest > 0:
                 paths.append(prefix + (OTHER,))
                 probabilities.append(mass * rest)
         level = following
     probabilities = np.asarray(probabilities, dtype=np.float64)
-    return Cells(paths, probabilities / probabilities.sum(), depth, rows, listed)
+    return Cells(paths, probabilities / probabilities.sum(), depth, rows, listed, eos)
 
 
 @dataclass
