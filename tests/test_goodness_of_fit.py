@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from conftest import tiny_config
-from specdraft.analysis.check import OTHER, count_cells, distribution_verdict, target_cells
+from specdraft.analysis.check import END, OTHER, count_cells, distribution_verdict, target_cells
 from specdraft.exactness import exact_two_tokens
 from specdraft.goodness_of_fit import (chi_square_pvalue, chi_square_quantile, chi_square_sf, detectable_bias,
                                        noncentral_chi_square_sf, noncentrality_for_power, samples_for_bias)
@@ -116,3 +116,23 @@ def test_top_cells_warp_as_the_engine_does_and_count_answers(small_target):
     assert counts[index] == 3 and impossible == (never is not None)
     verdict = distribution_verdict([(cells, counts, impossible)])
     assert not verdict.passed
+
+
+def test_an_answer_that_ends_falls_in_its_end_cell(small_target):
+    """End-of-sequence tokens share one END cell at each place, whether the answer shows its EOS token or was cut
+    before it; an answer that ends where the target cannot is impossible."""
+    model, _ = small_target
+    model.generation_config.eos_token_id = 6
+    try:
+        target = CausalLM(model)
+        assert target.eos_token_ids == {6}
+        prompt = [1, 2, 3]
+        cells = target_cells(target, prompt, SamplingParams(temperature=1.0), depth=2, top=None)
+        first = cells.rows[()]
+        assert cells.probabilities[cells.paths.index((END,))] == pytest.approx(float(first[6]), rel=1e-6)
+        a = next(token for token in range(8) if token != 6 and float(first[token]) > 0)
+        ended = cells.paths.index((a, END))
+        assert cells.cell_of([a]) == ended and cells.cell_of([a, 6]) == ended
+        assert all(6 not in path for path in cells.paths)
+    finally:
+        model.generation_config.eos_token_id = None

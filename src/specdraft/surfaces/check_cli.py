@@ -20,6 +20,7 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)
 SHARED_OPTIONS = ("target", "draft", "drafter", "k", "tree_budget", "tree_branch", "draft_quant", "draft_vocab",
                   "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "chat", "dtype", "device",
                   "gguf_weights")
+CHECK_PREFIX_BYTES = 64 << 20  # the check's prompts' rows, read once (where exact)
 CHECK_PROMPTS = (  # short prompts of several kinds, when none are given
     "def fibonacci(n):",
     "The capital of France is",
@@ -83,6 +84,7 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
     from specdraft.engine import build_decoder, check_tree_options
     from specdraft.models.causal_lm import CausalLM
     from specdraft.policy import make_policy
+    from specdraft.prefix_cache import PrefixCache
     from specdraft.sampling import SamplingParams
     from specdraft.surfaces.model_setup import drafter_flags, load_models
     from specdraft.text import encode_prompt
@@ -101,7 +103,9 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
                                 device=shared["device"], gguf_weights=shared["gguf_weights"],
                                 draft_quant=shared["draft_quant"], draft_vocab=shared["draft_vocab"])
     prompt_ids = [encode_prompt(target.tokenizer, text, chat=shared["chat"]) for text in texts]
-    plain = single_answers(build_decoder(target))
+    # each prompt is read once, where taking its rows again gives the bits of reading it (`prefix_cache`)
+    prefixes = PrefixCache(CHECK_PREFIX_BYTES) if target.reads_split_exactly else None
+    plain = single_answers(build_decoder(target, prefixes=prefixes))
     if batch > 1:
         def own_draft() -> CausalLM | None:  # each sequence's draft model: a cache of its own over the weights
             return None if draft is None else CausalLM(draft.model, draft.tokenizer, name=draft.name,
@@ -116,7 +120,7 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
         speculative = single_answers(build_decoder(target, drafter, options, draft_model=draft,
                                                    k=make_policy(policy_k, shared["tree_budget"]),
                                                    tree_budget=shared["tree_budget"],
-                                                   tree_branch=shared["tree_branch"]))
+                                                   tree_branch=shared["tree_branch"], prefixes=prefixes))
     report: dict = {"drafter": drafter, "k": str(policy_k), "prompts": len(prompt_ids), "engine":
                     "batched" if batch > 1 else "single"}
     passed = True
