@@ -52,13 +52,13 @@ FIXED_CHAIN = MedusaDrafter._chain  # the chain as drafted now (a control below 
 def old_medusa_chain(self, logits, ctx):
     """Medusa's chain cut before the fix: a token stays while the running product *including its own
     probability* stays above the threshold, so a drawn token is kept or cut by its own value (biased)."""
-    probs = FIXED_CHAIN(SimpleNamespace(min_confidence=0.0), logits, ctx)
-    tokens, q_rows = probs.tokens, probs.q_draft
+    draft = FIXED_CHAIN(SimpleNamespace(min_confidence=0.0), logits, ctx)
+    tokens, q_rows = draft.tokens, draft.q_draft
     if self.min_confidence and q_rows is not None:
         survival = q_rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
         keep = max(1, int((survival >= self.min_confidence).sum()))
-        return type(probs).chain(tokens[:keep], q_rows[:keep])
-    return probs
+        return type(draft).chain(tokens[:keep], q_rows[:keep])
+    return draft
 
 
 # ----- the Medusa cut alone: the chain and the verifier on a 4-token toy (quick) ------------------------------

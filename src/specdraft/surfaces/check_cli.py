@@ -83,7 +83,7 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
     from specdraft.drafters import make_drafter
     from specdraft.engine import build_decoder, check_tree_options
     from specdraft.models.causal_lm import CausalLM
-    from specdraft.policy import make_policy
+    from specdraft.policy import FixedK, make_policy
     from specdraft.prefix_cache import PrefixCache
     from specdraft.sampling import SamplingParams
     from specdraft.surfaces.model_setup import drafter_flags, load_models
@@ -93,8 +93,7 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
     options = drafter_flags(**model_options)
     texts = _prompt_texts(prompt, prompts_file, max_prompts)
     check_tree_options(shared["tree_budget"], shared["tree_branch"])
-    policy_k = shared["k"]
-    make_policy(policy_k, shared["tree_budget"])  # a bad --k fails before loading
+    policy = make_policy(shared["k"], shared["tree_budget"])  # a bad --k fails before loading
     params = SamplingParams(temperature=shared["temperature"], top_k=shared["top_k"], top_p=shared["top_p"],
                             min_p=shared["min_p"], repetition_penalty=shared["repetition_penalty"],
                             seed=shared["seed"])
@@ -114,14 +113,13 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
         engine = BatchedDecoder(target, lambda: make_drafter(drafter, options, draft_model=own_draft(),
                                                              target_model=target),
                                 max_batch=batch, tree_budget=shared["tree_budget"], tree_branch=shared["tree_branch"])
-        fixed_k = None if str(policy_k) == "auto" else int(policy_k)
-        speculative = batched_answers(engine, fixed_k)
+        speculative = batched_answers(engine, policy.k if isinstance(policy, FixedK) else None)
     else:
         speculative = single_answers(build_decoder(target, drafter, options, draft_model=draft,
-                                                   k=make_policy(policy_k, shared["tree_budget"]),
+                                                   k=policy,
                                                    tree_budget=shared["tree_budget"],
                                                    tree_branch=shared["tree_branch"], prefixes=prefixes))
-    report: dict = {"drafter": drafter, "k": str(policy_k), "prompts": len(prompt_ids), "engine":
+    report: dict = {"drafter": drafter, "k": str(shared["k"]), "prompts": len(prompt_ids), "engine":
                     "batched" if batch > 1 else "single"}
     passed = True
     if greedy_tokens:
