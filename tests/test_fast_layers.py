@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config)
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 from specdraft.kernels import amx_tiles, avx512_tiles, decoder_layers, gguf_matmul, isa, layer_ops, tiles
@@ -24,18 +25,27 @@ tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8)
                                           torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
 
 
-def int4_model(seed: int = 0) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2 (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's) with every linear
-    re-quantized to 4 bits."""
-    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+PRE_NORM_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
+                     "phi3": Phi3Config}  # the families whose layers stack (`models/architectures.py`)
+
+
+def int4_model(seed: int = 0, family: str = "qwen2") -> Qwen2ForCausalLM:
+    """A 2-layer model of a pre-norm family (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's)
+    with every linear re-quantized to 4 bits (Qwen2's q, k, v biases random)."""
+    config = PRE_NORM_FAMILIES[family](
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False, sliding_window=None)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).bfloat16().eval()
+    model = AutoModelForCausalLM.from_config(config).bfloat16().eval()
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
+            for proj in (getattr(layer.self_attn, f"{n}_proj", None) for n in "qkv"):
+                if proj is not None and proj.bias is not None:
+                    proj.bias.normal_(0, 0.5)
+            for norm in (getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")):
+                if norm is not None:
+                    norm.weight.normal_(1, 0.3)
     quantize_int4(model)
     return model
 
@@ -50,8 +60,9 @@ def passes(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 
 
 @tiles_run
-def test_stacked_layers_give_the_same_logits_bit_for_bit(monkeypatch):
-    model = int4_model()
+@pytest.mark.parametrize("family", PRE_NORM_FAMILIES)
+def test_stacked_layers_give_the_same_logits_bit_for_bit(family, monkeypatch):
+    model = int4_model(family=family)
     stacked = copy.deepcopy(model)
     with monkeypatch.context() as patch:  # the reference: the same norms, projections one by one
         patch.setattr(fast_layers, "_run_kind", lambda linear: None)
@@ -60,6 +71,7 @@ def test_stacked_layers_give_the_same_logits_bit_for_bit(monkeypatch):
     layer = stacked.model.layers[0]
     assert isinstance(layer.self_attn, StackedAttention) and isinstance(layer.mlp, StackedMLP)
     assert len(layer.self_attn.qkv.runs) == 1 and len(layer.mlp.gate_up.runs) == 1  # one kernel call each
+    assert (layer.self_attn.q_norm is not None) == (family == "qwen3")
     for want, got in zip(passes(model), passes(stacked)):
         assert torch.equal(want, got)
     assert CausalLM(stacked).num_parameters() == CausalLM(model).num_parameters()
@@ -224,6 +236,31 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decode
     want = pass_sequence(model)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+@tiles_run
+@fused_run
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3"])
+def test_fused_layers_run_each_pre_norm_family_bit_for_bit(family, decoder_build, monkeypatch):
+    """Llama and Mistral (no biases), Phi-3 (q|k|v and gate|up stored stacked) and Qwen3 (norms over each head of
+    q and k) run on the fused stack."""
+    model = int4_model(family=family)
+    fast_decoder_layers(model)
+    assert fused_decoder(model) is not None
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
+
+
+@tiles_run
+@fused_run
+def test_fused_decoder_leaves_out_what_it_does_not_compute():
+    """Sliding windows (Mistral's config) stay on the stacked layers."""
+    windowed = int4_model(family="mistral")
+    windowed.config.sliding_window = 16
+    for layer in windowed.model.layers:
+        layer.self_attn.config.sliding_window = 16
+    assert fast_decoder_layers(windowed) == 2 and fused_decoder(windowed) is None
 
 
 @tiles_run

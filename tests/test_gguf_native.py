@@ -19,8 +19,8 @@ from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, 
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack, unpack_rows
-from specdraft.models.gguf_native import (FlatLinear, PackedEmbedding, build_native_model, module_path,
-                                          tensor_index)
+from specdraft.models.architectures import architecture_for
+from specdraft.models.gguf_native import FlatLinear, PackedEmbedding, build_native_model, tensor_index
 from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available, quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
@@ -404,15 +404,34 @@ def test_q6k_linears_take_the_fastest_kernel_the_isa_allows(level, monkeypatch):
 
 
 # ----- 3. the tiny GGUF model ------------------------------------------------------------------------
+def module_path(gguf_name: str) -> tuple[str, str]:
+    """Where the tiny Qwen2 file's tensor goes."""
+    return architecture_for(gguf_config()).module_path(gguf_name)
+
+
 def test_module_path_names():
-    """GGUF names map to transformers module paths; an unknown name is a SpecdraftError."""
+    """GGUF names map to transformers module paths; frequency factors are no module; an unknown name is a KeyError."""
     assert module_path("blk.3.attn_q.bias") == ("model.layers.3.self_attn.q_proj", "bias")
     assert module_path("blk.0.ffn_norm.weight") == ("model.layers.0.post_attention_layernorm", "weight")
     assert module_path("token_embd.weight") == ("model.embed_tokens", "weight")
     assert module_path("output.weight") == ("lm_head", "weight")
-    for name in ("blk.0.attn_qkv.weight", "rope_freqs.weight", "blk.0.attn_q.weight.extra"):
-        with pytest.raises(SpecdraftError, match="Unexpected tensor"):
+    assert module_path("rope_freqs.weight") is None
+    for name in ("blk.0.attn_qkv.weight", "blk.0.attn_q.weight.extra", "blk.0.post_ffw_norm.weight"):
+        with pytest.raises(KeyError):
             module_path(name)
+
+
+def test_unexpected_tensor_is_reported(tmp_path):
+    """A file with a tensor its family does not have is refused, naming the tensor and the way out."""
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_tensor("blk.0.attn_qkv.weight", np.zeros((3 * HIDDEN, HIDDEN), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SpecdraftError, match="Unexpected tensor 'blk.0.attn_qkv.weight' for a qwen2 model.*unpacked"):
+        build_native_model(path, gguf_config(), torch.bfloat16)
 
 
 def test_tensor_index_is_kept(gguf_files, tmp_path, monkeypatch):

@@ -5,3 +5,5 @@ QK_K = 256  # weights per K-quant super-block
 Q4K_BLOCK_BYTES = 144  # one Q4_K super-block: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
 Q4K_GROUP = 32  # weights per Q4_K sub-block (one scale and one min)
 Q6K_BLOCK_BYTES = 210  # one Q6_K super-block: 128 + 64 bytes of codes, 16 scales, d
+Q4_0_BLOCK_BYTES = 18  # one Q4_0 block of 32 weights: fp16 d, 16 bytes of codes (w = d · (q − 8))
+Q4_1_BLOCK_BYTES = 20  # one Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of codes (w = d · q + m)

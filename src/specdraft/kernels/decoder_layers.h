@@ -1,5 +1,5 @@
 /* The decoder-layer stack of `decoder_avx512.c` and `decoder_avx2.c`, written once: a layer is
- * norm -> stacked q|k|v -> rotary -> cache append -> attention -> o -> residual -> norm ->
+ * norm -> stacked q|k|v -> (norms over each head of q and k, Qwen3's) -> rotary -> cache append -> attention -> o -> residual -> norm ->
  * stacked gate|up -> SiLU·up -> down -> residual (see `decoder_avx512.c` for why and what each rounds).
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
@@ -37,6 +37,7 @@ typedef struct {
     Projection qkv, o, gate_up, down;
     uint16_t *keys, *values;                  /* [kv_heads][capacity][head_dim] bf16 */
     int64_t capacity;                         /* tokens the cache buffers hold room for */
+    const uint16_t *q_norm, *k_norm;          /* [head_dim] bf16, or NULL: RMSNorm over each head of q and of k */
 } Layer;
 
 /* Projections of 4-bit and Q6_K runs on int8 activations (`q8_passes`) while set: every pass of a model whose
@@ -108,6 +109,12 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
         rms_norm_bf16(hidden, layer->input_norm, normed, tokens, hidden_size, eps);
         project(&layer->qkv, normed, projected, tokens, hidden_size, qkv_size);
         to_bf16(projected, qkv, tokens * qkv_size);
+        if (layer->q_norm)
+            for (int64_t t = 0; t < tokens; t++) {  /* in place: a row is read before it is written */
+                uint16_t *row = qkv + t * qkv_size;
+                rms_norm_bf16(row, layer->q_norm, row, heads, head_dim, eps);
+                rms_norm_bf16(row + q_size, layer->k_norm, row + q_size, kv_heads, head_dim, eps);
+            }
         rotary_bf16(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < kv_heads; h++) {

@@ -47,11 +47,12 @@ class Projection(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One decoder layer: its two norm weights, four projections and the layer's key/value cache buffers."""
+    """One decoder layer: its two norm weights, four projections, the layer's key/value cache buffers, and the
+    weights of its norms over each head of q and k (Qwen3's; None where it has none)."""
 
     _fields_ = [("input_norm", _POINTER), ("post_norm", _POINTER), ("qkv", Projection), ("o", Projection),
                 ("gate_up", Projection), ("down", Projection), ("keys", _POINTER), ("values", _POINTER),
-                ("capacity", _SIZE)]
+                ("capacity", _SIZE), ("q_norm", _POINTER), ("k_norm", _POINTER)]
 
 
 def _for_level(chosen: str) -> ctypes.CDLL | None:

@@ -1,4 +1,5 @@
-"""Decoder layers of a packed Qwen2-family model with fewer kernel calls and dispatches.
+"""Decoder layers of a packed model of the pre-norm Llama shape (Llama, Mistral, Qwen2, Qwen3, Phi-3: see
+`models/architectures.py`) with fewer kernel calls and dispatches.
 
 Norms: each RMSNorm of a bf16 model on a CPU with AVX-512 BF16 runs as one C call
 (`kernels/layer_ops.c`) instead of seven PyTorch ops (57 norms a step in a 1.5B model).
@@ -9,7 +10,7 @@ own conversions and output. Projections that read the same input (q, k and v; ga
 are stacked here into one matrix a kernel reads in one call: the tiles of both layouts
 (`int4_layout.pack`, `gguf_matmul.pack_q6k`) are blocks of 16 output rows, so stacking is
 concatenation, and each output row is computed exactly as before (same code, same order), so
-the model's outputs are unchanged bit for bit. Projections of different block types (a Q6_K
+the model's outputs are unchanged bit for bit. Phi-3's files hold q|k|v and gate|up stacked already. Projections of different block types (a Q6_K
 `v` among Q4_K `q` and `k`, as Q4_K_M files mix them) run as one call per type.
 
 Measured (1.5B Q4_K_M target, 2 cores, AVX-512): gate and up of 28 layers, 11.35 ms as two
@@ -22,14 +23,21 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
+from specdraft.models.architectures import pre_norm_layers
 from specdraft.models.heap import trim_heap
+from specdraft.models.quantize import Int4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
-from specdraft.models.quantize import Int4Linear
+# The pre-norm families' RMSNorms: one formula, `w · bf16(x / rms(x))`
+RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
 
 
 def _run_kind(linear: nn.Module) -> str | None:
@@ -92,17 +100,17 @@ class StackedProjection(nn.Module):
 
 
 class StackedMLP(nn.Module):
-    """Qwen2's MLP, `down(silu(gate x) · up x)`, with gate and up in one kernel call."""
+    """The gated MLP, `down(silu(gate x) · up x)`, with gate and up in one kernel call."""
 
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, gate_up: list[nn.Module], down_proj: nn.Module, act_fn: nn.Module) -> None:
         super().__init__()
-        self.intermediate = mlp.gate_proj.out_features
-        self.gate_up = StackedProjection([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+        self.gate_up = StackedProjection(gate_up)
+        self.intermediate = self.gate_up.out_features // 2
+        self.down_proj, self.act_fn = down_proj, act_fn
         # SiLU·up as one C call where it gives PyTorch's bits (its own exp): 4 PyTorch passes over a prompt's
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
-        self.native_silu = (isinstance(mlp.act_fn, (nn.SiLU, SiLUActivation)) and self.intermediate % 16 == 0
-                            and decoder_layers.same_silu_as_torch())
+        self.silu = isinstance(act_fn, (nn.SiLU, SiLUActivation))
+        self.native_silu = self.silu and self.intermediate % 16 == 0 and decoder_layers.same_silu_as_torch()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., H] bf16
         gate_up = self.gate_up(x).to(x.dtype)  # [..., 2I]: rounded as the separate projections' outputs were
@@ -112,16 +120,22 @@ class StackedMLP(nn.Module):
 
 
 class StackedAttention(nn.Module):
-    """Qwen2's attention (same steps as transformers' `Qwen2Attention.forward`) with q, k and v in one pass."""
+    """The pre-norm families' attention (the steps of transformers' `LlamaAttention.forward`, with Qwen3's norms
+    over each head of q and k where it has them) with q, k and v in one pass."""
 
-    def __init__(self, attention: nn.Module) -> None:
+    def __init__(self, attention: nn.Module, qkv: list[nn.Module]) -> None:
         super().__init__()
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
-                     "is_causal", "sliding_window"):
+                     "is_causal"):
             setattr(self, name, getattr(attention, name))
-        self.q_size, self.kv_size = attention.q_proj.out_features, attention.k_proj.out_features
-        self.qkv = StackedProjection([attention.q_proj, attention.k_proj, attention.v_proj])
+        config = attention.config
+        # Qwen2 and Qwen3 say it per layer; Mistral and Phi-3 read their config's
+        self.sliding_window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
+        self.q_size = config.num_attention_heads * self.head_dim
+        self.kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv = StackedProjection(qkv)
         self.o_proj = attention.o_proj
+        self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.native_rotary = self.head_dim % 32 == 0 and layer_ops.available()
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -131,6 +145,11 @@ class StackedAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]  # [B, T]
         qkv = self.qkv(hidden_states).to(hidden_states.dtype)  # [B, T, q + 2 kv]
+        if self.q_norm is not None:  # Qwen3: each head of q and k normed before the rotation
+            query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            query = self.q_norm(query.reshape(*input_shape, -1, self.head_dim)).flatten(-2)
+            key = self.k_norm(key.reshape(*input_shape, -1, self.head_dim)).flatten(-2)
+            qkv = torch.cat([query, key, value], dim=-1)  # [B, T, q + 2 kv]
         cos, sin = position_embeddings  # [B, T, d]
         native_rotary = self.native_rotary and qkv.shape[0] == 1 and qkv.dtype == cos.dtype == torch.bfloat16
         if native_rotary:  # q and k heads rotated in place, in one call
@@ -150,7 +169,7 @@ class StackedAttention(nn.Module):
 
 
 class NativeRMSNorm(nn.Module):
-    """Qwen2's RMSNorm (`w ⊙ bf16(x / rms(x))`) in one C call (`layer_ops.rms_norm`); bf16 on the CPU only."""
+    """The pre-norm families' RMSNorm (`w ⊙ bf16(x / rms(x))`) in one C call (`layer_ops.rms_norm`); bf16 on the CPU only."""
 
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -162,16 +181,33 @@ class NativeRMSNorm(nn.Module):
 
 def _native_norm_fits(norm: nn.Module) -> bool:
     weight = getattr(norm, "weight", None)
-    return (isinstance(norm, Qwen2RMSNorm) and weight is not None and weight.dtype == torch.bfloat16
+    return (isinstance(norm, RMS_NORMS) and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available())
 
 
+def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]] | None:
+    """A layer's q|k|v and gate|up projections in stacking order, if each runs on a tile kernel and the layer's
+    rotary turns whole heads (Phi-4-mini turns part of each); else None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv = [attention.qkv_proj] if hasattr(attention, "qkv_proj") else [
+        getattr(attention, f"{n}_proj", None) for n in "qkv"]
+    gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [
+        getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
+    if any(p is None or _run_kind(p) is None for p in qkv + gate_up):
+        return None
+    config = attention.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return None
+    return qkv, gate_up
+
+
 def fast_decoder_layers(model: nn.Module) -> int:
-    """Swap a Qwen2 model's norms for `NativeRMSNorm` where it runs, and each decoder layer's
+    """Swap a pre-norm model's norms for `NativeRMSNorm` where it runs, and each decoder layer's
     attention and MLP for stacked ones where every projection runs on a tile kernel (outputs of the
     projections unchanged); returns how many layers had their projections stacked."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or getattr(model.config, "model_type", None) != "qwen2":
+    if layers is None or not pre_norm_layers(model.config):
         return 0
     model.__dict__.pop(FUSED_ATTRIBUTE, None)  # what fused_decoder kept describes the layers as they were
     if _native_norm_fits(model.model.norm):
@@ -181,12 +217,17 @@ def fast_decoder_layers(model: nn.Module) -> int:
         for name in ("input_layernorm", "post_attention_layernorm"):
             if _native_norm_fits(getattr(layer, name)):
                 setattr(layer, name, NativeRMSNorm(getattr(layer, name)))
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = [getattr(attention, f"{n}_proj", None) for n in "qkv"] + [getattr(mlp, "gate_proj", None),
-                                                                                   getattr(mlp, "up_proj", None)]
-        if any(p is None or _run_kind(p) is None for p in projections):
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, name, None)
+            if norm is not None and _native_norm_fits(norm):
+                setattr(layer.self_attn, name, NativeRMSNorm(norm))
+        parts = _stackable_parts(layer)
+        if parts is None:
             continue
-        layer.self_attn, layer.mlp = StackedAttention(attention), StackedMLP(mlp)
+        mlp = layer.mlp
+        act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
+        layer.self_attn = StackedAttention(layer.self_attn, parts[0])
+        layer.mlp = StackedMLP(parts[1], mlp.down_proj, act_fn)
         trim_heap()  # the replaced projections' memory goes back now, not at the end of loading
         stacked += 1
     return stacked

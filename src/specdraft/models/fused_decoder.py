@@ -1,4 +1,4 @@
-"""A Qwen2 model's decoder layers as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or
+"""A pre-norm model's decoder layers (Llama, Mistral, Qwen2, Phi-3: `models/architectures.py`) as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or
 AVX2).
 
 After `fast_layers.fast_decoder_layers`, every projection of a packed model runs on a tile kernel,
@@ -10,7 +10,8 @@ the pass's keys and values into the model's `GrowingLayer` caches in place, so t
 take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
-MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms, no sliding window), else returns None; it is kept on
+MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms (Qwen3's over each head of q and k too), no
+sliding window), else returns None; it is kept on
 the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
+from specdraft.models.architectures import pre_norm_layers
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear
 
@@ -61,7 +63,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
 
 
 class FusedDecoder:
-    """Runs a Qwen2 model's decoder layers for a pass of a few tokens in one C call."""
+    """Runs a pre-norm model's decoder layers for a pass of a few tokens in one C call."""
 
     def __init__(self, model: nn.Module, layer_projections: list[list[tuple[list, torch.Tensor | None]]]) -> None:
         base, config = model.model, model.config
@@ -78,6 +80,9 @@ class FusedDecoder:
         for entry, layer, projections in zip(self.table, base.layers, layer_projections):
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            if layer.self_attn.q_norm is not None:
+                entry.q_norm = layer.self_attn.q_norm.weight.data_ptr()
+                entry.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             for name, (runs, bias) in zip(("qkv", "o", "gate_up", "down"), projections):
                 _describe(getattr(entry, name), runs, bias)
                 self._alive.append(bias)
@@ -104,12 +109,21 @@ class FusedDecoder:
         return self.norm(hidden).unsqueeze(0)  # [1, T, H]
 
 
+def _head_norms_fit(attention: StackedAttention, layer: nn.Module) -> bool:
+    """The attention has no norms over q's and k's heads, or native ones with the layer norms' epsilon."""
+    if attention.q_norm is None and attention.k_norm is None:
+        return True
+    eps = layer.input_layernorm.variance_epsilon
+    return all(isinstance(norm, NativeRMSNorm) and norm.variance_epsilon == eps
+               for norm in (attention.q_norm, attention.k_norm))
+
+
 def _qualifies(model: nn.Module) -> list | None:
     """Per layer, its four projections as runs (see `_runs`), if every layer can run fused; else None."""
     base = getattr(model, "model", None)
     config = getattr(model, "config", None)
     layers = getattr(base, "layers", None)
-    if (not layers or getattr(config, "model_type", None) != "qwen2" or not decoder_layers.available()
+    if (not layers or config is None or not pre_norm_layers(config) or not decoder_layers.available()
             or "sliding_attention" in (getattr(config, "layer_types", None) or ())
             or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
         return None
@@ -117,6 +131,7 @@ def _qualifies(model: nn.Module) -> list | None:
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         if not (isinstance(attention, StackedAttention) and isinstance(mlp, StackedMLP) and attention.native_rotary
+                and attention.sliding_window is None and mlp.silu and _head_norms_fit(attention, layer)
                 and attention.head_dim <= decoder_layers.MAX_HEAD_DIM
                 and isinstance(layer.input_layernorm, NativeRMSNorm)
                 and isinstance(layer.post_attention_layernorm, NativeRMSNorm)):

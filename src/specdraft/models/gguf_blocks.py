@@ -1,4 +1,5 @@
-"""GGUF block formats read as tensors: the affine parts of Q4_K, and plain dequantization.
+"""GGUF block formats read as tensors: the affine parts of the 4-bit types (Q4_K, Q4_0, Q4_1), and plain
+dequantization.
 
 Q4_K stores a row in super-blocks of 256 weights (144 bytes): an fp16 `d` and `dmin`,
 twelve bytes holding eight 6-bit scales `sc` and eight 6-bit mins `m`, and 128 bytes of
@@ -7,7 +8,9 @@ twelve bytes holding eight 6-bit scales `sc` and eight 6-bit mins `m`, and 128 b
     w = (d · sc_j) · q − (dmin · m_j),   q in 0..15
 
 which is exactly the form of PyTorch's int4 weight-only kernel with group size 32
-(a scale and an offset per group). `q4k_affine` returns those parts without rounding;
+(a scale and an offset per group). `q4k_affine` returns those parts without rounding, and
+`q4_affine` those of Q4_0 (w = d · (q − 8): scale d, offset 8d) and Q4_1 (w = d · q + m: scale d,
+offset −m), blocks of 32 whose 16 code bytes hold weights j (low nibble) and 16 + j (high);
 other block types are dequantized by the `gguf` library (the reference decoder).
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q4K_GROUP, Q6K_BLOCK_BYTES, QK_K
+from specdraft.gguf_layout import Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q4K_BLOCK_BYTES, Q4K_GROUP, Q6K_BLOCK_BYTES, QK_K
 
 
 def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,6 +50,29 @@ def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes.reshape(rows, nb * QK_K), scale, minimum
 
 
+AFFINE_4BIT = ("Q4_K", "Q4_0", "Q4_1")  # the 4-bit block types with a scale and an offset per 32 weights
+_Q4_BLOCK_BYTES = {"Q4_0": Q4_0_BLOCK_BYTES, "Q4_1": Q4_1_BLOCK_BYTES}
+
+
+def q4_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and mins (as `q4k_affine` returns them) of any 4-bit affine type in `AFFINE_4BIT`,
+    given as raw bytes `[rows, bytes per row]` (uint8), exact (each part is an fp16 value or a product of one)."""
+    if type_name == "Q4_K":
+        return q4k_affine(raw)
+    block_bytes = _Q4_BLOCK_BYTES[type_name]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"{type_name} data must be uint8 [rows, blocks * {block_bytes}], got {tuple(raw.shape)} {raw.dtype}")
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, 18 or 20]
+    nb = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().reshape(rows, nb)  # [rows, nb]
+    if type_name == "Q4_0":
+        minimum = 8 * d  # w = d · q − 8d
+    else:
+        minimum = -blocks[..., 2:4].contiguous().view(torch.float16).float().reshape(rows, nb)  # w = d · q − (−m)
+    qs = blocks[..., block_bytes - 16:].unsqueeze(2)  # [rows, nb, 1, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [rows, nb, 2, 16]: weights j, then 16 + j
+    return codes.reshape(rows, nb * Q4K_GROUP), d, minimum
 
 
 def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:
@@ -75,10 +101,10 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 
 def unpack_rows(raw: torch.Tensor, type_name: str, dim: int) -> torch.Tensor:
-    """Rows of a GGUF matrix `[rows, bytes per row]` (uint8) as float32 `[rows, dim]`: Q4_K and
-    Q6_K decoded here in torch, float types viewed, other block types through `gguf`."""
-    if type_name == "Q4_K":
-        codes, scale, minimum = q4k_affine(raw)
+    """Rows of a GGUF matrix `[rows, bytes per row]` (uint8) as float32 `[rows, dim]`: the 4-bit affine
+    types and Q6_K decoded here in torch, float types viewed, other block types through `gguf`."""
+    if type_name in AFFINE_4BIT:
+        codes, scale, minimum = q4_affine(raw, type_name)
         weights = codes.view(raw.shape[0], -1, Q4K_GROUP).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)
         return weights.view(raw.shape[0], dim)  # from [rows, dim / 32, 32]
     if type_name == "Q6_K":

@@ -1,19 +1,20 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
-- Q4_K linears run with the file's own scales and mins (`Int4Linear.from_affine`) on our AMX
-  kernel (`kernels/amx_tiles.c`) where the CPU grants AMX, else on our AVX-512 kernel
-  (`kernels/avx512_tiles.c`), else on PyTorch's CPU int4 kernel: exact up to bf16 rounding of
-  each group's scale and offset.
+- 4-bit affine linears (Q4_K, Q4_0, Q4_1) run with the file's own scales and offsets
+  (`Int4Linear.from_affine`) on our AMX kernel (`kernels/amx_tiles.c`) where the CPU grants AMX,
+  else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
+  of each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
-  AVX-512 kernel where it builds and runs; elsewhere they are unpacked.
-- Other linears (Q5_0, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
+  tile kernels where they build and run; elsewhere they are unpacked.
+- Other linears (Q5_0, Q5_K, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
 
-The model is built on the meta device and filled tensor by tensor, so memory never holds
-an unpacked copy of the whole file. Architectures: those in `TENSOR_NAMES` (Qwen2 family);
-others load unpacked through transformers.
+The model is the family's own transformers class (`models/architectures.py` declares, per family,
+the tensor names and what llama.cpp's converter changed: Llama's q/k row order, Gemma's norm
+offsets), built on the meta device and filled tensor by tensor, so memory never holds an unpacked
+copy of the whole file. Families not declared load unpacked through transformers.
 """
 
 from __future__ import annotations
@@ -28,40 +29,26 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
+from specdraft.models.architectures import FREQUENCY_FACTORS, Architecture, architecture_for, known_model_types
 from specdraft.models.fast_layers import fast_decoder_layers
-from specdraft.models.gguf_blocks import q4k_affine, unpack_rows
+from specdraft.models.gguf_blocks import AFFINE_4BIT, q4_affine, unpack_rows
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, int4_kernel_available
 
-NATIVE_ARCHITECTURES = ("qwen2",)
-
-_LAYER_TENSORS = {  # GGUF name inside blk.N -> module path inside model.layers.N
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ROWS_PER_SLICE = 16384  # rows unpacked at a time, so no whole float32 copy of a big matrix exists
 
 
-def module_path(gguf_name: str) -> tuple[str, str]:
-    """`blk.3.attn_q.bias` -> (`model.layers.3.self_attn.q_proj`, `bias`)."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}", parts[3]
-    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[parts[0]], parts[1]
-    raise SpecdraftError(f"Unexpected tensor {gguf_name!r} in the GGUF file; load it with --gguf-weights unpacked.")
-
-
 class PackedEmbedding(nn.Module):
-    """An embedding table kept in its GGUF blocks; a lookup unpacks only the rows it needs."""
+    """An embedding table kept in its GGUF blocks; a lookup unpacks only the rows it needs (times `scale`,
+    rounded to the model's dtype first, as Gemma's scaled embedding multiplies)."""
 
-    def __init__(self, raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.register_buffer("raw", raw)  # [vocab, bytes per row] uint8
         self.type_name, self.embedding_dim, self.out_dtype = type_name, dim, dtype
         self.num_embeddings = raw.shape[0]
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32).to(dtype)
 
     def num_packed_weights(self) -> int:
         """How many weights the packed table holds."""
@@ -69,7 +56,10 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., dim]
         rows = unpack_rows(self.raw[ids.reshape(-1)], self.type_name, self.embedding_dim)  # [n, dim] float32
-        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
+        rows = rows.to(self.out_dtype)
+        if self.scale is not None:
+            rows = rows * self.scale
+        return rows.view(*ids.shape, self.embedding_dim)
 
 
 class FlatLinear(nn.Linear):
@@ -165,20 +155,89 @@ class _LazyRows:
 
 
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
-            pack: bool) -> nn.Module:
-    """The module for one GGUF linear: packed for Q4_K and Q6_K (where their kernels run), else unpacked."""
+            pack: bool, order: torch.Tensor | None = None) -> nn.Module:
+    """The module for one GGUF linear: packed for the 4-bit affine types and Q6_K (where their kernels run), else
+    unpacked. `order` [out] says which file row each output row is (None: the file's order)."""
     out_features, in_features = weight.shape
-    if pack and weight.type_name == "Q4_K" and out_features % 16 == 0 and int4_kernel_available():
-        codes, scale, minimum = q4k_affine(source.rows(weight))
+    if bias is not None and order is not None:
+        bias = bias[order]
+    if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
+        raw = source.rows(weight)  # [N, bytes per row]
+        codes, scale, minimum = q4_affine(raw if order is None else raw[order], weight.type_name)
         return Int4Linear.from_affine(codes, scale, minimum, bias)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
-        return gguf_matmul.BlockLinear(source.lazy_rows(weight), weight.type_name, in_features, bias)
+        raw = source.lazy_rows(weight) if order is None else source.rows(weight)[order]
+        return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
-    linear.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
+    unpacked = source.unpacked(weight, dtype)  # [N, K]
+    linear.weight = nn.Parameter(unpacked if order is None else unpacked[order], requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
     return linear
+
+
+def _rotary_row_order(rows: int, heads: int) -> torch.Tensor:
+    """For q or k of `heads` heads stored in llama.cpp's rotary order (each head's dimensions as adjacent pairs),
+    the file row of each row in transformers' order (each head's first halves, then its second halves) `[rows]`."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def _row_order(arch: Architecture, config, name: str) -> torch.Tensor | None:
+    """The order in which a linear's file rows become the model's (see `_rotary_row_order`), None: as stored."""
+    if not arch.rotary_rows_interleaved or not name.endswith(("q_proj", "k_proj")):
+        return None
+    heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return _rotary_row_order(heads * head_dim, heads)
+
+
+def _rebuild_meta_buffers(model: nn.Module, config) -> None:
+    """Make again, from the config, the parameter-free modules whose buffers were made on meta (rotary tables)."""
+    for name, module in list(model.named_modules()):
+        meta_buffers = any(b.is_meta for b in module.buffers(recurse=False))
+        if name and meta_buffers and next(module.parameters(recurse=False), None) is None:
+            model.set_submodule(name, type(module)(config=config))
+
+
+def _divide_frequencies(model: nn.Module, config, factors: torch.Tensor) -> None:
+    """Apply a file's rotary frequency factors (Llama 3.1+'s `rope_freqs`, `[head_dim / 2]`): each inverse frequency
+    divided by its factor, as llama.cpp does. A config that scales its rotary itself already has them."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return
+    rotary = model.model.rotary_emb
+    for buffer in ("inv_freq", "original_inv_freq"):
+        if hasattr(rotary, buffer):
+            setattr(rotary, buffer, getattr(rotary, buffer) / factors.to(getattr(rotary, buffer).dtype))
+
+
+def describe_packing(model: nn.Module) -> str:
+    """Which of the model's linears run on packed kernels and which were unpacked, by kind, in words
+    (e.g. `196 on 4-bit kernels, 28 on Q6_K kernels, 1 unpacked to bfloat16`)."""
+    from specdraft.models.fast_layers import StackedProjection
+
+    kinds: dict[str, int] = defaultdict(int)
+    for module in model.modules():
+        if isinstance(module, StackedProjection):
+            for matmul, _ in module.runs:
+                kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else "4-bit kernels"] += 1
+        elif isinstance(module, Int4Linear):
+            kinds["4-bit kernels" if module.dense_weight is None else "unpacked"] += 1
+        elif isinstance(module, gguf_matmul.BlockLinear):
+            kinds["Q6_K kernels"] += 1
+        elif isinstance(module, FlatLinear):
+            kinds[f"unpacked to {str(module.weight.dtype).removeprefix('torch.')}"] += 1
+    return ", ".join(f"{count} on {kind}" if "kernels" in kind else f"{count} {kind}"
+                     for kind, count in sorted(kinds.items()))
+
+
+def packed_obstacle(config) -> str | None:
+    """Why the packed path cannot build this config's family, or None when it can."""
+    if architecture_for(config) is None:
+        return (f"packed loading knows the families {', '.join(known_model_types())}, not "
+                f"{getattr(config, 'model_type', None)!r}")
+    return None
 
 
 def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True,
@@ -190,12 +249,22 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     """
     from transformers import AutoModelForCausalLM
 
-    if config.model_type not in NATIVE_ARCHITECTURES:
-        raise SpecdraftError(f"Packed GGUF loading supports {', '.join(NATIVE_ARCHITECTURES)}, not {config.model_type!r}.")
+    obstacle = packed_obstacle(config)
+    if obstacle is not None:
+        raise SpecdraftError(f"Cannot load {path.name} packed: {obstacle}.")
+    arch = architecture_for(config)
     grouped: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    frequency_factors = None
     for entry in tensor_index(path, cache):
-        module, param = module_path(entry.name)
-        grouped[module][param] = entry
+        try:
+            place = arch.module_path(entry.name)
+        except KeyError:
+            raise SpecdraftError(f"Unexpected tensor {entry.name!r} for a {arch.name} model in {path.name}; "
+                                 "load it with --gguf-weights unpacked.") from None
+        if place is not None:
+            grouped[place[0]][place[1]] = entry
+        elif entry.name.startswith(FREQUENCY_FACTORS):
+            frequency_factors = entry
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if "lm_head" not in grouped:  # tied: the head is built from the embedding's blocks
@@ -205,19 +274,23 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         for i, (name, entries) in enumerate(grouped.items()):
             weight = entries["weight"]
             if name == "model.embed_tokens":
-                module = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype)
+                scale = config.hidden_size ** 0.5 if arch.scaled_embedding else None
+                module = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype, scale)
             elif name.endswith("norm"):
                 module = model.get_submodule(name)
-                module.weight = nn.Parameter(source.unpacked(weight, dtype), requires_grad=False)
+                values = source.unpacked(weight, torch.float32) - arch.norm_offset
+                module.weight = nn.Parameter(values.to(dtype), requires_grad=False)
             else:
                 bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
-                module = _linear(source, weight, bias, dtype, pack)
+                module = _linear(source, weight, bias, dtype, pack, _row_order(arch, config, name))
             model.set_submodule(name, module)
             if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
                 trim_heap()
+        _rebuild_meta_buffers(model, config)
+        if frequency_factors is not None:
+            _divide_frequencies(model, config, source.unpacked(frequency_factors, torch.float32))
     finally:
         source.close()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers were made on meta
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise SpecdraftError(f"The GGUF file {path.name} lacks tensors for {', '.join(missing[:5])}; "

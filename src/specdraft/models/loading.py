@@ -130,16 +130,14 @@ GGUF_WEIGHTS = ("auto", "packed", "unpacked")
 
 def _packed_obstacle(config, device: torch.device) -> str | None:
     """Why the packed GGUF path cannot run this model here, or None when it can."""
-    from specdraft.models.gguf_native import NATIVE_ARCHITECTURES
+    from specdraft.models.gguf_native import packed_obstacle
     from specdraft.models.quantize import int4_kernel_available
 
     if device.type != "cpu":
         return "the packed kernels run on the CPU"
     if not int4_kernel_available():
         return "this PyTorch build has no CPU int4 kernel"
-    if config.model_type not in NATIVE_ARCHITECTURES:
-        return f"packed loading supports {', '.join(NATIVE_ARCHITECTURES)}, not {config.model_type!r}"
-    return None
+    return packed_obstacle(config)
 
 
 def load_model(
@@ -170,7 +168,7 @@ def load_model(
     hf_logging.disable_progress_bar()
     try:
         with compact_heap():
-            model, tokenizer, packed = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights)
+            model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights)
             model.to(torch_device)
             if prepack:
                 prepack_linears(model)
@@ -182,28 +180,32 @@ def load_model(
         hf_logging.set_verbosity_warning()
     lm = CausalLM(model, tokenizer, name=spec)
     if verbose:
-        form = ("GGUF blocks packed + " if packed else "") + str(torch_dtype).removeprefix("torch.")
         print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
               f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return lm
 
 
 def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.device, gguf_weights: str):
-    """(model, tokenizer, whether it runs on packed GGUF blocks), built on the CPU for `device`."""
+    """(model, tokenizer, which path runs it and why, in words), built on the CPU for `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype_name = str(dtype).removeprefix("torch.")
     if kind != "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype), AutoTokenizer.from_pretrained(str(path)), False
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        return model, AutoTokenizer.from_pretrained(str(path)), dtype_name
+    why = "as asked (--gguf-weights unpacked)"
     if gguf_weights != "unpacked":
         config, tokenizer = _gguf_config_and_tokenizer(path)
         obstacle = _packed_obstacle(config, device)
         if obstacle is None:
-            from specdraft.models.gguf_native import build_native_model
+            from specdraft.models.gguf_native import build_native_model, describe_packing
 
-            return build_native_model(path, config, dtype, cache=_converted_dir(path, "meta")), tokenizer, True
+            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"))
+            return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
-    return *_load_gguf_unpacked(path, dtype), False
+        why = f"not packed: {obstacle}"
+    return *_load_gguf_unpacked(path, dtype), f"unpacked to {dtype_name} by transformers, {why}"
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:

@@ -1,0 +1,93 @@
+"""The model families the packed GGUF path builds, each declared as data: what its files and layers differ in.
+
+A GGUF file names its tensors as llama.cpp does (`blk.3.attn_q.weight`); the model that runs them is the family's
+own transformers class, with packed linears swapped in (`gguf_native`), and, where its layers have the pre-norm
+Llama shape, the stacked and fused layer paths (`fast_layers`, `fused_decoder`). A family is one `Architecture`:
+
+- `layer_tensors`: GGUF name inside `blk.N` -> module path inside `model.layers.N` (Gemma's `ffn_norm` is its
+  pre-feed-forward norm, Llama's is the post-attention norm; Phi-3 keeps q, k, v and gate, up fused);
+- `rotary_rows_interleaved`: llama.cpp's converter reorders the rows of q and k of Llama-type models for its
+  rotary variant (pairs of adjacent dimensions); transformers rotates halves, so the loader puts the rows back;
+- `norm_offset`: what the file adds to each norm weight (Gemma's norms multiply by 1 + w; the file holds 1 + w);
+- `scaled_embedding`: the embedding is multiplied by sqrt(hidden) (Gemma);
+- `layer_shape`: `"pre-norm"` where a layer is norm -> attention -> residual -> norm -> gated SiLU MLP -> residual
+  with RMSNorm `w · bf16(x / rms(x))` (Llama, Mistral, Qwen2, Qwen3, Phi-3): these run on the stacked layers, and
+  on the fused C stack where nothing else differs (`fused_decoder`); None: transformers' own layers;
+- `qk_norm`: an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3).
+
+A family missing here still loads, through transformers' de-quantizer; `packed_obstacle` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ATTENTION = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj"}
+_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_PRE_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                   "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+FREQUENCY_FACTORS = "rope_freqs"  # Llama 3.1+: per-pair divisors of the rotary frequencies
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family's differences (see the module's text)."""
+
+    name: str  # GGUF `general.architecture`
+    model_types: tuple[str, ...]  # transformers' `config.model_type` values it builds
+    layer_tensors: dict[str, str]
+    global_tensors: dict[str, str] = field(default_factory=lambda: dict(_GLOBAL_TENSORS))
+    ignored_tensors: tuple[str, ...] = ()  # tensors the transformers model computes from its config
+    rotary_rows_interleaved: bool = False
+    norm_offset: float = 0.0
+    scaled_embedding: bool = False
+    layer_shape: str | None = "pre-norm"
+    qk_norm: bool = False
+
+    def module_path(self, gguf_name: str) -> tuple[str, str] | None:
+        """`blk.3.attn_q.bias` -> (`model.layers.3.self_attn.q_proj`, `bias`); None for an ignored tensor.
+
+        Raises KeyError for a tensor the family does not have."""
+        parts = gguf_name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in self.layer_tensors:
+            return f"model.layers.{parts[1]}.{self.layer_tensors[parts[2]]}", parts[3]
+        if len(parts) == 2 and parts[0] in self.global_tensors:
+            return self.global_tensors[parts[0]], parts[1]
+        if parts[0] in self.ignored_tensors or parts[0] == FREQUENCY_FACTORS:
+            return None
+        raise KeyError(gguf_name)
+
+
+ARCHITECTURES = (
+    Architecture("llama", ("llama", "mistral"), _ATTENTION | _MLP | _PRE_NORMS, rotary_rows_interleaved=True),
+    Architecture("qwen2", ("qwen2",), _ATTENTION | _MLP | _PRE_NORMS),
+    Architecture("qwen3", ("qwen3",), _ATTENTION | _MLP | _PRE_NORMS | _QK_NORMS, qk_norm=True),
+    Architecture("phi3", ("phi3",), {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                                     "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"} | _PRE_NORMS,
+                 ignored_tensors=("rope_factors_long", "rope_factors_short")),
+    Architecture("gemma3", ("gemma3_text",), _ATTENTION | _MLP | _SANDWICH_NORMS | _QK_NORMS, norm_offset=1.0,
+                 scaled_embedding=True, layer_shape=None, qk_norm=True),
+    Architecture("gemma2", ("gemma2",), _ATTENTION | _MLP | _SANDWICH_NORMS, norm_offset=1.0,
+                 scaled_embedding=True, layer_shape=None),
+)
+
+
+def architecture_for(config) -> Architecture | None:
+    """The declared family a transformers config belongs to, or None."""
+    model_type = getattr(config, "model_type", None)
+    return next((arch for arch in ARCHITECTURES if model_type in arch.model_types), None)
+
+
+def known_model_types() -> list[str]:
+    """Every transformers model type the packed path builds."""
+    return [model_type for arch in ARCHITECTURES for model_type in arch.model_types]
+
+
+def pre_norm_layers(config) -> bool:
+    """Whether the model's layers have the pre-norm Llama shape the stacked layers take (see the module's text)."""
+    arch = architecture_for(config)
+    return arch is not None and arch.layer_shape == "pre-norm"
