@@ -18,10 +18,10 @@ from specdraft.exactness import compare_greedy
 from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
-from specdraft.models.gguf_blocks import dequantize, q4k_affine, q6k_unpack, unpack_rows
+from specdraft.models.gguf_blocks import dequantize, q4_affine, q4k_affine, q6k_unpack, split_affine, unpack_rows
 from specdraft.models.architectures import architecture_for
 from specdraft.models.gguf_native import FlatLinear, PackedEmbedding, build_native_model, tensor_index
-from specdraft.models.quantize import PASS_WIDTH, Int4Linear, int4_kernel_available, quantize_int4
+from specdraft.models.quantize import PASS_WIDTH, Int4Linear, SplitInt4Linear, int4_kernel_available, quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
 
@@ -184,6 +184,8 @@ def expected_linear(type_name: str, backend: str, requantize: bool = False) -> t
     """The module a GGUF linear of `type_name` should become (the loader's documented policy)."""
     if type_name == "Q4_K":
         return Int4Linear
+    if type_name == "Q8_0":
+        return SplitInt4Linear
     if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
         return gguf_matmul.BlockLinear
     return Int4Linear if requantize else FlatLinear
@@ -249,6 +251,54 @@ def test_q6k_unpack_equals_gguf_reference():
     got = q6k_unpack(torch.from_numpy(raw))  # [4, 512]
     assert got.shape == (4, 512) and got.dtype == torch.float32
     assert torch.equal(got, gguf_values(raw, Q6K))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_q4_affine_equals_gguf_reference(type_name):
+    """Q4_0 and Q4_1 blocks as codes, scales and mins give gguf's dequantization bit for bit."""
+    values = np.random.default_rng(4).normal(size=(6, 512)).astype(np.float32)
+    raw = gguf_quantize(values, GGMLQuantizationType[type_name])
+    codes, scale, minimum = q4_affine(torch.from_numpy(raw), type_name)  # [6, 512], [6, 16], [6, 16]
+    weights = (codes.view(6, 16, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(6, 512)
+    assert int(codes.max()) <= 15 and torch.equal(weights, gguf_values(raw, GGMLQuantizationType[type_name]))
+
+
+def random_q5k(rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q5_K bytes `[rows, blocks · 176]` with finite fp16 d and dmin."""
+    raw = rng.integers(0, 256, (rows, blocks, 176), dtype=np.uint8)
+    raw[..., 0:2] = fp16_bytes(rng.uniform(1e-3, 1e-2, (rows, blocks)))
+    raw[..., 2:4] = fp16_bytes(rng.uniform(1e-3, 1e-2, (rows, blocks)))
+    return raw.reshape(rows, blocks * 176)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_1", "Q5_K"])
+def test_split_halves_sum_to_gguf_reference(type_name):
+    """5- and 8-bit codes split into two 4-bit affine halves whose sum is gguf's dequantization bit for bit."""
+    rng = np.random.default_rng(5)
+    kind = GGMLQuantizationType[type_name]
+    raw = random_q5k(6, 2, rng) if type_name == "Q5_K" else gguf_quantize(
+        rng.normal(size=(6, 512)).astype(np.float32), kind)
+    codes, scale, minimum = split_affine(torch.from_numpy(raw), type_name)  # [6, 1024], [6, 32], [6, 32]
+    assert codes.shape == (6, 1024) and int(codes.max()) <= 15
+    halves = (codes.view(6, 32, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(6, 2, 512)
+    assert torch.equal(halves.sum(1), gguf_values(raw, kind))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K"])
+def test_split_linear_computes_the_files_weights(type_name):
+    """A `SplitInt4Linear` computes x · Wᵀ of the file's weights within bf16 error, each token as it would alone."""
+    rng = np.random.default_rng(6)
+    kind = GGMLQuantizationType[type_name]
+    raw = random_q5k(32, 2, rng) if type_name == "Q5_K" else gguf_quantize(
+        rng.normal(size=(32, 512)).astype(np.float32), kind)
+    linear = SplitInt4Linear(Int4Linear.from_affine(*split_affine(torch.from_numpy(raw), type_name)))
+    assert (linear.in_features, linear.out_features) == (512, 32)
+    weight = gguf_values(raw, kind)  # [32, 512]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = linear(x)  # [5, 32]
+    assert relative_error(got, x.float() @ weight.t()) < 2e-2
+    assert relative_error(linear.dequantized_weight(), weight) < 1e-2  # the scales rounded to bf16
+    assert torch.equal(linear(x[2:3]), got[2:3])
 
 
 def test_dequantize_wraps_gguf_reference():

@@ -7,3 +7,7 @@ Q4K_GROUP = 32  # weights per Q4_K sub-block (one scale and one min)
 Q6K_BLOCK_BYTES = 210  # one Q6_K super-block: 128 + 64 bytes of codes, 16 scales, d
 Q4_0_BLOCK_BYTES = 18  # one Q4_0 block of 32 weights: fp16 d, 16 bytes of codes (w = d · (q − 8))
 Q4_1_BLOCK_BYTES = 20  # one Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of codes (w = d · q + m)
+Q5_0_BLOCK_BYTES = 22  # 32 weights: fp16 d, 4 bytes of fifth bits, 16 bytes of low nibbles (w = d · (q − 16))
+Q5_1_BLOCK_BYTES = 24  # 32 weights: fp16 d, fp16 m, 4 bytes of fifth bits, 16 of low nibbles (w = d · q + m)
+Q8_0_BLOCK_BYTES = 34  # 32 weights: fp16 d, 32 int8 codes (w = d · q)
+Q5K_BLOCK_BYTES = 176  # 256 weights: d, dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 of nibbles

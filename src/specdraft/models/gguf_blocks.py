@@ -19,7 +19,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdraft.gguf_layout import Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q4K_BLOCK_BYTES, Q4K_GROUP, Q6K_BLOCK_BYTES, QK_K
+from specdraft.gguf_layout import (Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q4K_BLOCK_BYTES, Q4K_GROUP, Q5_0_BLOCK_BYTES,
+                                   Q5_1_BLOCK_BYTES, Q5K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK_K)
+
+
+def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins `[..., 8]` (int32) of Q4_K's and Q5_K's twelve bytes `[..., 12]`."""
+    packed = packed.to(torch.int32)
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]  # [..., 4] each
+    # Sub-blocks 0-3 keep 6 bits in bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7 put their low
+    # 4 bits in bytes 8-11 and their top 2 bits in the spare top bits of bytes 0-7.
+    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return sc, mn
 
 
 def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,12 +48,7 @@ def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     nb = blocks.shape[1]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [rows, nb, 1]
-    packed = blocks[..., 4:16].to(torch.int32)  # [rows, nb, 12]
-    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]  # [rows, nb, 4] each
-    # Sub-blocks 0-3 keep 6 bits in bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7 put their low
-    # 4 bits in bytes 8-11 and their top 2 bits in the spare top bits of bytes 0-7.
-    sc = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)  # [rows, nb, 8]
-    mn = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)  # [rows, nb, 8]
+    sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8] each
     qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
     # Each pair of sub-blocks shares 32 bytes: low nibbles are the first, high nibbles the second.
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
@@ -73,6 +80,66 @@ def q4_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Te
     qs = blocks[..., block_bytes - 16:].unsqueeze(2)  # [rows, nb, 1, 16]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [rows, nb, 2, 16]: weights j, then 16 + j
     return codes.reshape(rows, nb * Q4K_GROUP), d, minimum
+
+
+SPLIT_INTO_4BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # types whose codes split into two 4-bit affine parts
+_SPLIT_BLOCK_BYTES = {"Q8_0": Q8_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES, "Q5_1": Q5_1_BLOCK_BYTES,
+                      "Q5_K": Q5K_BLOCK_BYTES}
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1's four bytes `[..., 4]` as the 32 weights' fifth bits `[..., 32]` (bit j of the little-endian word)."""
+    bits = torch.stack([(qh >> b) & 1 for b in range(8)], dim=-1)  # [..., 4 bytes, 8 bits]
+    return bits.flatten(-2)
+
+
+def split_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A matrix of 5- or 8-bit codes (`SPLIT_INTO_4BIT`, raw bytes `[rows, bytes per row]`) as two 4-bit affine
+    matrices side by side, `W = W_high + W_low`: codes `[rows, 2K]` (high parts' columns first), scales and
+    mins `[rows, 2K / 32]` as `q4k_affine` returns them, so `[x, x] · [W_high | W_low]ᵀ = x · Wᵀ`.
+
+    A code q = 16 h + l (h the top bits, l the low nibble, both 0..15 after an offset) makes w = s · q − m into
+    (16 s) · h − m and s · l: exact (each scale a product of an fp16 value and small integers)."""
+    block_bytes = _SPLIT_BLOCK_BYTES[type_name]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"{type_name} data must be uint8 [rows, blocks * {block_bytes}], got {tuple(raw.shape)} {raw.dtype}")
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, block bytes]
+    nb = blocks.shape[1]
+    if type_name == "Q8_0":
+        d = _fp16(blocks[..., 0:2].unsqueeze(-1).reshape(rows, nb, 2))  # [rows, nb]
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [rows, nb, 32]
+        high, low = (q >> 4) + 8, q & 0x0F  # q = 16 (high − 8) + low
+        high_min, low_min = 128 * d, torch.zeros_like(d)
+        step = d
+    elif type_name in ("Q5_0", "Q5_1"):
+        d = _fp16(blocks[..., 0:2])  # [rows, nb]
+        bits_at = 2 if type_name == "Q5_0" else 4
+        high = _fifth_bits(blocks[..., bits_at:bits_at + 4].to(torch.int32))  # [rows, nb, 32]
+        qs = blocks[..., bits_at + 4:].unsqueeze(2)  # [rows, nb, 1, 16]
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, nb, 32)  # weights j, then 16 + j
+        high_min = 16 * d if type_name == "Q5_0" else -_fp16(blocks[..., 2:4])  # w = d·q − 16d, or d·q + m
+        low_min, step = torch.zeros_like(d), d
+    else:  # Q5_K: eight sub-blocks of 32 a super-block, w = d·sc·q − dmin·m
+        d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])  # [rows, nb]
+        sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8]
+        qh = blocks[..., 16:48].to(torch.int32)  # [rows, nb, 32]: bit s of byte e is sub-block s's weight e
+        high = torch.stack([(qh >> s) & 1 for s in range(8)], dim=2)  # [rows, nb, 8, 32]
+        qs = blocks[..., 48:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, nb, 8, 32)  # sub-blocks 2p (low), 2p + 1 (high)
+        step = (d.unsqueeze(-1) * sc).reshape(rows, nb * 8)  # [rows, K / 32]
+        low_min = (dmin.unsqueeze(-1) * mn).reshape(rows, nb * 8)
+        high_min = torch.zeros_like(low_min)
+        high, low = high.reshape(rows, nb * 8, 32), low.reshape(rows, nb * 8, 32)
+    groups = step.numel() // rows
+    codes = torch.cat([high.reshape(rows, -1), low.reshape(rows, -1)], dim=1).to(torch.uint8)  # [rows, 2K]
+    scale = torch.cat([16 * step.reshape(rows, groups), step.reshape(rows, groups)], dim=1)  # [rows, 2K / 32]
+    minimum = torch.cat([high_min.reshape(rows, groups), low_min.reshape(rows, groups)], dim=1)
+    return codes, scale, minimum
 
 
 def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:

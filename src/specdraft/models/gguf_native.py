@@ -6,7 +6,9 @@
   of each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
   tile kernels where they build and run; elsewhere they are unpacked.
-- Other linears (Q5_0, Q5_K, Q8_0, F16, ...) have no kernel here and are unpacked to the model's
+- Q8_0, Q5_0, Q5_1 and Q5_K linears split each code into its top bits and low nibble: two 4-bit
+  matrices side by side (`SplitInt4Linear`), exact like the 4-bit ones, on the same kernels.
+- Other linears (F16, BF16, F32, Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
@@ -31,9 +33,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
 from specdraft.models.architectures import FREQUENCY_FACTORS, Architecture, architecture_for, known_model_types
 from specdraft.models.fast_layers import fast_decoder_layers
-from specdraft.models.gguf_blocks import AFFINE_4BIT, q4_affine, unpack_rows
+from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
 from specdraft.models.heap import trim_heap
-from specdraft.models.quantize import Int4Linear, int4_kernel_available
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear, int4_kernel_available
 
 _ROWS_PER_SLICE = 16384  # rows unpacked at a time, so no whole float32 copy of a big matrix exists
 
@@ -156,8 +158,8 @@ class _LazyRows:
 
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
             pack: bool, order: torch.Tensor | None = None) -> nn.Module:
-    """The module for one GGUF linear: packed for the 4-bit affine types and Q6_K (where their kernels run), else
-    unpacked. `order` [out] says which file row each output row is (None: the file's order)."""
+    """The module for one GGUF linear: packed for the 4-bit affine types, those that split into two 4-bit
+    halves and Q6_K (where their kernels run), else unpacked. `order` [out] says which file row each output row is (None: the file's order)."""
     out_features, in_features = weight.shape
     if bias is not None and order is not None:
         bias = bias[order]
@@ -165,6 +167,10 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         raw = source.rows(weight)  # [N, bytes per row]
         codes, scale, minimum = q4_affine(raw if order is None else raw[order], weight.type_name)
         return Int4Linear.from_affine(codes, scale, minimum, bias)
+    if pack and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
+        raw = source.rows(weight)  # [N, bytes per row]
+        codes, scale, minimum = split_affine(raw if order is None else raw[order], weight.type_name)
+        return SplitInt4Linear(Int4Linear.from_affine(codes, scale, minimum, bias))
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
         raw = source.lazy_rows(weight) if order is None else source.rows(weight)[order]
         return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
@@ -218,10 +224,14 @@ def describe_packing(model: nn.Module) -> str:
     from specdraft.models.fast_layers import StackedProjection
 
     kinds: dict[str, int] = defaultdict(int)
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.endswith(".halves"):  # counted as its SplitInt4Linear
+            continue
         if isinstance(module, StackedProjection):
             for matmul, _ in module.runs:
                 kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else "4-bit kernels"] += 1
+        elif isinstance(module, SplitInt4Linear):
+            kinds["4-bit kernels, split in two halves"] += 1
         elif isinstance(module, Int4Linear):
             kinds["4-bit kernels" if module.dense_weight is None else "unpacked"] += 1
         elif isinstance(module, gguf_matmul.BlockLinear):

@@ -2,8 +2,9 @@
 else AVX-512 VNNI, else AVX2, else PyTorch's CPU kernel (`_weight_int4pack_mm_for_cpu`).
 
 Two ways in:
-- `Int4Linear.from_affine`: a GGUF Q4_K matrix's own codes, scales and mins (exact up to
-  the kernel's bf16 scale and offset), so the target computes what its file says;
+- `Int4Linear.from_affine`: a GGUF Q4_K, Q4_0 or Q4_1 matrix's own codes, scales and mins (exact up to
+  the kernel's bf16 scale and offset), so the target computes what its file says; `SplitInt4Linear`
+  does the same for Q8_0, Q5_0, Q5_1 and Q5_K, whose codes split into two 4-bit halves;
 - `Int4Linear.quantize`: re-quantizing a float weight (lossy), for drafts only. A lossy
   draft never changes what is emitted: verification uses what the draft sampled from.
 
@@ -129,6 +130,29 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class SplitInt4Linear(nn.Module):
+    """`y = x W^T + b` for W = W_high + W_low, two 4-bit matrices side by side in one `Int4Linear` `[N, 2K]`
+    (`gguf_blocks.split_affine`: a 5- or 8-bit file's codes split into top bits and low nibble), run as
+    `[x, x] · [W_high | W_low]ᵀ`: one kernel call, each token alone, 9 bits a weight."""
+
+    def __init__(self, halves: Int4Linear) -> None:
+        super().__init__()
+        self.halves = halves
+        self.out_features, self.in_features = halves.out_features, halves.in_features // 2
+        self.bias = halves.bias
+
+    def num_packed_weights(self) -> int:
+        """How many weights the matrix holds (each stored as two 4-bit halves)."""
+        return self.out_features * self.in_features
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this module computes with, `[N, K]` in float32 (for checks, not speed)."""
+        return self.halves.dequantized_weight().view(self.out_features, 2, self.in_features).sum(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        return self.halves(torch.cat([x, x], dim=-1))  # [..., N]
 
 
 def quantize_int4(model: nn.Module, group_size: int = 32, keep_dense: bool = False) -> int:
