@@ -17,7 +17,8 @@ from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES
-from specdraft.models.quantize import Int4Linear, quantize_int4
+from specdraft.models.gguf_blocks import split_affine
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear, quantize_int4
 from specdraft.models import fast_layers
 from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers
 
@@ -181,6 +182,28 @@ def mixed_model() -> Qwen2ForCausalLM:
     return model
 
 
+def q8_0_split_linear(linear: nn.Linear) -> SplitInt4Linear:
+    """A float linear written as Q8_0 blocks and read back as two 4-bit halves (`gguf_blocks.split_affine`)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(linear.weight.detach().float().numpy(), GGMLQuantizationType.Q8_0)  # [N, K / 32 · 34]
+    split = SplitInt4Linear(Int4Linear.from_affine(*split_affine(torch.from_numpy(raw), "Q8_0"),
+                                                   None if linear.bias is None else linear.bias.detach().float()))
+    return split
+
+
+def split_model() -> Qwen2ForCausalLM:
+    """`int4_model` with some projections in Q8_0 (split halves): v and down of the first layer, q of the second."""
+    model = int4_model(seed=8)
+    reference = Qwen2ForCausalLM(model.config).bfloat16().eval()
+    first, second = model.model.layers
+    first.self_attn.v_proj = q8_0_split_linear(reference.model.layers[0].self_attn.v_proj)
+    first.mlp.down_proj = q8_0_split_linear(reference.model.layers[0].mlp.down_proj)
+    second.self_attn.q_proj = q8_0_split_linear(reference.model.layers[1].self_attn.q_proj)
+    return model
+
+
 def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
     """Logits and hidden states of a prefill, chain passes, a tree pass and passes after cutting the cache back."""
     lm = CausalLM(model)
@@ -218,7 +241,7 @@ def decoder_build(request, monkeypatch):
 
 @tiles_run
 @fused_run
-@pytest.mark.parametrize("build", [int4_model, mixed_model])
+@pytest.mark.parametrize("build", [int4_model, mixed_model, split_model])
 @pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
 def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decoder_build, monkeypatch):
     if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)

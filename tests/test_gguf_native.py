@@ -172,11 +172,14 @@ def token_batches(seed: int = 0) -> list[torch.Tensor]:
 BACKENDS = ("fallback", "native")  # Q6_K unpacked, or on our block kernel (Q4_K: the int4 kernel in both)
 
 
-def build(path, config, dtype, backend: str, **kwargs):
-    """`build_native_model`, with the Q6_K block kernel switched off for the fallback backend."""
+def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
+    """`build_native_model`, with the Q6_K block kernel switched off for the fallback backend (and, `stacked=False`,
+    each projection left as its own module, where the tests look for it)."""
     with pytest.MonkeyPatch.context() as patch:
         if backend == "fallback":
             patch.setattr(gguf_matmul, "available", lambda: False)
+        if not stacked:
+            patch.setattr("specdraft.models.gguf_native.fast_decoder_layers", lambda model: 0)
         return build_native_model(path, config, dtype, **kwargs)
 
 
@@ -518,7 +521,7 @@ def test_unpacked_weights_are_the_files_values(gguf_files, models):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_modules_follow_the_tensor_types(gguf_files, models, backend):
     """Q4_K (and Q6_K with the block kernel) stay packed, the rest are FlatLinear; the embedding stays packed."""
-    model, kinds = models(backend), gguf_files[False][1]
+    model, kinds = models(backend, stacked=False), gguf_files[False][1]
     assert isinstance(model.model.embed_tokens, PackedEmbedding)
     for name, kind in linear_weights(kinds).items():
         assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend), name
@@ -551,7 +554,7 @@ def test_tied_head_is_built_from_the_embedding(models):
 def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     """A draft's int4 pass (`quantize_int4`) re-quantizes the unpacked linears too: lossy, yet mostly the same argmax."""
     kinds = gguf_files[False][1]
-    model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend)
+    model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend, stacked=False)
     assert quantize_int4(model) > 0
     for name, kind in linear_weights(kinds).items():
         assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend, requantize=True), name

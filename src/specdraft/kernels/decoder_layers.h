@@ -24,6 +24,7 @@ typedef struct {
     const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */
     int64_t rows;         /* output features of this run */
+    int64_t doubled;      /* 1: 4-bit halves side by side (`SplitInt4Linear`), multiplied by [x, x] */
 } Run;
 
 typedef struct {
@@ -55,11 +56,25 @@ static int project_run(const Run *run, const uint16_t *x, float *y, int64_t toke
 }
 
 /* y [tokens][out] float32 = x [tokens][in] · Wᵀ (+ bias), each run into its own columns, in passes of
- * as many tokens as its kernel takes. */
-static void project(const Projection *p, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t out) {
+ * as many tokens as its kernel takes; a doubled run reads each token's row twice over ([x, x], 2 in inputs). */
+static void project(const Projection *p, const uint16_t *x_once, float *y, int64_t tokens, int64_t in_once, int64_t out) {
     int64_t column = 0;
+    uint16_t *twice = NULL;
     for (int64_t i = 0; i < p->runs; i++) {
         const Run *run = &p->run[i];
+        const uint16_t *x = x_once;
+        int64_t in = in_once;
+        if (run->doubled) {
+            if (!twice) {
+                twice = malloc(sizeof(uint16_t) * tokens * 2 * in_once);
+                for (int64_t t = 0; t < tokens; t++) {
+                    memcpy(twice + t * 2 * in_once, x_once + t * in_once, sizeof(uint16_t) * in_once);
+                    memcpy(twice + t * 2 * in_once + in_once, x_once + t * in_once, sizeof(uint16_t) * in_once);
+                }
+            }
+            x = twice;
+            in = 2 * in_once;
+        }
         if (project_run(run, x, y + column, tokens, in, out)) {  /* the includer ran the whole run its own way */
             column += run->rows;
             continue;
@@ -85,6 +100,7 @@ static void project(const Projection *p, const uint16_t *x, float *y, int64_t to
         }
         column += run->rows;
     }
+    free(twice);
     if (p->bias)
         for (int64_t t = 0; t < tokens; t++) add_bias(y + t * out, p->bias, out);
 }

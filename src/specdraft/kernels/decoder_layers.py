@@ -35,9 +35,11 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
 class Run(ctypes.Structure):
-    """Rows of one kind of a projection: `kind` (INT4 / Q6K), its tiles, scales (and 4-bit zeros), row count."""
+    """Rows of one kind of a projection: `kind` (INT4 / Q6K), its tiles, scales (and 4-bit zeros), row count, and
+    whether they are 4-bit halves side by side that read each input twice (`SplitInt4Linear`)."""
 
-    _fields_ = [("kind", _SIZE), ("tiles", _POINTER), ("scale", _POINTER), ("zero", _POINTER), ("rows", _SIZE)]
+    _fields_ = [("kind", _SIZE), ("tiles", _POINTER), ("scale", _POINTER), ("zero", _POINTER), ("rows", _SIZE),
+                ("doubled", _SIZE)]
 
 
 class Projection(ctypes.Structure):

@@ -33,7 +33,7 @@ from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import pre_norm_layers
 from specdraft.models.heap import trim_heap
-from specdraft.models.quantize import Int4Linear
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
 # The pre-norm families' RMSNorms: one formula, `w · bf16(x / rms(x))`
@@ -41,7 +41,10 @@ RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNo
 
 
 def _run_kind(linear: nn.Module) -> str | None:
-    """Which stackable kind a projection is (`int4`, `q6k`), None when it cannot be stacked."""
+    """Which stackable kind a projection is (`int4`, `q6k`), None when it cannot be stacked. 4-bit halves side by
+    side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
+    if isinstance(linear, SplitInt4Linear):
+        linear = linear.halves
     if isinstance(linear, Int4Linear) and linear.tiles is not None and linear.dense_weight is None:
         return "int4"
     if isinstance(linear, gguf_matmul.BlockLinear):
@@ -52,7 +55,7 @@ def _run_kind(linear: nn.Module) -> str | None:
 class StackedProjection(nn.Module):
     """Projections of one input stacked by rows: `forward(x [..., K])` -> float32 `[..., ΣN]`, biases added.
 
-    Consecutive parts of the same kind share one kernel call.
+    Consecutive parts of the same kind (and the same inputs: x, or [x, x] for split halves) share one kernel call.
     """
 
     def __init__(self, parts: list[nn.Module]) -> None:
@@ -62,11 +65,11 @@ class StackedProjection(nn.Module):
         self.runs: list[tuple[object, object]] = []  # (kernel function, packed matrix)
         start = 0
         while start < len(parts):
-            kind = _run_kind(parts[start])
+            kind = _run_kind(parts[start]), isinstance(parts[start], SplitInt4Linear)
             stop = start + 1
-            while stop < len(parts) and _run_kind(parts[stop]) == kind:
+            while stop < len(parts) and (_run_kind(parts[stop]), isinstance(parts[stop], SplitInt4Linear)) == kind:
                 stop += 1
-            self.runs.append(self._stack(kind, parts[start:stop], len(self.runs)))
+            self.runs.append(self._stack(kind[0], [getattr(p, "halves", p) for p in parts[start:stop]], len(self.runs)))
             start = stop
         biases = [part.bias.float() if part.bias is not None else torch.zeros(part.out_features) for part in parts]
         has_bias = any(part.bias is not None for part in parts)
@@ -76,7 +79,7 @@ class StackedProjection(nn.Module):
         n = sum(part.out_features for part in parts)
         if kind == "int4":
             packed = PackedInt4(torch.cat([p.tiles.tiles for p in parts]), torch.cat([p.tiles.scale for p in parts]),
-                                torch.cat([p.tiles.zero for p in parts]), n, self.in_features, parts[0].tiles.layout)
+                                torch.cat([p.tiles.zero for p in parts]), n, parts[0].in_features, parts[0].tiles.layout)
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"run{index}_{name}", getattr(packed, name))
             return parts[0].tile_matmul, packed
@@ -92,7 +95,9 @@ class StackedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> float32 [..., ΣN]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [tokens, K]
-        outs = [matmul(packed, flat) for matmul, packed in self.runs]  # [tokens, N_run] each
+        twice = torch.cat([flat, flat], dim=-1) if any(p.in_features != self.in_features for _, p in self.runs) else None
+        outs = [matmul(packed, flat if packed.in_features == self.in_features else twice)
+                for matmul, packed in self.runs]  # [tokens, N_run] each
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [tokens, ΣN]
         if self.bias is not None:
             out = out + self.bias

@@ -24,7 +24,7 @@ from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import pre_norm_layers
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
-from specdraft.models.quantize import Int4Linear
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 
 def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor | None] | None:
@@ -42,6 +42,8 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
                 return None
         return runs, projection.bias
     bias = None if projection.bias is None else projection.bias.detach().float().contiguous()
+    if isinstance(projection, SplitInt4Linear):
+        projection = projection.halves
     if isinstance(projection, Int4Linear):
         if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in int4_kinds:
             return None
@@ -51,11 +53,13 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
     return None
 
 
-def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None) -> None:
+def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None,
+              in_features: int) -> None:
     target.bias = 0 if bias is None else bias.data_ptr()
     target.runs = len(runs)
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
+        slot.doubled = int(packed.in_features == 2 * in_features)  # split 4-bit halves read [x, x]
         if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
@@ -83,8 +87,9 @@ class FusedDecoder:
             if layer.self_attn.q_norm is not None:
                 entry.q_norm = layer.self_attn.q_norm.weight.data_ptr()
                 entry.k_norm = layer.self_attn.k_norm.weight.data_ptr()
-            for name, (runs, bias) in zip(("qkv", "o", "gate_up", "down"), projections):
-                _describe(getattr(entry, name), runs, bias)
+            inputs = (config.hidden_size, attention.q_size, config.hidden_size, layer.mlp.intermediate)
+            for name, (runs, bias), in_features in zip(("qkv", "o", "gate_up", "down"), projections, inputs):
+                _describe(getattr(entry, name), runs, bias, in_features)
                 self._alive.append(bias)
 
     @torch.inference_mode()

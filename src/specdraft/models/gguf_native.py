@@ -228,8 +228,10 @@ def describe_packing(model: nn.Module) -> str:
         if name.endswith(".halves"):  # counted as its SplitInt4Linear
             continue
         if isinstance(module, StackedProjection):
-            for matmul, _ in module.runs:
-                kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else "4-bit kernels"] += 1
+            for matmul, packed in module.runs:
+                split = packed.in_features != module.in_features
+                kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else
+                      "4-bit kernels, split in two halves" if split else "4-bit kernels"] += 1
         elif isinstance(module, SplitInt4Linear):
             kinds["4-bit kernels, split in two halves"] += 1
         elif isinstance(module, Int4Linear):

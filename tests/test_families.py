@@ -1,0 +1,84 @@
+"""Every declared family, built packed from a tiny GGUF file in each common mix, against transformers' float32
+reference of the same file (its own GGUF loader: the file's values, un-permuted and un-offset by transformers'
+code, not ours), and greedy speculative decoding equal to plain decoding on each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import ModelDrafter, SpeculativeDecoder
+from specdraft.bench.random_gguf import file_reference, preset_types, tiny_config, write_random_gguf
+from specdraft.exactness import compare_greedy
+from specdraft.kernels import decoder_layers
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.fast_layers import StackedAttention
+from specdraft.models.fused_decoder import fused_decoder
+from specdraft.models.gguf_native import FlatLinear, build_native_model, describe_packing
+from specdraft.models.quantize import int4_kernel_available
+
+pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2")
+MIXES = ("Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0")
+PRE_NORM = ("llama", "qwen2", "qwen3", "phi3")  # stacked and fused layers (`architectures.layer_shape`)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """`get(family, mix)`: a tiny random model of the family written as llama.cpp would, and its float32 reference."""
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(family: str, mix: str):
+        if (family, mix) not in made:
+            path = write_random_gguf(tiny_config(family), root / f"{family}-{mix}.gguf", mix, seed=1)
+            made[family, mix] = path, file_reference(path)
+        return made[family, mix]
+    return get
+
+
+def prompts(count: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (1, n), generator=generator) for n in (1, 9, 23)[:count]]
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_family_matches_the_float32_reference(files, family, mix):
+    """Every linear packed (no bf16 copy), logits within bf16 error of the reference, and the top token the
+    reference's wherever the reference's top two are not a near-tie."""
+    path, reference = files(family, mix)
+    model = build_native_model(path, reference.config, torch.bfloat16)
+    assert not any(isinstance(m, FlatLinear) for m in model.modules()), describe_packing(model)
+    if family in PRE_NORM:
+        assert all(isinstance(layer.self_attn, StackedAttention) for layer in model.model.layers)
+    decided = agreed = 0
+    with torch.inference_mode():
+        for ids in prompts():  # [1, T]
+            got, want = model(ids).logits.float(), reference(ids).logits  # [1, T, V]
+            assert ((got - want).norm() / want.norm()).item() < 0.05
+            top2 = want.topk(2, dim=-1).values  # [1, T, 2]
+            clear = (top2[..., 0] - top2[..., 1]) > 0.1 * want.std()  # not a near-tie
+            decided += int(clear.sum())
+            agreed += int((got.argmax(-1) == want.argmax(-1))[clear].sum())
+    assert decided >= 15 and agreed == decided  # of 33 positions
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_speculation_equals_plain_decoding(files, family):
+    """The packed target (on the fused layer stack where its family runs there) decodes the same tokens greedily
+    with a draft of its own family as without one."""
+    path, reference = files(family, "Q4_K_M")
+    target = CausalLM(build_native_model(path, reference.config, torch.bfloat16))
+    if decoder_layers.available():
+        assert (fused_decoder(target.model) is not None) == (family in PRE_NORM)
+    plain = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(reference), min_confidence=0.0), k=3)
+    accepted = 0
+    for prompt in ([3, 17, 100, 5], [42] * 6, list(range(200, 230))):
+        want = plain.generate(prompt, max_new_tokens=16)
+        got = spec.generate(prompt, max_new_tokens=16)
+        assert compare_greedy(target, prompt, want.token_ids, got.token_ids, margin=0.0).acceptable
+        assert got.token_ids == want.token_ids
+        accepted += got.stats.accepted
+    assert accepted > 0
