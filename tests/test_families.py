@@ -14,6 +14,7 @@ from specdraft.kernels import decoder_layers
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.fast_layers import StackedAttention
 from specdraft.models.fused_decoder import fused_decoder
+from specdraft.models.gguf_config import LLAMA3_ROPE, gguf_config
 from specdraft.models.gguf_native import FlatLinear, build_native_model, describe_packing
 from specdraft.models.quantize import int4_kernel_available
 
@@ -82,3 +83,31 @@ def test_greedy_speculation_equals_plain_decoding(files, family):
         assert got.token_ids == want.token_ids
         accepted += got.stats.accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_file_config_is_the_written_models(files, family):
+    """The config read from the file (`gguf_config`: transformers' parse, completed) has the shape and attention
+    of the model written, where transformers' parse alone leaves defaults (head size, Gemma's sliding layers and
+    query scale)."""
+    path, _ = files(family, "Q8_0")
+    written, read = tiny_config(family), gguf_config(path)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "layer_types", "query_pre_attn_scalar", "sliding_window"):
+        if hasattr(written, key) and (key != "sliding_window" or family.startswith("gemma")):
+            assert getattr(read, key) == getattr(written, key), key
+
+
+def test_llama3_rotary_scaling_is_read_from_its_frequency_factors(tmp_path):
+    """A Llama 3.2 file keeps its rotary scaling only as `rope_freqs`; the config read back has it as transformers'
+    `llama3` scaling, and the packed model computes the reference's logits."""
+    config = tiny_config("llama", rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 32.0})
+    path = write_random_gguf(config, tmp_path / "llama3.gguf", "Q8_0", seed=2)
+    read = gguf_config(path)
+    assert read.rope_parameters["rope_type"] == "llama3" and read.rope_parameters["factor"] == 32.0
+    model = build_native_model(path, read, torch.bfloat16)
+    reference = file_reference(path)
+    ids = torch.arange(40, 80).unsqueeze(0)  # [1, 40]
+    with torch.inference_mode():
+        got, want = model(ids).logits.float(), reference(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 0.05

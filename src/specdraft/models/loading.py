@@ -17,6 +17,7 @@ from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
+from specdraft.models.gguf_config import gguf_config
 from specdraft.models.prepacked import prepack_linears, unpack_linears
 from specdraft.paths import cache_dir
 
@@ -90,16 +91,23 @@ def _keep(folder: Path, *savables) -> None:
         print(f"warning: could not keep {folder}: {error}", file=sys.stderr)
 
 
+_COMPLETED = "config-completed"  # marks a kept config made by `gguf_config` (older ones lack what it adds)
+
+
 def _gguf_config_and_tokenizer(path: Path):
     """The config and tokenizer a GGUF file describes (read once, then kept in the cache)."""
     from transformers import AutoConfig, AutoTokenizer
 
     meta = _converted_dir(path, "meta")
-    if (meta / "config.json").is_file():
+    if (meta / "config.json").is_file() and (meta / _COMPLETED).is_file():
         return AutoConfig.from_pretrained(str(meta)), AutoTokenizer.from_pretrained(str(meta))
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = gguf_config(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     _keep(meta, config, tokenizer)
+    try:
+        (meta / _COMPLETED).touch()
+    except OSError:
+        pass  # only costs the parse next time
     return config, tokenizer
 
 
@@ -117,9 +125,10 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
                 AutoTokenizer.from_pretrained(str(converted)))
     print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
           file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    config, tokenizer = _gguf_config_and_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
+        str(path.parent), gguf_file=path.name, config=config, dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
     )
     _keep(converted, model, tokenizer)
     return model, tokenizer

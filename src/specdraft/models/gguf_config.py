@@ -1,0 +1,94 @@
+"""A GGUF file's transformers config, completed with what llama.cpp reads from the file and transformers' GGUF
+config parser (5.x) leaves at its defaults:
+
+- `head_dim` from `{arch}.attention.key_length` (Qwen3's parser has no key for it; its default is 128);
+- Gemma 2 / 3: `query_pre_attn_scalar` (llama.cpp scales queries by 1/sqrt(head_dim), or by
+  1/sqrt(hidden / heads) for the 27B shape), which layers slide (`sliding_window_pattern`) and Gemma 3's
+  sliding layers' rotary base (`rope.freq_base_swa`), the logit soft-caps;
+- Phi-3: the rotary's share of each head (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dimensions);
+- Llama 3.1+: the rotary scaling, which the file holds only as a `rope_freqs` tensor of frequency factors,
+  recovered as transformers' `llama3` rope parameters when the factors are that scaling's (else left to the
+  packed loader, which divides the frequencies by the factors itself);
+- token ids outside the vocabulary dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # Llama 3.1 / 3.2 / 3.3's published scaling
+
+
+def llama3_rope_factors(head_dim: int, rope: Mapping) -> torch.Tensor:
+    """Llama 3's rope scaling as frequency factors `[head_dim / 2]`, as llama.cpp's converter computes `rope_freqs`."""
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _metadata(reader, key: str, default=None):
+    return reader.fields[key].contents() if key in reader.fields else default
+
+
+def complete_config(config, path: Path):
+    """`config` (transformers' parse of the GGUF file at `path`) completed as the module's text says; returns it."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = _metadata(reader, "general.architecture")
+    if (key_length := _metadata(reader, f"{arch}.attention.key_length")) is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch in ("gemma2", "gemma3"):
+        big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else head_dim
+        window = _metadata(reader, f"{arch}.attention.sliding_window")
+        pattern = _metadata(reader, f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}[arch])
+        n = config.num_hidden_layers
+        sliding = ([bool(s) for s in pattern] if isinstance(pattern, list)
+                   else [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]) if window else [False] * n
+        config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+        if arch == "gemma3" and (local := _metadata(reader, "gemma3.rope.freq_base_swa")) is not None:
+            config.rope_parameters["sliding_attention"]["rope_theta"] = float(local)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            setattr(config, key, _metadata(reader, f"{arch}.{key}"))
+    if arch == "phi3" and (dims := _metadata(reader, "phi3.rope.dimension_count")) is not None:
+        config.rope_parameters["partial_rotary_factor"] = dims / head_dim
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if arch == "llama" and factors is not None:
+        factors = torch.from_numpy(np.array(factors.data, dtype=np.float32))
+        rope = {**LLAMA3_ROPE, "rope_theta": config.rope_parameters["rope_theta"], "factor": float(factors.max())}
+        if torch.allclose(llama3_rope_factors(head_dim, rope), factors):
+            config.rope_parameters = rope
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= config.vocab_size:
+            setattr(config, key, None)
+    return config
+
+
+def gguf_config(path: Path):
+    """The transformers config of the GGUF file at `path`, completed (`complete_config`)."""
+    from transformers import AutoConfig
+
+    path = Path(path).resolve()
+    return complete_config(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), path)
