@@ -613,3 +613,14 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
             assert got.stats.new_tokens == 20 and got.stats.drafted > 0
             accepted[name] += got.stats.accepted
     assert accepted["close"] > accepted["unrelated"]
+
+
+def test_a_draft_to_requantize_gets_its_8_bit_linears_unpacked(gguf_files):
+    """`split=False` (a draft `prepare_draft` re-quantizes) unpacks Q8_0 instead of splitting it into 4-bit halves,
+    so re-quantization gives plain 4-bit linears (half the bytes a pass); Q4_K stays the file's own."""
+    path, kinds = gguf_files[False]
+    model = build(path, gguf_config(False), torch.bfloat16, "native", stacked=False, split=False)
+    q8 = [name for name, kind in linear_weights(kinds).items() if kind == "Q8_0"]
+    assert q8 and all(type(model.get_submodule(module_path(name)[0])) is FlatLinear for name in q8)
+    quantize_int4(model)
+    assert all(type(model.get_submodule(module_path(name)[0])) is Int4Linear for name in q8)

@@ -328,7 +328,7 @@ def run_diagnose(config: DiagnoseConfig,
     """Load the pair, diagnose every selected prompt (calling `on_prompt` after each) and pool the figures."""
     from specdraft.prompts import default_prompts_path, load_prompts, select_prompts
     from specdraft.models.early_exit import early_exit_layer, early_exit_view
-    from specdraft.models.loading import check_compatible, load_model, prepare_draft
+    from specdraft.models.loading import check_compatible, draft_requantized, load_model, prepare_draft
     from specdraft.text import encode_prompt
 
     _check(config)
@@ -344,7 +344,8 @@ def run_diagnose(config: DiagnoseConfig,
         if exit_layer is not None:  # the target's own first layers: nothing to load or quantize
             draft = early_exit_view(target, exit_layer)
         else:
-            draft = load_model(config.draft, dtype=config.dtype, device=target.device)
+            draft = load_model(config.draft, dtype=config.dtype, device=target.device,
+                               requantized=draft_requantized(config.draft_quant, target.device))
             check_compatible(target, draft)
             draft = prepare_draft(draft, config.draft_quant)
         settings = {

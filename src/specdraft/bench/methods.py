@@ -113,6 +113,11 @@ class MethodSpec:
         return self.info.constrains and self.options.get("schema", 1) != 0
 
     @property
+    def draft_quant(self) -> str:
+        """The draft's weights this method asks for (`draft-quant`; spec: `auto`, the rest `none`)."""
+        return str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
+
+    @property
     def needs_draft(self) -> bool:
         """Whether this method runs the draft model (for spec: whether its drafter does)."""
         if "draft" in self.options:
@@ -144,7 +149,7 @@ class MethodSpec:
             raise SpecdraftError(f"k=auto is for spec only; give {self.name} a whole number in {self.label!r}.")
         if k is not None and k != AUTO and k < 1:
             raise SpecdraftError(f"k must be >= 1 or auto in method {self.label!r}, got {k}.")
-        quant = str(self.options.get("draft-quant", "auto" if self.name == "spec" else "none"))
+        quant = self.draft_quant
         if quant not in DRAFT_QUANTS:
             raise SpecdraftError(f"draft-quant must be one of {', '.join(DRAFT_QUANTS)} in {self.label!r}, got {quant!r}.")
         vocab = self.options.get("draft-vocab", AUTO if self.name == "spec" else 0)

@@ -1,8 +1,10 @@
 """Random models of the families people run, as GGUF files written the way llama.cpp's
 `convert_hf_to_gguf.py` writes them: tiny ones for tests, real shapes for speed work.
 
-families   `llama` (also Mistral), `qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`: a `Family` each,
-           read by one writer (no per-family code paths beyond the converter's own rules)
+families   `llama`, `qwen2`, `qwen3`, `gemma2`, `gemma3` (text), `phi3`: a `Family` each, read by one
+           writer (no per-family code paths beyond the converter's own rules). A Mistral model is
+           written as llama, as the converter does (transformers reads it back as Llama: the same model
+           without a sliding window)
 values     `random_tensors(config, seed)`: the layers' matrices N(0, `STD`), the embedding and output
            N(0, `OUTPUT_STD`), every norm weight its identity value (1, or 0 in Gemma's `1 + w`) plus
            N(0, `NOISE_1D`), every bias N(0, `NOISE_1D`); each tensor from its own generator (seed, tensor
@@ -43,6 +45,7 @@ and what `file_reference` sets itself because the loader does not read it:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import glob
 import math
@@ -53,7 +56,7 @@ import sys
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import gguf
@@ -310,9 +313,10 @@ def more_bits(layer: int, n_layers: int) -> bool:
 
 def preset_types(config, preset: str = "Q4_K_M") -> dict[str, str]:
     """GGUF tensor name -> type name, as `llama-quantize` picks them for `preset` (llama_tensor_get_type):
-    Q4_K_M is Q4_K with attn_v and ffn_down in Q6_K on `more_bits` layers, attn_qkv in Q5_K, and the
-    output (the embedding when tied) in Q6_K; Q5_K_M the same over Q5_K (attn_qkv Q6_K); Q4_0 has a
-    Q6_K output; a row length no K-quant fits falls back as llama.cpp does. 1-D tensors are F32."""
+    Q4_K_M is Q4_K with attn_v (or a fused attn_qkv) and ffn_down in Q6_K on `more_bits` layers and
+    the output (the embedding when tied) in Q6_K; Q5_K_M the same over Q5_K; Q4_0 has a Q6_K output;
+    a row length no K-quant fits falls back as llama.cpp does. 1-D tensors are F32. `llama-quantize`
+    makes the same choices (tested for every family)."""
     if preset not in PRESET_BASE:
         raise SpecdraftError(f"Unknown preset {preset!r}; known: {sorted(PRESET_BASE)}.")
     base = PRESET_BASE[preset]
@@ -320,22 +324,19 @@ def preset_types(config, preset: str = "Q4_K_M") -> dict[str, str]:
     tied = "output.weight" not in shapes
     types = {}
     for name, shape in shapes.items():
-        parts = name.split(".")
-        kind = parts[-2]
-        kind_type = base
-        if len(shape) == 1 or base in ("F16", "BF16", "F32"):
-            types[name] = "F32" if len(shape) == 1 else base
+        parts = name.split(".")  # blk.{layer}.{kind}.weight, or {kind}.weight
+        chosen = "F32" if len(shape) == 1 else base
+        if chosen != base or base in ("F16", "BF16", "F32"):
+            types[name] = chosen
             continue
         if name == "output.weight" or (tied and name == "token_embd.weight"):
-            kind_type = "Q8_0" if base == "Q8_0" or shape[-1] % block_size(base) else "Q6_K"
-        elif preset in ("Q4_K_M", "Q5_K_M") and kind in ("attn_v", "ffn_down") and more_bits(
-                int(parts[1]), config.num_hidden_layers):
-            kind_type = "Q6_K"
-        elif preset in ("Q4_K_M", "Q5_K_M") and kind == "attn_qkv":
-            kind_type = "Q5_K" if preset == "Q4_K_M" else "Q6_K"
-        if shape[-1] % block_size(kind_type):
-            kind_type = FALLBACK.get(kind_type, kind_type)
-        types[name] = kind_type if shape[-1] % block_size(kind_type) == 0 else "F16"
+            chosen = "Q8_0" if base == "Q8_0" or shape[-1] % block_size(base) else "Q6_K"
+        elif preset in ("Q4_K_M", "Q5_K_M") and parts[-2] in ("attn_v", "attn_qkv", "ffn_down") and more_bits(
+                int(parts[1]), config.num_hidden_layers):  # llama.cpp counts a fused attn_qkv as an attn_v
+            chosen = "Q6_K"
+        if shape[-1] % block_size(chosen):
+            chosen = FALLBACK.get(chosen, chosen)
+        types[name] = chosen if shape[-1] % block_size(chosen) == 0 else "F16"
     return types
 
 
@@ -359,7 +360,7 @@ def _f16_at_least(values: np.ndarray) -> np.ndarray:
 
 
 def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins `[..., 8]` as the twelve bytes of Q4_K / Q5_K `[..., 12]` (get_scale_min_k4, inverted)."""
+    """Eight 6-bit scales and mins `[..., 8]` as Q4_K / Q5_K's twelve bytes `[..., 12]` (get_scale_min_k4, inverted)."""
     out = np.empty((*sc.shape[:-1], 12), np.uint8)
     out[..., 0:4] = (sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6)
     out[..., 4:8] = (mn[..., :4] & 0x3F) | ((mn[..., 4:] >> 4) << 6)
@@ -381,7 +382,8 @@ def _affine_k(w: np.ndarray, levels: int):
     sc = np.clip(np.ceil(need / d.astype(np.float32)[..., None]), 1, 63)  # [rows, nb, 8]
     step = (d.astype(np.float32)[..., None] * sc)[..., None]  # [rows, nb, 8, 1]
     q = np.clip(np.rint((x + offset[..., None]) / step), 0, levels).astype(np.uint8)  # [rows, nb, 8, 32]
-    head = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc.astype(np.uint8), mn.astype(np.uint8))], -1)
+    scales = _pack_k_scales(sc.astype(np.uint8), mn.astype(np.uint8))  # [rows, nb, 12]
+    head = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales], -1)
     return head, q  # [rows, nb, 16], [rows, nb, 8, 32]
 
 
@@ -417,7 +419,8 @@ def encode_q6k(w: np.ndarray) -> np.ndarray:
     halves = q.reshape(rows, nb, 2, 2, 64)  # [.., h, low/high nibble, e]
     ql = (halves[:, :, :, 0] & 0x0F) | ((halves[:, :, :, 1] & 0x0F) << 4)  # [rows, nb, 2, 64]
     quarters = q.reshape(rows, nb, 2, 4, 32)  # [.., h, k, e]
-    qh = np.bitwise_or.reduce(((quarters >> 4) & 3) << (2 * np.arange(4, dtype=np.uint8))[:, None], axis=3)  # [rows, nb, 2, 32]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[:, None]  # [4, 1]: bits 2k
+    qh = np.bitwise_or.reduce(((quarters >> 4) & 3) << shifts, axis=3)  # [rows, nb, 2, 32]
     scales = sc.astype(np.int8).view(np.uint8)  # [rows, nb, 16]
     return np.concatenate([ql.reshape(rows, nb, 128), qh.reshape(rows, nb, 64), scales, _f16_bytes(d)], -1).reshape(
         rows, -1)
@@ -442,8 +445,59 @@ def encode(values: np.ndarray, type_name: str) -> np.ndarray:
 
 
 # ----- tokenizer -------------------------------------------------------------------------------
-def _field_value(field):
-    return field.contents()
+SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+           GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
+           GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
+
+
+def gguf_fields(path: str | os.PathLike, prefix: str = "") -> dict[str, tuple]:
+    """A GGUF file's metadata keys starting with `prefix` -> (value, value type, array item type or None).
+
+    A plain reader of the key-value section (gguf-py's GGUFReader takes ~9 s over a 150k-token
+    vocabulary, this ~0.3 s)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise SpecdraftError(f"{path} is not a GGUF file.")
+        (n_kv,) = struct.unpack_from("<Q", data, 16)
+        at = 24
+
+        def string() -> str:
+            nonlocal at
+            (length,) = struct.unpack_from("<Q", data, at)
+            at += 8 + length
+            return data[at - length:at].decode("utf-8")
+
+        def value(kind: GGUFValueType):
+            nonlocal at
+            if kind == GGUFValueType.STRING:
+                return string()
+            (item,) = struct.unpack_from("<" + SCALARS[kind], data, at)
+            at += struct.calcsize(SCALARS[kind])
+            return item
+
+        fields = {}
+        for _ in range(n_kv):
+            key = string()
+            kind, item_kind = GGUFValueType(struct.unpack_from("<I", data, at)[0]), None
+            at += 4
+            if kind == GGUFValueType.ARRAY:
+                item_kind = GGUFValueType(struct.unpack_from("<I", data, at)[0])
+                (count,) = struct.unpack_from("<Q", data, at + 4)
+                at += 12
+                if item_kind in SCALARS:  # numbers in one read
+                    dtype = np.dtype("<" + SCALARS[item_kind])
+                    val = np.frombuffer(data, dtype, count, at).tolist()
+                    at += dtype.itemsize * count
+                else:
+                    val = [value(item_kind) for _ in range(count)]
+            else:
+                val = value(kind)
+            if key.startswith(prefix):
+                fields[key] = (val, kind, item_kind)
+    return fields
 
 
 def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tuple]:
@@ -453,13 +507,12 @@ def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tu
     tokens are kept, but the special tokens (every `*_token_id`) past the cut take the last places,
     their ids rewritten; a merge stays only when both parts and their join stay.
     """
-    reader = GGUFReader(source)
-    fields = {key: field for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    fields = gguf_fields(source, "tokenizer.")
     if "tokenizer.ggml.tokens" not in fields:
         raise SpecdraftError(f"{source} has no tokenizer (no tokenizer.ggml.tokens).")
-    tokens = _field_value(fields["tokenizer.ggml.tokens"])
+    tokens = fields["tokenizer.ggml.tokens"][0]
     id_keys = [key for key in fields if key.endswith("_token_id")]
-    special = {int(_field_value(fields[key])) for key in id_keys}
+    special = {int(fields[key][0]) for key in id_keys}
     order = list(range(min(vocab_size, len(tokens))))  # new id -> old id
     moved = sorted(special - set(order))
     ordinary = [i for i in order if i not in special]
@@ -470,11 +523,9 @@ def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tu
     kept = {tokens[i] for i in order}
     pad = vocab_size - len(order)
     out = {}
-    for key, field in fields.items():
-        types = tuple(field.types)
-        value = _field_value(field)
+    for key, (value, kind, item_kind) in fields.items():
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            filler = {"tokenizer.ggml.token_type": [gguf.TokenType.UNUSED] * pad,
+            filler = {"tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad,
                       "tokenizer.ggml.scores": [-1000.0] * pad,
                       "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(len(order), vocab_size)]}[key]
             value = [value[i] for i in order] + filler
@@ -485,7 +536,7 @@ def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tu
             if int(value) not in new_of_old:
                 continue
             value = new_of_old[int(value)]
-        out[key] = (value, types[0], types[-1] if types[0] == GGUFValueType.ARRAY else None)
+        out[key] = (value, kind, item_kind)
     return out
 
 
@@ -508,7 +559,8 @@ def add_metadata(writer: GGUFWriter, config, ftype: LlamaFileType) -> None:
     family's own), plus `vocab_size` (read by transformers; llama.cpp's size when there is no tokenizer)."""
     family = family_of(config)
     rope = rope_parameters(config)
-    writer.add_name(f"specdraft random {config.model_type}")  # "mistral" in the name: transformers loads Mistral
+    # not the model type: "phi3" in the name makes llama.cpp look for Phi-3's sentencepiece tokens
+    writer.add_name("specdraft random model")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -564,6 +616,16 @@ def write_tensors(config, hf_tensors: Iterable[tuple[str, torch.Tensor]], path: 
         raise SpecdraftError(f"No tensor type for {missing[:5]}{'...' if len(missing) > 5 else ''}.")
 
     writer = GGUFWriter(str(path), family_of(config).arch_name)
+    try:
+        _write(writer, config, hf_tensors, shapes, types, tokenizer)
+    finally:
+        writer.close()
+    return path
+
+
+def _write(writer: GGUFWriter, config, hf_tensors, shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str],
+           tokenizer) -> None:
+    """`write_tensors`' steps: metadata and tokenizer, every tensor's info, then the values one by one."""
     add_metadata(writer, config, file_type(types, shapes))
     if tokenizer is None:
         writer.add_tokenizer_model("none")
@@ -587,8 +649,6 @@ def write_tensors(config, hf_tensors: Iterable[tuple[str, torch.Tensor]], path: 
         if (name, tuple(values.shape)) != (expected, shape):
             raise SpecdraftError(f"Tensor {name} {tuple(values.shape)} came where {expected} {shape} was planned.")
         writer.write_tensor_data(encode(values.detach().float().numpy(), types[name]))
-    writer.close()
-    return path
 
 
 def write_gguf(model, path: str | os.PathLike, tensor_types: str | Mapping[str, str] = "Q4_K_M",
@@ -601,9 +661,10 @@ def write_gguf(model, path: str | os.PathLike, tensor_types: str | Mapping[str, 
 
 
 def write_random_gguf(config, path: str | os.PathLike, tensor_types: str | Mapping[str, str] = "F16",
-                      tokenizer: str | os.PathLike | None = None, seed: int = 0, std: float = STD) -> Path:
-    """`write_gguf(random_model(config, seed, std), ...)` without making the model: tensor by tensor."""
-    return write_tensors(config, random_tensors(config, seed, std), path, tensor_types, tokenizer)
+                      tokenizer: str | os.PathLike | None = None, seed: int = 0, std: float = STD,
+                      output_std: float = OUTPUT_STD) -> Path:
+    """`write_gguf(random_model(config, seed, ...), ...)` without making the model: tensor by tensor."""
+    return write_tensors(config, random_tensors(config, seed, std, output_std), path, tensor_types, tokenizer)
 
 
 # ----- transformers' reading -------------------------------------------------------------------
@@ -740,7 +801,7 @@ def shape_config(shape: str):
     if shape not in REAL_SHAPES:
         raise SpecdraftError(f"Unknown shape {shape!r}; known: {sorted(REAL_SHAPES)} and tiny-<family>.")
     family, fields = REAL_SHAPES[shape]
-    return make_config(family, **fields)
+    return make_config(family, **copy.deepcopy(fields))  # config classes may complete their rope dicts in place
 
 
 def make_real_shape(shape: str, quant: str, out: str | os.PathLike, seed: int = 0,

@@ -49,7 +49,7 @@ from specdraft.exactness import compare_greedy
 from specdraft.kernels.prebuild import build_all, in_use as kernels_in_use
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.loading import check_compatible, load_model
+from specdraft.models.loading import check_compatible, draft_requantized, load_model
 from specdraft.text import encode_messages, encode_prompt
 
 RESULTS, SUMMARY, REPORT = "results.jsonl", "summary.json", "report.md"
@@ -194,7 +194,9 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
                         gguf_weights=config.gguf_weights)
     draft = None
     if any(spec.needs_draft for spec in methods):
-        draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
+        requantized = any(spec.needs_draft and draft_requantized(spec.draft_quant, target.device) for spec in methods)
+        draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights,
+                           requantized=requantized)
         check_compatible(target, draft)
     others = {}
     for name in sorted({spec.other_draft for spec in methods} - {""}):  # loaded now: a bad path fails before any run

@@ -157,7 +157,7 @@ class _LazyRows:
 
 
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
-            pack: bool, order: torch.Tensor | None = None) -> nn.Module:
+            pack: bool, order: torch.Tensor | None = None, split: bool = True) -> nn.Module:
     """The module for one GGUF linear: packed for the 4-bit affine types, those that split into two 4-bit
     halves and Q6_K (where their kernels run), else unpacked. `order` [out] says which file row each output row is (None: the file's order)."""
     out_features, in_features = weight.shape
@@ -167,7 +167,7 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         raw = source.rows(weight)  # [N, bytes per row]
         codes, scale, minimum = q4_affine(raw if order is None else raw[order], weight.type_name)
         return Int4Linear.from_affine(codes, scale, minimum, bias)
-    if pack and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
+    if pack and split and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
         raw = source.rows(weight)  # [N, bytes per row]
         codes, scale, minimum = split_affine(raw if order is None else raw[order], weight.type_name)
         return SplitInt4Linear(Int4Linear.from_affine(codes, scale, minimum, bias))
@@ -253,11 +253,13 @@ def packed_obstacle(config) -> str | None:
 
 
 def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True,
-                       cache: Path | None = None) -> nn.Module:
+                       cache: Path | None = None, split: bool = True) -> nn.Module:
     """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
-    checked against (float32 gives the file's exact values). `cache` keeps the tensor index.
+    checked against (float32 gives the file's exact values). `cache` keeps the tensor index. `split=False`
+    unpacks the 5- and 8-bit types instead of splitting them into 4-bit halves: for a draft that
+    `prepare_draft` re-quantizes to plain 4 bits (half the bytes a pass, and a head it can narrow).
     """
     from transformers import AutoModelForCausalLM
 
@@ -294,7 +296,7 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
                 module.weight = nn.Parameter(values.to(dtype), requires_grad=False)
             else:
                 bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
-                module = _linear(source, weight, bias, dtype, pack, _row_order(arch, config, name))
+                module = _linear(source, weight, bias, dtype, pack, _row_order(arch, config, name), split)
             model.set_submodule(name, module)
             if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
                 trim_heap()

@@ -156,6 +156,7 @@ def load_model(
     verbose: bool = True,
     gguf_weights: str = "auto",
     prepack: bool = True,
+    requantized: bool = False,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
@@ -163,7 +164,9 @@ def load_model(
     kernels and unpacks the rest (see `gguf_native`); `unpacked` turns the whole file into
     `dtype` with transformers' loader; `auto` is packed on the CPU for the architectures it
     supports. `prepack` puts plain bf16 linears on the CPU on oneDNN's prepacked weights
-    (`models.prepacked`: same outputs, faster); a model to train keeps PyTorch's (False).
+    (`models.prepacked`: same outputs, faster); a model to train keeps PyTorch's (False). `requantized`: the
+    caller re-quantizes the model to int4 (a draft, `draft_requantized`), so GGUF types that would run as two
+    4-bit halves are unpacked for it instead.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
@@ -177,7 +180,7 @@ def load_model(
     hf_logging.disable_progress_bar()
     try:
         with compact_heap():
-            model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights)
+            model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights, not requantized)
             model.to(torch_device)
             if prepack:
                 prepack_linears(model)
@@ -194,7 +197,8 @@ def load_model(
     return lm
 
 
-def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.device, gguf_weights: str):
+def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.device, gguf_weights: str,
+          split: bool = True):
     """(model, tokenizer, which path runs it and why, in words), built on the CPU for `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,7 +213,7 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
 
-            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"))
+            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
             return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
@@ -235,6 +239,16 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 DRAFT_QUANTS = ("auto", "int4", "none")
 
 
+def draft_requantized(quant: str, device: str | torch.device | None = None) -> bool:
+    """Whether `prepare_draft(..., quant)` re-quantizes a draft on `device` to int4 (`auto`: on the CPU where the
+    kernel exists); pass it to `load_model(requantized=)`."""
+    from specdraft.models.quantize import int4_kernel_available
+
+    if quant == "auto":
+        return resolve_device(device).type == "cpu" and int4_kernel_available()
+    return quant == "int4"
+
+
 def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int | str = "auto") -> CausalLM:
     """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it;
     `vocab` > 0 gives it a head over that many common tokens (see `draft_head`; `auto`: 32,768 on the CPU
@@ -245,13 +259,13 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
     from specdraft.models.draft_head import AUTO, draft_vocab_value, resolved_draft_vocab, restrict_draft_vocab
-    from specdraft.models.quantize import int4_kernel_available, quantize_int4
+    from specdraft.models.quantize import quantize_int4
     from specdraft.models.token_counts import token_counts_for
 
     if quant not in DRAFT_QUANTS:
         raise SpecdraftError(f"Unknown draft quantization {quant!r}; use one of {', '.join(DRAFT_QUANTS)}.")
     if quant == "auto":
-        quant = "int4" if draft.device.type == "cpu" and int4_kernel_available() else "none"
+        quant = "int4" if draft_requantized(quant, draft.device) else "none"
     vocab = draft_vocab_value(vocab)
     found = token_counts_for(draft.tokenizer) if vocab != 0 and draft.tokenizer is not None else None
     chosen = vocab

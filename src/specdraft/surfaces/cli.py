@@ -406,14 +406,15 @@ def costs(
     from specdraft.analysis.render import pass_cost_table, prediction_table
     from specdraft.analysis.theory import parse_list
     from specdraft.kernels.prebuild import build_all, in_use, in_use_text
-    from specdraft.models.loading import load_model, prepare_draft
+    from specdraft.models.loading import draft_requantized, load_model, prepare_draft
 
     if threads:
         torch.set_num_threads(threads)
     try:
         alphas, pass_widths = parse_list(alpha, float, "--alpha"), parse_list(widths, int, "--widths")
         build_all()  # no compile inside a timed pass
-        draft_lm = (prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights), draft_quant)
+        draft_lm = (prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights,
+                                             requantized=draft_requantized(draft_quant, device)), draft_quant)
                     if draft else None)
         target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
         report = predict(measure_costs(target_lm, draft_lm, pass_widths, context, repeats), alphas)

@@ -72,7 +72,8 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
     from specdraft.drafters import check_drafter, check_not_bench_only, needs_draft_model
     from specdraft.kernels.prebuild import build_all
     from specdraft.models.draft_head import draft_vocab_value
-    from specdraft.models.loading import check_compatible, load_model, prepare_draft, resolve_dtype, resolve_model_path
+    from specdraft.models.loading import (check_compatible, draft_requantized, load_model, prepare_draft, resolve_dtype,
+                                          resolve_model_path)
 
     if drafter is not None:
         check_drafter(drafter, options)
@@ -85,7 +86,8 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
     build_all()
     draft_lm = None
     if with_draft:
-        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights),
+        draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights,
+                                            requantized=draft_requantized(draft_quant, device)),
                                  draft_quant, vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
     if draft_lm is not None:
