@@ -212,8 +212,13 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         obstacle = _packed_obstacle(config, device)
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
+            from specdraft.models.packed_store import keep_model, kept_model, store_key
 
-            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
+            kept = _converted_dir(path, f"packed-{store_key(dtype, split)}")
+            model = kept_model(kept)
+            if model is None:
+                model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
+                keep_model(model, kept)
             return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
