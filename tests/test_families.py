@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdraft import ModelDrafter, SpeculativeDecoder
-from specdraft.bench.random_gguf import file_reference, preset_types, tiny_config, write_random_gguf
+from specdraft.bench.random_gguf import file_reference, tiny_config, write_random_gguf
 from specdraft.exactness import compare_greedy
 from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.models.causal_lm import CausalLM
@@ -112,3 +112,24 @@ def test_llama3_rotary_scaling_is_read_from_its_frequency_factors(tmp_path):
     with torch.inference_mode():
         got, want = model(ids).logits.float(), reference(ids).logits
     assert ((got - want).norm() / want.norm()).item() < 0.05
+
+
+def test_a_kept_packed_model_computes_what_was_built(files, tmp_path, monkeypatch):
+    """A packed model saved after its first load and memory-mapped back gives the same logits bit for bit, and is
+    filed under another key where another tile kernel would run."""
+    from specdraft.kernels import isa
+    from specdraft.models.packed_store import keep_model, kept_model, store_key
+
+    path, reference = files("qwen3", "Q4_K_M")
+    model = build_native_model(path, reference.config, torch.bfloat16)
+    keep_model(model, tmp_path / "kept")
+    again = kept_model(tmp_path / "kept")
+    ids = prompts()[1]
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, again(ids).logits)
+    key = store_key(torch.bfloat16, True)
+    assert store_key(torch.bfloat16, False) != key and store_key(torch.float32, True) != key
+    monkeypatch.setenv(isa.VARIABLE, "torch")
+    assert store_key(torch.bfloat16, True) != key
+    (tmp_path / "kept" / "model.pt").write_bytes(b"cut short")
+    assert kept_model(tmp_path / "kept") is None  # unreadable: built again, never fatal

@@ -6,6 +6,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+
+from specdraft.models.gguf_config import gguf_config, llama3_rope_factors
+from specdraft.models.gguf_native import build_native_model
+from specdraft.models.loading import _refuse_unread_frequency_factors
 import torch
 
 from specdraft import SpecdraftError
@@ -62,8 +66,15 @@ def test_random_model_is_the_streamed_file(tmp_path):
 def test_llama3_rope_scaling_is_a_rope_freqs_tensor(tmp_path):
     """Llama 3's rope scaling goes in `rope_freqs`; `file_reference` recovers it, so logits match."""
     config = tiny_config("llama", rope_parameters={**random_gguf.LLAMA_32_ROPE, "original_max_position_embeddings": 64})
-    with pytest.raises(SpecdraftError, match="rope_freqs"):  # only Llama 3.2's own parameters are recovered
-        file_reference(write_random_gguf(config, tmp_path / "odd.gguf", "F32"))
+    odd = write_random_gguf(config, tmp_path / "odd.gguf", "F32")  # factors of no published scaling
+    read = gguf_config(odd)
+    assert read.rope_parameters.get("rope_type", "default") == "default"  # only Llama 3's own are recovered ...
+    packed = build_native_model(odd, read, torch.float32)  # ... and the packed loader divides by the factors
+    base = type(packed.model.rotary_emb)(config=read).inv_freq
+    factors = llama3_rope_factors(64, config.rope_parameters)
+    assert torch.allclose(packed.model.rotary_emb.inv_freq, base / factors)
+    with pytest.raises(SpecdraftError, match="rope_freqs.*Load it packed"):  # transformers would ignore them
+        _refuse_unread_frequency_factors(odd, read)
     config = tiny_config("llama", rope_parameters=dict(random_gguf.LLAMA_32_ROPE))
     model = random_model(config, seed=0)
     path = write_gguf(model, tmp_path / "rope.gguf", "F32")

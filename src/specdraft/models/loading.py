@@ -111,6 +111,19 @@ def _gguf_config_and_tokenizer(path: Path):
     return config, tokenizer
 
 
+def _refuse_unread_frequency_factors(path: Path, config) -> None:
+    """Transformers' GGUF loader ignores a `rope_freqs` tensor; where the config does not carry the same scaling
+    (`gguf_config` recovers Llama 3's), the unpacked model would rotate wrongly: refuse, naming the way out."""
+    from specdraft.models.gguf_native import tensor_index
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return
+    if any(entry.name == "rope_freqs.weight" for entry in tensor_index(path, _converted_dir(path, "meta"))):
+        raise SpecdraftError(f"{path.name} scales its rotary frequencies by a rope_freqs tensor that is not Llama 3's "
+                             "scaling; transformers' loader cannot apply it. Load it packed (--gguf-weights auto).")
+
+
 def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     """Model and tokenizer from a GGUF file, unpacked to `dtype` by transformers' GGUF loader.
 
@@ -126,6 +139,7 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
           file=sys.stderr)
     config, tokenizer = _gguf_config_and_tokenizer(path)
+    _refuse_unread_frequency_factors(path, config)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, config=config, dtype=dtype,
         quantization_config=GgufConfig(dequantize=True),
