@@ -268,13 +268,23 @@ def draft_requantized(quant: str, device: str | torch.device | None = None) -> b
     return quant == "int4"
 
 
+def _has_split_halves(model: nn.Module) -> bool:
+    """Whether a packed model runs 5- or 8-bit linears as two 4-bit halves (`load_model(requantized=False)`)."""
+    from specdraft.models.fast_layers import StackedProjection
+    from specdraft.models.quantize import SplitInt4Linear
+
+    return any(isinstance(m, SplitInt4Linear) or (isinstance(m, StackedProjection) and any(
+        packed.in_features != m.in_features for _, packed in m.runs)) for m in model.modules())
+
+
 def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int | str = "auto") -> CausalLM:
     """The draft as it will run: `int4` swaps its linears for int4 kernels (CPU), `none` keeps it;
     `vocab` > 0 gives it a head over that many common tokens (see `draft_head`; `auto`: 32,768 on the CPU
     where token counts exist for its tokenizer, else the whole vocabulary).
 
-    `auto` quant is int4 on the CPU where the kernel exists, else none. A quantized or narrowed
-    draft only proposes differently; output stays exact because q_draft is what it sampled
+    `auto` quant is int4 on the CPU where the kernel exists, else none. A draft loaded with its 5- and 8-bit
+    GGUF linears split in 4-bit halves is loaded again by its name with them plain (`requantized=True`; a
+    kept packed model makes that about a second). A quantized or narrowed draft only proposes differently; output stays exact because q_draft is what it sampled
     from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
     from specdraft.models.draft_head import AUTO, draft_vocab_value, resolved_draft_vocab, restrict_draft_vocab
@@ -291,6 +301,9 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     vocab = resolved_draft_vocab(vocab, draft, found is not None)
     if quant == "none" and not vocab:
         return draft
+    if quant == "int4" and _has_split_halves(draft.model):  # reloaded with those linears plain, to re-quantize
+        draft = load_model(draft.name, dtype=draft.model.dtype, device=draft.device, verbose=False, requantized=True)
+        copy = False  # a model of its own already
     import copy as copying
 
     model = copying.deepcopy(draft.model) if copy else draft.model
