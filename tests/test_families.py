@@ -133,3 +133,26 @@ def test_a_kept_packed_model_computes_what_was_built(files, tmp_path, monkeypatc
     assert store_key(torch.bfloat16, True) != key
     (tmp_path / "kept" / "model.pt").write_bytes(b"cut short")
     assert kept_model(tmp_path / "kept") is None  # unreadable: built again, never fatal
+
+
+def test_longrope_files_are_refused_not_run_wrongly(tmp_path):
+    """A Phi file with LongRoPE factors (Phi-3.5, Phi-4-mini) is refused on both paths, naming why: neither the
+    packed model nor transformers' GGUF loader computes them yet."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from specdraft import SpecdraftError
+    from specdraft.models.loading import _refuse_unread_frequency_factors
+
+    path = tmp_path / "longrope.gguf"
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_tensor("rope_factors_short.weight", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = tiny_config("phi3")
+    with pytest.raises(SpecdraftError, match="LongRoPE"):
+        build_native_model(path, config, torch.bfloat16)
+    with pytest.raises(SpecdraftError, match="LongRoPE"):
+        _refuse_unread_frequency_factors(path, config)

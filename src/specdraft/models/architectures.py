@@ -31,6 +31,8 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 _SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 FREQUENCY_FACTORS = "rope_freqs"  # Llama 3.1+: per-pair divisors of the rotary frequencies
+# Phi-3.5 / Phi-4-mini's LongRoPE: factors that change with the context and scale the rotary; not computed here yet
+LONGROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,7 @@ ARCHITECTURES = (
     Architecture("qwen2", ("qwen2",), _ATTENTION | _MLP | _PRE_NORMS),
     Architecture("qwen3", ("qwen3",), _ATTENTION | _MLP | _PRE_NORMS | _QK_NORMS, qk_norm=True),
     Architecture("phi3", ("phi3",), {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-                                     "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"} | _PRE_NORMS,
-                 ignored_tensors=("rope_factors_long", "rope_factors_short")),
+                                     "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"} | _PRE_NORMS),
     Architecture("gemma3", ("gemma3_text",), _ATTENTION | _MLP | _SANDWICH_NORMS | _QK_NORMS, norm_offset=1.0,
                  scaled_embedding=True, layer_shape=None, qk_norm=True),
     Architecture("gemma2", ("gemma2",), _ATTENTION | _MLP | _SANDWICH_NORMS, norm_offset=1.0,

@@ -31,7 +31,8 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
-from specdraft.models.architectures import FREQUENCY_FACTORS, Architecture, architecture_for, known_model_types
+from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
+                                            known_model_types)
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
 from specdraft.models.heap import trim_heap
@@ -244,6 +245,13 @@ def describe_packing(model: nn.Module) -> str:
                      for kind, count in sorted(kinds.items()))
 
 
+def longrope_refusal(path: Path) -> str:
+    """Why a file with LongRoPE factors is refused, in words."""
+    return (f"{path.name} scales its rotary with LongRoPE factors (rope_factors_long / rope_factors_short: Phi-3.5, "
+            "Phi-4-mini), which specdraft does not compute yet, and transformers' GGUF loader ignores; its output "
+            "would be wrong, so it is not loaded.")
+
+
 def packed_obstacle(config) -> str | None:
     """Why the packed path cannot build this config's family, or None when it can."""
     if architecture_for(config) is None:
@@ -273,6 +281,8 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         try:
             place = arch.module_path(entry.name)
         except KeyError:
+            if entry.name.split(".")[0] in LONGROPE_FACTORS:
+                raise SpecdraftError(longrope_refusal(path)) from None
             raise SpecdraftError(f"Unexpected tensor {entry.name!r} for a {arch.name} model in {path.name}; "
                                  "load it with --gguf-weights unpacked.") from None
         if place is not None:

@@ -114,12 +114,16 @@ def _gguf_config_and_tokenizer(path: Path):
 def _refuse_unread_frequency_factors(path: Path, config) -> None:
     """Transformers' GGUF loader ignores a `rope_freqs` tensor; where the config does not carry the same scaling
     (`gguf_config` recovers Llama 3's), the unpacked model would rotate wrongly: refuse, naming the way out."""
-    from specdraft.models.gguf_native import tensor_index
+    from specdraft.models.architectures import LONGROPE_FACTORS
+    from specdraft.models.gguf_native import longrope_refusal, tensor_index
 
+    names = {entry.name.split(".")[0] for entry in tensor_index(path, _converted_dir(path, "meta"))}
+    if names & set(LONGROPE_FACTORS):
+        raise SpecdraftError(longrope_refusal(path))
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         return
-    if any(entry.name == "rope_freqs.weight" for entry in tensor_index(path, _converted_dir(path, "meta"))):
+    if "rope_freqs" in names:
         raise SpecdraftError(f"{path.name} scales its rotary frequencies by a rope_freqs tensor that is not Llama 3's "
                              "scaling; transformers' loader cannot apply it. Load it packed (--gguf-weights auto).")
 
