@@ -114,27 +114,6 @@ def test_llama3_rotary_scaling_is_read_from_its_frequency_factors(tmp_path):
     assert ((got - want).norm() / want.norm()).item() < 0.05
 
 
-def test_a_kept_packed_model_computes_what_was_built(files, tmp_path, monkeypatch):
-    """A packed model saved after its first load and memory-mapped back gives the same logits bit for bit, and is
-    filed under another key where another tile kernel would run."""
-    from specdraft.kernels import isa
-    from specdraft.models.packed_store import keep_model, kept_model, store_key
-
-    path, reference = files("qwen3", "Q4_K_M")
-    model = build_native_model(path, reference.config, torch.bfloat16)
-    keep_model(model, tmp_path / "kept")
-    again = kept_model(tmp_path / "kept")
-    ids = prompts()[1]
-    with torch.inference_mode():
-        assert torch.equal(model(ids).logits, again(ids).logits)
-    key = store_key(torch.bfloat16, True)
-    assert store_key(torch.bfloat16, False) != key and store_key(torch.float32, True) != key
-    monkeypatch.setenv(isa.VARIABLE, "torch")
-    assert store_key(torch.bfloat16, True) != key
-    (tmp_path / "kept" / "model.pt").write_bytes(b"cut short")
-    assert kept_model(tmp_path / "kept") is None  # unreadable: built again, never fatal
-
-
 def test_longrope_files_are_refused_not_run_wrongly(tmp_path):
     """A Phi file with LongRoPE factors (Phi-3.5, Phi-4-mini) is refused on both paths, naming why: neither the
     packed model nor transformers' GGUF loader computes them yet."""

@@ -230,13 +230,8 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         obstacle = _packed_obstacle(config, device)
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
-            from specdraft.models.packed_store import keep_model, kept_model, store_key
 
-            kept = _converted_dir(path, f"packed-{store_key(dtype, split)}")
-            model = kept_model(kept)
-            if model is None:
-                model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
-                keep_model(model, kept)
+            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
             return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
@@ -287,8 +282,7 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     where token counts exist for its tokenizer, else the whole vocabulary).
 
     `auto` quant is int4 on the CPU where the kernel exists, else none. A draft loaded with its 5- and 8-bit
-    GGUF linears split in 4-bit halves is loaded again by its name with them plain (`requantized=True`; a
-    kept packed model makes that about a second). A quantized or narrowed draft only proposes differently; output stays exact because q_draft is what it sampled
+    GGUF linears split in 4-bit halves is loaded again by its name with them plain (`requantized=True`). A quantized or narrowed draft only proposes differently; output stays exact because q_draft is what it sampled
     from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
     from specdraft.models.draft_head import AUTO, draft_vocab_value, resolved_draft_vocab, restrict_draft_vocab
