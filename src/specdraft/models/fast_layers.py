@@ -71,6 +71,8 @@ class StackedProjection(nn.Module):
                 stop += 1
             self.runs.append(self._stack(kind[0], [getattr(p, "halves", p) for p in parts[start:stop]], len(self.runs)))
             start = stop
+        # whether a run holds split 4-bit halves, which read each input twice ([x, x])
+        self.reads_twice = any(packed.in_features != self.in_features for _, packed in self.runs)
         biases = [part.bias.float() if part.bias is not None else torch.zeros(part.out_features) for part in parts]
         has_bias = any(part.bias is not None for part in parts)
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None  # [ΣN] float32, the parts' values
@@ -95,7 +97,7 @@ class StackedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> float32 [..., ΣN]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [tokens, K]
-        twice = torch.cat([flat, flat], dim=-1) if any(p.in_features != self.in_features for _, p in self.runs) else None
+        twice = torch.cat([flat, flat], dim=-1) if self.reads_twice else None
         outs = [matmul(packed, flat if packed.in_features == self.in_features else twice)
                 for matmul, packed in self.runs]  # [tokens, N_run] each
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [tokens, ΣN]

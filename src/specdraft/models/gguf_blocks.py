@@ -57,6 +57,10 @@ def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes.reshape(rows, nb * QK_K), scale, minimum
 
 
+def _fp16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
 AFFINE_4BIT = ("Q4_K", "Q4_0", "Q4_1")  # the 4-bit block types with a scale and an offset per 32 weights
 _Q4_BLOCK_BYTES = {"Q4_0": Q4_0_BLOCK_BYTES, "Q4_1": Q4_1_BLOCK_BYTES}
 
@@ -72,11 +76,8 @@ def q4_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Te
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, 18 or 20]
     nb = blocks.shape[1]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float().reshape(rows, nb)  # [rows, nb]
-    if type_name == "Q4_0":
-        minimum = 8 * d  # w = d · q − 8d
-    else:
-        minimum = -blocks[..., 2:4].contiguous().view(torch.float16).float().reshape(rows, nb)  # w = d · q − (−m)
+    d = _fp16(blocks[..., 0:2])  # [rows, nb]
+    minimum = 8 * d if type_name == "Q4_0" else -_fp16(blocks[..., 2:4])  # w = d · q − 8d, or d · q − (−m)
     qs = blocks[..., block_bytes - 16:].unsqueeze(2)  # [rows, nb, 1, 16]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [rows, nb, 2, 16]: weights j, then 16 + j
     return codes.reshape(rows, nb * Q4K_GROUP), d, minimum
@@ -85,10 +86,6 @@ def q4_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Te
 SPLIT_INTO_4BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # types whose codes split into two 4-bit affine parts
 _SPLIT_BLOCK_BYTES = {"Q8_0": Q8_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES, "Q5_1": Q5_1_BLOCK_BYTES,
                       "Q5_K": Q5K_BLOCK_BYTES}
-
-
-def _fp16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
-    return raw.contiguous().view(torch.float16).float().squeeze(-1)
 
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -111,7 +108,7 @@ def split_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch
     blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, block bytes]
     nb = blocks.shape[1]
     if type_name == "Q8_0":
-        d = _fp16(blocks[..., 0:2].unsqueeze(-1).reshape(rows, nb, 2))  # [rows, nb]
+        d = _fp16(blocks[..., 0:2])  # [rows, nb]
         q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [rows, nb, 32]
         high, low = (q >> 4) + 8, q & 0x0F  # q = 16 (high − 8) + low
         high_min, low_min = 128 * d, torch.zeros_like(d)

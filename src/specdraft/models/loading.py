@@ -272,8 +272,8 @@ def _has_split_halves(model: nn.Module) -> bool:
     from specdraft.models.fast_layers import StackedProjection
     from specdraft.models.quantize import SplitInt4Linear
 
-    return any(isinstance(m, SplitInt4Linear) or (isinstance(m, StackedProjection) and any(
-        packed.in_features != m.in_features for _, packed in m.runs)) for m in model.modules())
+    return any(isinstance(m, SplitInt4Linear) or (isinstance(m, StackedProjection) and m.reads_twice)
+               for m in model.modules())
 
 
 def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, vocab: int | str = "auto") -> CausalLM:
