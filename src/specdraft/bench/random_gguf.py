@@ -65,6 +65,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, MODEL_ARCH
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.architectures import head_dim_of
 from specdraft.models.gguf_config import LLAMA3_ROPE, gguf_config, llama3_rope_factors
 from specdraft.paths import cache_dir
 
@@ -237,9 +238,6 @@ def rope_parameters(config, layer_type: str = "full_attention") -> dict:
     parameters = config.rope_parameters or {}
     return parameters.get(layer_type, parameters)
 
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def converted(config, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -88,6 +88,11 @@ def known_model_types() -> list[str]:
     return [model_type for arch in ARCHITECTURES for model_type in arch.model_types]
 
 
+def head_dim_of(config) -> int:
+    """The width of one attention head (configs without `head_dim` split the hidden size evenly)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def pre_norm_layers(config) -> bool:
     """Whether the model's layers have the pre-norm Llama shape the stacked layers take (see the module's text)."""
     arch = architecture_for(config)

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdraft.models.architectures import head_dim_of
+
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # Llama 3.1 / 3.2 / 3.3's published scaling
 
@@ -58,7 +60,7 @@ def complete_config(config, path: Path):
     arch = _metadata(reader, "general.architecture")
     if (key_length := _metadata(reader, f"{arch}.attention.key_length")) is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key_length)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     if arch in ("gemma2", "gemma3"):
         big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else head_dim

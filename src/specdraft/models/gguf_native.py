@@ -32,7 +32,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
-                                            known_model_types)
+                                            head_dim_of, known_model_types)
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
 from specdraft.models.heap import trim_heap
@@ -195,8 +195,7 @@ def _row_order(arch: Architecture, config, name: str) -> torch.Tensor | None:
     if not arch.rotary_rows_interleaved or not name.endswith(("q_proj", "k_proj")):
         return None
     heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return _rotary_row_order(heads * head_dim, heads)
+    return _rotary_row_order(heads * head_dim_of(config), heads)
 
 
 def _rebuild_meta_buffers(model: nn.Module, config) -> None:
