@@ -20,7 +20,8 @@ from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import dequantize, q4_affine, q4k_affine, q6k_unpack, split_affine, unpack_rows
 from specdraft.models.architectures import architecture_for
-from specdraft.models.gguf_native import FlatLinear, PackedEmbedding, build_native_model, tensor_index
+from specdraft.models.gguf_header import read_header
+from specdraft.models.gguf_native import FlatLinear, PackedEmbedding, build_native_model
 from specdraft.models.quantize import PASS_WIDTH, Int4Linear, SplitInt4Linear, int4_kernel_available, quantize_int4
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
@@ -487,19 +488,28 @@ def test_unexpected_tensor_is_reported(tmp_path):
         build_native_model(path, gguf_config(), torch.bfloat16)
 
 
-def test_tensor_index_is_kept(gguf_files, tmp_path, monkeypatch):
-    """tensor_index writes tensors.json, and a second call reads it back equal without parsing the file."""
-    path, kinds = gguf_files[False]
-    first = tensor_index(path, tmp_path)
-    assert (tmp_path / "tensors.json").is_file()
-    assert {e.name: e.type_name for e in first} == kinds
-    assert next(e for e in first if e.name == "blk.0.ffn_down.weight").shape == (HIDDEN, INTERMEDIATE)
-    assert all(e.offset + e.n_bytes <= path.stat().st_size for e in first)
+def test_header_reads_what_gguf_py_reads(gguf_files):
+    """Our one-pass header reader gives gguf-py's tensor table (names, types, shapes outermost first, absolute
+    offsets, byte counts) and metadata values; string arrays hold their length unless asked for."""
+    from gguf import GGUFReader
 
-    def no_parse(*args, **kwargs):
-        raise AssertionError("the file was parsed again")
-    monkeypatch.setattr("gguf.GGUFReader", no_parse)
-    assert tensor_index(path, tmp_path) == first
+    path, kinds = gguf_files[False]
+    header = read_header(path)
+    reader = GGUFReader(str(path))
+    assert [(e.name, e.type_name, e.shape, e.offset, e.n_bytes) for e in header.tensors] == [
+        (t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors]
+    assert {e.name: e.type_name for e in header.tensors} == kinds
+    assert next(e for e in header.tensors if e.name == "blk.0.ffn_down.weight").shape == (HIDDEN, INTERMEDIATE)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        if isinstance(want, list) and want and isinstance(want[0], str):
+            assert header.get(key) == len(want), key
+            assert read_header(path, string_arrays=True).get(key) == want, key
+        else:
+            assert header.get(key) == pytest.approx(want), key
 
 
 def test_unpacked_weights_are_the_files_values(gguf_files, models):
@@ -571,12 +581,11 @@ def test_truncated_file_is_reported(gguf_files, tmp_path):
     path = gguf_files[False][0]
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:-100])
-    cache = tmp_path / "index"
-    cache.mkdir()
-    tensor_index(path, cache)  # the whole file's index, kept: the reads find the missing bytes
-    for kept in (cache, None):
-        with pytest.raises(SpecdraftError, match="truncated"):
-            build_native_model(cut, gguf_config(), torch.bfloat16, cache=kept)
+    with pytest.raises(SpecdraftError, match="truncated"):  # the header is whole: the tensor reads find the cut
+        build_native_model(cut, gguf_config(), torch.bfloat16)
+    cut.write_bytes(path.read_bytes()[:200])  # cut inside the header
+    with pytest.raises(SpecdraftError, match="truncated or corrupt"):
+        read_header(cut)
 
 
 def test_flat_linear_takes_strided_inputs():

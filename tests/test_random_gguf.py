@@ -14,7 +14,8 @@ import torch
 
 from specdraft import SpecdraftError
 from specdraft.bench import random_gguf
-from specdraft.bench.random_gguf import (FAMILIES, encode, file_reference, gguf_fields, preset_types, random_model,
+from specdraft.models.gguf_header import read_header
+from specdraft.bench.random_gguf import (FAMILIES, encode, file_reference, preset_types, random_model,
                                         tiny_config, tokenizer_fields, write_gguf, write_random_gguf)
 
 # Relative RMS error of a weight read back, per preset: far below the ~1.0 a wrong row order or a
@@ -140,19 +141,20 @@ def tokenizer_file():
 
 
 def test_tokenizer_cut_keeps_specials_and_whole_merges(tokenizer_file):
-    source = gguf_fields(tokenizer_file, "tokenizer.")
+    source = read_header(tokenizer_file, "tokenizer.")
     fields = tokenizer_fields(tokenizer_file, 512)
-    tokens = fields["tokenizer.ggml.tokens"][0]
-    assert len(tokens) == len(fields["tokenizer.ggml.token_type"][0]) == 512
-    eos = source["tokenizer.ggml.tokens"][0][source["tokenizer.ggml.eos_token_id"][0]]
-    assert tokens[fields["tokenizer.ggml.eos_token_id"][0]] == eos  # moved inside the vocabulary, id rewritten
+    tokens = fields["tokenizer.ggml.tokens"].value
+    assert len(tokens) == len(fields["tokenizer.ggml.token_type"].value) == 512
+    eos = source.get("tokenizer.ggml.tokens")[source.get("tokenizer.ggml.eos_token_id")]
+    assert tokens[fields["tokenizer.ggml.eos_token_id"].value] == eos  # moved inside the vocabulary, id rewritten
     kept = set(tokens)
-    for merge in fields["tokenizer.ggml.merges"][0]:
+    for merge in fields["tokenizer.ggml.merges"].value:
         left, right = merge.split(" ")
         assert {left, right, left + right} <= kept
-    padded = tokenizer_fields(tokenizer_file, len(source["tokenizer.ggml.tokens"][0]) + 3)
-    assert padded["tokenizer.ggml.tokens"][0][-1] == f"[PAD{len(source['tokenizer.ggml.tokens'][0]) + 2}]"
-    assert padded["tokenizer.ggml.token_type"][0][-1] == gguf.TokenType.UNUSED
+    count = len(source.get("tokenizer.ggml.tokens"))
+    padded = tokenizer_fields(tokenizer_file, count + 3)
+    assert padded["tokenizer.ggml.tokens"].value[-1] == f"[PAD{count + 2}]"
+    assert padded["tokenizer.ggml.token_type"].value[-1] == gguf.TokenType.UNUSED
 
 
 def test_tokenizer_loads_in_transformers(tokenizer_file, tmp_path):

@@ -15,8 +15,9 @@ import torch
 from specdraft.kernels import avx2_prompt, gguf_matmul, prompt_pass, tiles, vnni_tiles
 from specdraft.models import registry
 from specdraft.models.gguf_blocks import dequantize, q4k_affine
-from specdraft.models.gguf_native import _TensorFile, build_native_model, tensor_index
-from specdraft.models.loading import _converted_dir, _gguf_config_and_tokenizer
+from specdraft.models.gguf_header import read_header
+from specdraft.models.gguf_native import _TensorFile, build_native_model
+from specdraft.models.loading import _gguf_config_and_tokenizer
 from specdraft.models.quantize import Int4Linear
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ PROMPTS = [
 def target_file():
     path = registry.assemble(registry.get_bundled(registry.DEFAULT_TARGET))
     config, tokenizer = _gguf_config_and_tokenizer(path)
-    return path, config, tokenizer, {e.name: e for e in tensor_index(path, _converted_dir(path, "meta"))}
+    return path, config, tokenizer, {e.name: e for e in read_header(path).tensors}
 
 
 def test_q4k_int4_weights_are_the_files(target_file):
@@ -77,11 +78,10 @@ def test_packed_model_matches_a_float32_reference(target_file):
     and the same top token wherever the reference's top two are not within bf16 rounding (0.5).
     Prompt passes on int8 activations: within 2e-2, top tokens as bf16's within 10 points."""
     path, config, tokenizer, _ = target_file
-    cache = _converted_dir(path, "meta")
     logits = {}
     for name, dtype, pack in (("reference", torch.float32, False), ("packed", torch.bfloat16, True),
                               ("bf16", torch.bfloat16, False)):
-        model = build_native_model(path, config, dtype, pack=pack, cache=cache)
+        model = build_native_model(path, config, dtype, pack=pack)
         with torch.inference_mode():
             logits[name] = [model(tokenizer(p, return_tensors="pt").input_ids).logits[0].float() for p in PROMPTS]
             if pack and prompt_pass.enabled() and (vnni_tiles.available() or avx2_prompt.available()):

@@ -62,11 +62,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, MODEL_ARCH
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, MODEL_ARCH
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.architectures import head_dim_of
 from specdraft.models.gguf_config import LLAMA3_ROPE, gguf_config, llama3_rope_factors
+from specdraft.models.gguf_header import GgufField, read_header
 from specdraft.paths import cache_dir
 
 STD = 0.1  # the layers' matrices: N(0, STD) (see the module docstring)
@@ -422,69 +423,15 @@ def encode(values: np.ndarray, type_name: str) -> np.ndarray:
 
 
 # ----- tokenizer -------------------------------------------------------------------------------
-SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
-           GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
-           GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
-
-
-def gguf_fields(path: str | os.PathLike, prefix: str = "") -> dict[str, tuple]:
-    """A GGUF file's metadata keys starting with `prefix` -> (value, value type, array item type or None).
-
-    A plain reader of the key-value section (gguf-py's GGUFReader takes ~9 s over a 150k-token
-    vocabulary, this ~0.3 s)."""
-    import mmap
-    import struct
-
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise SpecdraftError(f"{path} is not a GGUF file.")
-        (n_kv,) = struct.unpack_from("<Q", data, 16)
-        at = 24
-
-        def string() -> str:
-            nonlocal at
-            (length,) = struct.unpack_from("<Q", data, at)
-            at += 8 + length
-            return data[at - length:at].decode("utf-8")
-
-        def value(kind: GGUFValueType):
-            nonlocal at
-            if kind == GGUFValueType.STRING:
-                return string()
-            (item,) = struct.unpack_from("<" + SCALARS[kind], data, at)
-            at += struct.calcsize(SCALARS[kind])
-            return item
-
-        fields = {}
-        for _ in range(n_kv):
-            key = string()
-            kind, item_kind = GGUFValueType(struct.unpack_from("<I", data, at)[0]), None
-            at += 4
-            if kind == GGUFValueType.ARRAY:
-                item_kind = GGUFValueType(struct.unpack_from("<I", data, at)[0])
-                (count,) = struct.unpack_from("<Q", data, at + 4)
-                at += 12
-                if item_kind in SCALARS:  # numbers in one read
-                    dtype = np.dtype("<" + SCALARS[item_kind])
-                    val = np.frombuffer(data, dtype, count, at).tolist()
-                    at += dtype.itemsize * count
-                else:
-                    val = [value(item_kind) for _ in range(count)]
-            else:
-                val = value(kind)
-            if key.startswith(prefix):
-                fields[key] = (val, kind, item_kind)
-    return fields
-
-
-def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tuple]:
-    """`tokenizer.*` key -> (value, value type, array item type) of another GGUF file, for `vocab_size` tokens.
+def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, GgufField]:
+    """`tokenizer.*` key -> value with its GGUF types, of another GGUF file, for `vocab_size` tokens.
 
     Padded as the converter pads: `[PAD{i}]` tokens of type UNUSED (score -1000). Cut: the first
     tokens are kept, but the special tokens (every `*_token_id`) past the cut take the last places,
     their ids rewritten; a merge stays only when both parts and their join stay.
     """
-    fields = gguf_fields(source, "tokenizer.")
+    fields = {key: (field.value, field.kind, field.item_kind)
+              for key, field in read_header(source, "tokenizer.").fields.items() if key.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in fields:
         raise SpecdraftError(f"{source} has no tokenizer (no tokenizer.ggml.tokens).")
     tokens = fields["tokenizer.ggml.tokens"][0]
@@ -513,7 +460,7 @@ def tokenizer_fields(source: str | os.PathLike, vocab_size: int) -> dict[str, tu
             if int(value) not in new_of_old:
                 continue
             value = new_of_old[int(value)]
-        out[key] = (value, kind, item_kind)
+        out[key] = GgufField(value, kind, item_kind)
     return out
 
 
@@ -607,8 +554,8 @@ def _write(writer: GGUFWriter, config, hf_tensors, shapes: Mapping[str, tuple[in
     if tokenizer is None:
         writer.add_tokenizer_model("none")
     else:
-        for key, (value, kind, item) in tokenizer_fields(tokenizer, config.vocab_size).items():
-            writer.add_key_value(key, value, kind, sub_type=item)
+        for key, field in tokenizer_fields(tokenizer, config.vocab_size).items():
+            writer.add_key_value(key, field.value, field.kind, sub_type=field.item_kind)
     for name, shape in shapes.items():
         kind = GGMLQuantizationType[types[name]]
         if types[name] in ("F32", "F16"):

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdraft.models.architectures import head_dim_of
+from specdraft.models.architectures import ARCHITECTURES, head_dim_of
+from specdraft.models.gguf_header import GgufHeader, read_header
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # Llama 3.1 / 3.2 / 3.3's published scaling
@@ -48,37 +49,60 @@ def llama3_rope_factors(head_dim: int, rope: Mapping) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def _metadata(reader, key: str, default=None):
-    return reader.fields[key].contents() if key in reader.fields else default
+def transformers_config_dict(header: GgufHeader) -> dict:
+    """The config dict transformers' GGUF parser (`load_gguf_checkpoint`) makes of this header, from the same
+    key table and defaults, without its minutes-long metadata parse."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = header.architecture
+    renamed = "mistral" if "llama" in arch and header.get("general.name") == "mistral" else arch
+    names = {entry.name for entry in header.tensors}
+    config = {"tie_word_embeddings": "output.weight" not in names}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for key, field in header.fields.items():
+        prefix, _, config_key = key.replace(arch, renamed).partition(".")
+        value = field.value
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # as transformers reads a one-element array
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, renamed)
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        if target is not None and target != -1:
+            config[target] = value
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"  # a GGUF holds Gemma 3's text backbone only
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.fields:
+        tokens = header.get("tokenizer.ggml.tokens")
+        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return config
 
 
-def complete_config(config, path: Path):
-    """`config` (transformers' parse of the GGUF file at `path`) completed as the module's text says; returns it."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = _metadata(reader, "general.architecture")
-    if (key_length := _metadata(reader, f"{arch}.attention.key_length")) is not None and hasattr(config, "head_dim"):
+def complete_config(config, header: GgufHeader, path: Path):
+    """`config` (transformers' parse of the GGUF file at `path`, whose header is `header`) completed as the
+    module's text says; returns it."""
+    arch = header.architecture
+    if (key_length := header.get(f"{arch}.attention.key_length")) is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key_length)
     head_dim = head_dim_of(config)
     if arch in ("gemma2", "gemma3"):
         big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else head_dim
-        window = _metadata(reader, f"{arch}.attention.sliding_window")
-        pattern = _metadata(reader, f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}[arch])
+        window = header.get(f"{arch}.attention.sliding_window")
+        pattern = header.get(f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}[arch])
         n = config.num_hidden_layers
         sliding = ([bool(s) for s in pattern] if isinstance(pattern, list)
                    else [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]) if window else [False] * n
         config.layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
-        if arch == "gemma3" and (local := _metadata(reader, "gemma3.rope.freq_base_swa")) is not None:
+        if arch == "gemma3" and (local := header.get("gemma3.rope.freq_base_swa")) is not None:
             config.rope_parameters["sliding_attention"]["rope_theta"] = float(local)
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            setattr(config, key, _metadata(reader, f"{arch}.{key}"))
-    if arch == "phi3" and (dims := _metadata(reader, "phi3.rope.dimension_count")) is not None:
+            setattr(config, key, header.get(f"{arch}.{key}"))
+    if arch == "phi3" and (dims := header.get("phi3.rope.dimension_count")) is not None:
         config.rope_parameters["partial_rotary_factor"] = dims / head_dim
-    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if arch == "llama" and factors is not None:
-        factors = torch.from_numpy(np.array(factors.data, dtype=np.float32))
+    factors = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if arch == "llama" and factors is not None and factors.type_name == "F32":
+        factors = torch.from_numpy(np.fromfile(path, dtype=np.float32, count=factors.shape[-1], offset=factors.offset))
         rope = {**LLAMA3_ROPE, "rope_theta": config.rope_parameters["rope_theta"], "factor": float(factors.max())}
         if torch.allclose(llama3_rope_factors(head_dim, rope), factors):
             config.rope_parameters = rope
@@ -89,8 +113,14 @@ def complete_config(config, path: Path):
 
 
 def gguf_config(path: Path):
-    """The transformers config of the GGUF file at `path`, completed (`complete_config`)."""
+    """The transformers config of the GGUF file at `path`, completed (`complete_config`). The families the packed
+    path declares are parsed from our header reader with transformers' key table; others by transformers."""
     from transformers import AutoConfig
 
     path = Path(path).resolve()
-    return complete_config(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), path)
+    header = read_header(path)
+    if any(arch.name == header.architecture for arch in ARCHITECTURES):
+        config = AutoConfig.for_model(**transformers_config_dict(header))
+    else:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    return complete_config(config, header, path)

@@ -21,9 +21,7 @@ copy of the whole file. Families not declared load unpacked through transformers
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from specdraft.kernels import gguf_matmul
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
                                             head_dim_of, known_model_types)
 from specdraft.models.fast_layers import fast_decoder_layers
+from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, int4_kernel_available
@@ -73,40 +72,6 @@ class FlatLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
         out = super().forward(x.reshape(-1, x.shape[-1]).contiguous())  # [tokens, N]
         return out.view(*x.shape[:-1], self.out_features)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lies in a GGUF file: its type, shape (outermost first) and bytes."""
-
-    name: str
-    type_name: str
-    shape: tuple[int, ...]
-    offset: int
-    n_bytes: int
-
-
-def tensor_index(path: Path, cache: Path | None = None) -> list[TensorEntry]:
-    """The file's tensors. Parsing the header with `gguf` takes seconds (its vocabulary is
-    metadata), so the index is kept as JSON in `cache` when given."""
-    kept = cache / "tensors.json" if cache is not None else None
-    if kept is not None and kept.is_file():
-        return [TensorEntry(e["name"], e["type_name"], tuple(e["shape"]), e["offset"], e["n_bytes"])
-                for e in json.loads(kept.read_text())]
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except ValueError as error:  # gguf maps the file: a cut one fails while shaping its last tensors
-        raise SpecdraftError(f"Could not read the GGUF file {path.name} ({error}): it is truncated or corrupt.") from error
-    entries = [TensorEntry(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)),
-                           int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
-    if kept is not None:
-        try:
-            kept.write_text(json.dumps([e.__dict__ for e in entries]))
-        except OSError:
-            pass  # only costs the parse next time
-    return entries
 
 
 class _TensorFile:
@@ -157,6 +122,23 @@ class _LazyRows:
         return self.source.rows(self.entry, rows.start or 0, rows.stop)
 
 
+def _affine_parts(raw, type_name: str, convert) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`convert` (`q4_affine` or `split_affine`) of raw rows `[N, bytes per row]` (a tensor or `_LazyRows`), a slice
+    of rows at a time into the whole codes, scales and mins: its int16 temporaries stay a slice's (a 262k-row
+    tied head converted at once took 3.6 GB more)."""
+    rows = raw.shape[0]
+    parts = convert(raw[0:_ROWS_PER_SLICE], type_name)
+    if rows <= _ROWS_PER_SLICE:
+        return parts
+    whole = tuple(torch.empty((rows, part.shape[1]), dtype=part.dtype) for part in parts)
+    for start in range(0, rows, _ROWS_PER_SLICE):
+        if start:
+            parts = convert(raw[start:start + _ROWS_PER_SLICE], type_name)
+        for out, part in zip(whole, parts):
+            out[start:start + part.shape[0]] = part
+    return whole
+
+
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
             pack: bool, order: torch.Tensor | None = None, split: bool = True) -> nn.Module:
     """The module for one GGUF linear: packed for the 4-bit affine types, those that split into two 4-bit
@@ -164,16 +146,12 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     out_features, in_features = weight.shape
     if bias is not None and order is not None:
         bias = bias[order]
+    raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
-        raw = source.rows(weight)  # [N, bytes per row]
-        codes, scale, minimum = q4_affine(raw if order is None else raw[order], weight.type_name)
-        return Int4Linear.from_affine(codes, scale, minimum, bias)
+        return Int4Linear.from_affine(*_affine_parts(raw, weight.type_name, q4_affine), bias)
     if pack and split and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
-        raw = source.rows(weight)  # [N, bytes per row]
-        codes, scale, minimum = split_affine(raw if order is None else raw[order], weight.type_name)
-        return SplitInt4Linear(Int4Linear.from_affine(codes, scale, minimum, bias))
+        return SplitInt4Linear(Int4Linear.from_affine(*_affine_parts(raw, weight.type_name, split_affine), bias))
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
-        raw = source.lazy_rows(weight) if order is None else source.rows(weight)[order]
         return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
@@ -259,12 +237,11 @@ def packed_obstacle(config) -> str | None:
     return None
 
 
-def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True,
-                       cache: Path | None = None, split: bool = True) -> nn.Module:
+def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True, split: bool = True) -> nn.Module:
     """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
-    checked against (float32 gives the file's exact values). `cache` keeps the tensor index. `split=False`
+    checked against (float32 gives the file's exact values). `split=False`
     unpacks the 5- and 8-bit types instead of splitting them into 4-bit halves: for a draft that
     `prepare_draft` re-quantizes to plain 4 bits (half the bytes a pass, and a head it can narrow).
     """
@@ -276,7 +253,7 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     arch = architecture_for(config)
     grouped: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
     frequency_factors = None
-    for entry in tensor_index(path, cache):
+    for entry in read_header(path).tensors:
         try:
             place = arch.module_path(entry.name)
         except KeyError:

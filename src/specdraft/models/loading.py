@@ -102,7 +102,7 @@ def _gguf_config_and_tokenizer(path: Path):
     if (meta / "config.json").is_file() and (meta / _COMPLETED).is_file():
         return AutoConfig.from_pretrained(str(meta)), AutoTokenizer.from_pretrained(str(meta))
     config = gguf_config(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = _gguf_tokenizer(path, config)
     _keep(meta, config, tokenizer)
     try:
         (meta / _COMPLETED).touch()
@@ -111,13 +111,30 @@ def _gguf_config_and_tokenizer(path: Path):
     return config, tokenizer
 
 
+def _gguf_tokenizer(path: Path, config):
+    """The tokenizer a GGUF file describes. For the families the packed path declares, built by the tokenizer
+    class transformers registers for the config's model type (TokenizersBackend where none is): `AutoTokenizer`
+    would first parse the file's config again with gguf-py (tens of seconds over a large vocabulary)."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    from specdraft.models.architectures import architecture_for
+
+    if architecture_for(config) is None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    registered = TOKENIZER_MAPPING_NAMES.get(config.model_type)
+    tokenizer_class = (registered and tokenizer_class_from_name(registered)) or TokenizersBackend
+    return tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def _refuse_unread_frequency_factors(path: Path, config) -> None:
     """Transformers' GGUF loader ignores a `rope_freqs` tensor; where the config does not carry the same scaling
     (`gguf_config` recovers Llama 3's), the unpacked model would rotate wrongly: refuse, naming the way out."""
     from specdraft.models.architectures import LONGROPE_FACTORS
-    from specdraft.models.gguf_native import longrope_refusal, tensor_index
+    from specdraft.models.gguf_header import read_header
+    from specdraft.models.gguf_native import longrope_refusal
 
-    names = {entry.name.split(".")[0] for entry in tensor_index(path, _converted_dir(path, "meta"))}
+    names = {entry.name.split(".")[0] for entry in read_header(path).tensors}
     if names & set(LONGROPE_FACTORS):
         raise SpecdraftError(longrope_refusal(path))
     rope = getattr(config, "rope_parameters", None) or {}
@@ -231,7 +248,7 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
 
-            model = build_native_model(path, config, dtype, cache=_converted_dir(path, "meta"), split=split)
+            model = build_native_model(path, config, dtype, split=split)
             return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
