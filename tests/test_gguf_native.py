@@ -576,6 +576,33 @@ def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     assert sum(agree) >= 0.5 * len(agree)  # ~0.7 seen; unrelated weights would agree ~1/512
 
 
+def test_kept_packed_model_is_the_built_one(gguf_files, tmp_path, monkeypatch, capsys):
+    """A model read back from its kept modules computes the first build's logits bit for bit and keeps transformers'
+    hidden-state capture; the second build converts nothing; an unreadable kept file is built again, with a warning."""
+    from specdraft.models import gguf_native
+
+    path, config = gguf_files[True][0], gguf_config(True)
+    kept = tmp_path / "kept.pt"
+    first = build_native_model(path, config, torch.bfloat16, kept=kept)
+    assert kept.is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the file was converted again")
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_native, "_file_modules", no_conversion)
+        again = build_native_model(path, config, torch.bfloat16, kept=kept)
+    ids = token_batches()[0]
+    with torch.inference_mode():
+        want, got = first(ids, output_hidden_states=True), again(ids, output_hidden_states=True)
+    assert torch.equal(got.logits, want.logits)
+    assert got.hidden_states is not None and torch.equal(got.hidden_states[-1], want.hidden_states[-1])
+    kept.write_bytes(kept.read_bytes()[:1000])  # cut
+    rebuilt = build_native_model(path, config, torch.bfloat16, kept=kept)
+    assert "packing again" in capsys.readouterr().err
+    with torch.inference_mode():
+        assert torch.equal(rebuilt(ids).logits, want.logits)
+
+
 def test_truncated_file_is_reported(gguf_files, tmp_path):
     """A file cut short raises SpecdraftError naming truncation, with or without a kept tensor index."""
     path = gguf_files[False][0]

@@ -34,6 +34,7 @@ from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS,
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
+from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, int4_kernel_available
 
@@ -237,13 +238,15 @@ def packed_obstacle(config) -> str | None:
     return None
 
 
-def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True, split: bool = True) -> nn.Module:
+def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True, split: bool = True,
+                       kept: Path | None = None) -> nn.Module:
     """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
     checked against (float32 gives the file's exact values). `split=False`
     unpacks the 5- and 8-bit types instead of splitting them into 4-bit halves: for a draft that
-    `prepare_draft` re-quantizes to plain 4 bits (half the bytes a pass, and a head it can narrow).
+    `prepare_draft` re-quantizes to plain 4 bits (half the bytes a pass, and a head it can narrow). `kept`: a file
+    where the packed modules are kept after a first build and read back on later ones (`packed_store`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -265,27 +268,23 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
             grouped[place[0]][place[1]] = entry
         elif entry.name.startswith(FREQUENCY_FACTORS):
             frequency_factors = entry
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if "lm_head" not in grouped:  # tied: the head is built from the embedding's blocks
         grouped["lm_head"] = {"weight": grouped["model.embed_tokens"]["weight"]}
     source = _TensorFile(path)
     try:
-        for i, (name, entries) in enumerate(grouped.items()):
-            weight = entries["weight"]
-            if name == "model.embed_tokens":
-                scale = config.hidden_size ** 0.5 if arch.scaled_embedding else None
-                module = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype, scale)
-            elif name.endswith("norm"):
-                module = model.get_submodule(name)
-                values = source.unpacked(weight, torch.float32) - arch.norm_offset
-                module.weight = nn.Parameter(values.to(dtype), requires_grad=False)
+        built = packed_store.read(kept) if kept is not None else None
+        if built is None:
+            built = _file_modules(source, grouped, arch, config, dtype, pack, split)
+            if kept is not None:
+                packed_store.keep(kept, built)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for name in list(built):
+            module = built.pop(name)  # held by the model alone from here, so stacking frees it
+            if isinstance(module, torch.Tensor):  # a norm's weight
+                model.get_submodule(name).weight = nn.Parameter(module, requires_grad=False)
             else:
-                bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
-                module = _linear(source, weight, bias, dtype, pack, _row_order(arch, config, name), split)
-            model.set_submodule(name, module)
-            if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
-                trim_heap()
+                model.set_submodule(name, module)
         _rebuild_meta_buffers(model, config)
         if frequency_factors is not None:
             _divide_frequencies(model, config, source.unpacked(frequency_factors, torch.float32))
@@ -298,3 +297,22 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     model.config.tie_word_embeddings = False  # head and embedding are separate modules now
     fast_decoder_layers(model)
     return model.eval()
+
+
+def _file_modules(source: _TensorFile, grouped: dict[str, dict[str, TensorEntry]], arch: Architecture, config,
+                  dtype: torch.dtype, pack: bool, split: bool) -> dict[str, nn.Module | torch.Tensor]:
+    """Module name -> the module built from its tensors (a norm: its weight, offset as the family declares)."""
+    built: dict[str, nn.Module | torch.Tensor] = {}
+    for i, (name, entries) in enumerate(grouped.items()):
+        weight = entries["weight"]
+        if name == "model.embed_tokens":
+            scale = config.hidden_size ** 0.5 if arch.scaled_embedding else None
+            built[name] = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype, scale)
+        elif name.endswith("norm"):
+            built[name] = (source.unpacked(weight, torch.float32) - arch.norm_offset).to(dtype)
+        else:
+            bias = source.unpacked(entries["bias"], torch.float32) if "bias" in entries else None
+            built[name] = _linear(source, weight, bias, dtype, pack, _row_order(arch, config, name), split)
+        if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
+            trim_heap()
+    return built

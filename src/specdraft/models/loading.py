@@ -248,7 +248,10 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
 
-            model = build_native_model(path, config, dtype, split=split)
+            from specdraft.models import packed_store
+
+            kept = packed_store.kept_file(_converted_dir(path, "packed"), dtype, split)
+            model = build_native_model(path, config, dtype, split=split, kept=kept)
             return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
