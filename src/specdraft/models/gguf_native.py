@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,12 +39,14 @@ from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, int4_kernel_available
 
+_EMBEDDING = "model.embed_tokens"
 _ROWS_PER_SLICE = 16384  # rows unpacked at a time, so no whole float32 copy of a big matrix exists
 
 
 class PackedEmbedding(nn.Module):
-    """An embedding table kept in its GGUF blocks; a lookup unpacks only the rows it needs (times `scale`,
-    rounded to the model's dtype first, as Gemma's scaled embedding multiplies)."""
+    """An embedding table kept in its GGUF blocks, mapped from the file (`_TensorFile.mapped_rows`: only the rows
+    looked up are ever read into memory); a lookup unpacks the rows it needs (times `scale`, rounded to the model's
+    dtype first, as Gemma's scaled embedding multiplies)."""
 
     def __init__(self, raw: torch.Tensor, type_name: str, dim: int, dtype: torch.dtype,
                  scale: float | None = None) -> None:
@@ -76,7 +79,8 @@ class FlatLinear(nn.Linear):
 
 
 class _TensorFile:
-    """Reads tensors' bytes with plain reads (no memory map, so nothing of the file stays resident)."""
+    """Reads tensors' bytes with plain reads (no memory map of the whole file, so nothing of it stays resident), or
+    maps one table whose rows are read one at a time (the embedding)."""
 
     def __init__(self, path: Path) -> None:
         self.file = open(path, "rb")
@@ -91,6 +95,16 @@ class _TensorFile:
         if self.file.readinto(out.numpy()) != out.numel():
             raise SpecdraftError(f"The GGUF file ends inside tensor {entry.name!r}: it is truncated.")
         return out
+
+    def mapped_rows(self, entry: TensorEntry) -> torch.Tensor:
+        """A matrix's raw rows `[rows, bytes per row]` (uint8) mapped from the file (copy on write): a page is read
+        into memory when first touched, so a 262k-row embedding table costs only the rows looked up."""
+        rows = entry.shape[0] if len(entry.shape) > 1 else 1
+        try:
+            mapped = np.memmap(self.file.name, np.uint8, "c", entry.offset, (rows, entry.n_bytes // rows))
+        except ValueError as error:  # the mapping would run past the end of the file
+            raise SpecdraftError(f"The GGUF file ends inside tensor {entry.name!r}: it is truncated.") from error
+        return torch.from_numpy(mapped)
 
     def lazy_rows(self, entry: TensorEntry) -> "_LazyRows":
         """A matrix's raw rows that are read from the file only when sliced (for packing big ones)."""
@@ -269,14 +283,16 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         elif entry.name.startswith(FREQUENCY_FACTORS):
             frequency_factors = entry
     if "lm_head" not in grouped:  # tied: the head is built from the embedding's blocks
-        grouped["lm_head"] = {"weight": grouped["model.embed_tokens"]["weight"]}
+        grouped["lm_head"] = {"weight": grouped[_EMBEDDING]["weight"]}
     source = _TensorFile(path)
     try:
         built = packed_store.read(kept) if kept is not None else None
         if built is None:
             built = _file_modules(source, grouped, arch, config, dtype, pack, split)
-            if kept is not None:
-                packed_store.keep(kept, built)
+            if kept is not None:  # the embedding stays mapped from the file, not copied into the kept one
+                packed_store.keep(kept, {name: m for name, m in built.items() if name != _EMBEDDING})
+        else:
+            built[_EMBEDDING] = _embedding(source, grouped[_EMBEDDING]["weight"], arch, config, dtype)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         for name in list(built):
@@ -299,15 +315,19 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     return model.eval()
 
 
+def _embedding(source: _TensorFile, weight: TensorEntry, arch: Architecture, config, dtype: torch.dtype):
+    scale = config.hidden_size ** 0.5 if arch.scaled_embedding else None
+    return PackedEmbedding(source.mapped_rows(weight), weight.type_name, weight.shape[1], dtype, scale)
+
+
 def _file_modules(source: _TensorFile, grouped: dict[str, dict[str, TensorEntry]], arch: Architecture, config,
                   dtype: torch.dtype, pack: bool, split: bool) -> dict[str, nn.Module | torch.Tensor]:
     """Module name -> the module built from its tensors (a norm: its weight, offset as the family declares)."""
     built: dict[str, nn.Module | torch.Tensor] = {}
     for i, (name, entries) in enumerate(grouped.items()):
         weight = entries["weight"]
-        if name == "model.embed_tokens":
-            scale = config.hidden_size ** 0.5 if arch.scaled_embedding else None
-            built[name] = PackedEmbedding(source.rows(weight), weight.type_name, weight.shape[1], dtype, scale)
+        if name == _EMBEDDING:
+            built[name] = _embedding(source, weight, arch, config, dtype)
         elif name.endswith("norm"):
             built[name] = (source.unpacked(weight, torch.float32) - arch.norm_offset).to(dtype)
         else:
