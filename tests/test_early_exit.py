@@ -90,8 +90,8 @@ def test_sliding_layer_types_are_cut_to_the_view():
     view = early_exit_view(CausalLM(model), 2)
     assert view.config.layer_types == ["full_attention", "sliding_attention"]
     assert model.config.layer_types == config.layer_types and len(model.config.layer_types) == LAYERS
-    assert [type(layer).__name__ for layer in view._cache.layers] == ["GrowingLayer", "DynamicSlidingWindowLayer"]
-    tokens = torch.arange(1, 21).unsqueeze(0)  # [1, 20]: past the window of 8
+    assert len(view._cache.layers) == 2
+    tokens = torch.arange(1, 21).unsqueeze(0)  # [1, 20]: past the window of 8, which the sliding layer's mask keeps
     got = view.forward(tokens, logits_to_keep=20).logits
     torch.testing.assert_close(got, manual_exit_logits(model, tokens, 2), rtol=1e-4, atol=1e-4)
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4
 
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2")
 MIXES = ("Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0")
-PRE_NORM = ("llama", "qwen2", "qwen3", "phi3")  # stacked and fused layers (`architectures.layer_shape`)
+STACKED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")  # stacked and fused layers (`architectures.layer_shape`)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_packed_family_matches_the_float32_reference(files, family, mix):
     model = build_native_model(path, reference.config, torch.bfloat16)
     if gguf_matmul.available():  # else (no tile kernel: the PyTorch level) Q6_K is unpacked to bf16
         assert not any(isinstance(m, FlatLinear) for m in model.modules()), describe_packing(model)
-    if family in PRE_NORM and gguf_matmul.available():
+    if family in STACKED and gguf_matmul.available():
         assert all(isinstance(layer.self_attn, StackedAttention) for layer in model.model.layers)
     decided = agreed = 0
     with torch.inference_mode():
@@ -73,7 +73,7 @@ def test_greedy_speculation_equals_plain_decoding(files, family):
     path, reference = files(family, "Q4_K_M")
     target = CausalLM(build_native_model(path, reference.config, torch.bfloat16))
     if decoder_layers.available():
-        assert (fused_decoder(target.model) is not None) == (family in PRE_NORM)
+        assert (fused_decoder(target.model) is not None) == (family in STACKED)
     plain = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(reference), min_confidence=0.0), k=3)
     accepted = 0
@@ -97,6 +97,32 @@ def test_file_config_is_the_written_models(files, family):
                 "head_dim", "layer_types", "query_pre_attn_scalar", "sliding_window"):
         if hasattr(written, key) and (key != "sliding_window" or family.startswith("gemma")):
             assert getattr(read, key) == getattr(written, key), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_and_tokenizer_are_transformers_own(tmp_path, family):
+    """Our header reader with transformers' key table gives the config transformers' own GGUF parse gives (which
+    takes tens of seconds over a real vocabulary), and the tokenizer class it registers for the family encodes and
+    decodes as `AutoTokenizer` does (here with the bundled Qwen vocabulary, cut to the tiny model's)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdraft.bench.random_gguf import default_tokenizer
+    from specdraft.models.gguf_config import complete_config
+    from specdraft.models.gguf_header import read_header
+    from specdraft.models.loading import _gguf_tokenizer
+
+    if default_tokenizer() is None:
+        pytest.skip("the bundled Qwen2.5-Coder GGUF is not in the cache folder")
+    path = write_random_gguf(tiny_config(family), tmp_path / f"{family}.gguf", "Q8_0", default_tokenizer(), seed=1)
+    ours = gguf_config(path)
+    theirs = complete_config(AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name), read_header(path), path)
+    assert {**ours.to_dict(), "_name_or_path": None} == {**theirs.to_dict(), "_name_or_path": None}
+    tokenizer, reference = _gguf_tokenizer(path, ours), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(tokenizer) is type(reference)
+    text = "def merge(a, b):\n    return sorted(a + b)  # ünïcode 你好"
+    assert tokenizer(text).input_ids == reference(text).input_ids
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.chat_template) == (
+        reference.bos_token, reference.eos_token, reference.chat_template)
 
 
 def test_llama3_rotary_scaling_is_read_from_its_frequency_factors(tmp_path):

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config)
+from transformers.activations import GELUTanh
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config)
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 from specdraft.kernels import amx_tiles, avx512_tiles, decoder_layers, gguf_matmul, isa, layer_ops, tiles
@@ -26,17 +28,22 @@ tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8)
                                           torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
 
 
-PRE_NORM_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
-                     "phi3": Phi3Config}  # the families whose layers stack (`models/architectures.py`)
+STACKED_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
+                    "phi3": Phi3Config, "gemma3": Gemma3TextConfig}  # the families whose layers stack
+# (`models/architectures.py`); Gemma 3: a sliding layer of a 4-token window (shorter than every pass sequence here)
+# and a full one, each with its rotary base, and its query scale
+GEMMA3 = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
 
 
-def int4_model(seed: int = 0, family: str = "qwen2") -> Qwen2ForCausalLM:
-    """A 2-layer model of a pre-norm family (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's)
-    with every linear re-quantized to 4 bits (Qwen2's q, k, v biases random)."""
-    config = PRE_NORM_FAMILIES[family](
+def int4_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCausalLM:
+    """A 2-layer model of a stacked family (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's)
+    with every linear re-quantized to 4 bits (Qwen2's q, k, v biases random; every norm random around its identity:
+    Gemma's 1 + w too)."""
+    config = STACKED_FAMILIES[family](
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False, sliding_window=None)
+        pad_token_id=None, tie_word_embeddings=False, **{"sliding_window": None, **(GEMMA3 if family == "gemma3" else {}),
+                                                         **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).bfloat16().eval()
     with torch.no_grad():
@@ -47,6 +54,9 @@ def int4_model(seed: int = 0, family: str = "qwen2") -> Qwen2ForCausalLM:
             for norm in (getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")):
                 if norm is not None:
                     norm.weight.normal_(1, 0.3)
+        for name, weight in model.named_parameters():
+            if family == "gemma3" and name.endswith("norm.weight"):  # w of Gemma's 1 + w
+                weight.normal_(0, 0.3)
     quantize_int4(model)
     return model
 
@@ -61,7 +71,7 @@ def passes(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
 
 
 @tiles_run
-@pytest.mark.parametrize("family", PRE_NORM_FAMILIES)
+@pytest.mark.parametrize("family", STACKED_FAMILIES)
 def test_stacked_layers_give_the_same_logits_bit_for_bit(family, monkeypatch):
     model = int4_model(family=family)
     stacked = copy.deepcopy(model)
@@ -72,7 +82,7 @@ def test_stacked_layers_give_the_same_logits_bit_for_bit(family, monkeypatch):
     layer = stacked.model.layers[0]
     assert isinstance(layer.self_attn, StackedAttention) and isinstance(layer.mlp, StackedMLP)
     assert len(layer.self_attn.qkv.runs) == 1 and len(layer.mlp.gate_up.runs) == 1  # one kernel call each
-    assert (layer.self_attn.q_norm is not None) == (family == "qwen3")
+    assert (layer.self_attn.q_norm is not None) == (family in ("qwen3", "gemma3"))
     for want, got in zip(passes(model), passes(stacked)):
         assert torch.equal(want, got)
     assert CausalLM(stacked).num_parameters() == CausalLM(model).num_parameters()
@@ -129,6 +139,22 @@ def test_native_rms_norm_matches_transformers_and_each_row_stands_alone():
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)  # a bf16 step at most
     assert (got != want).float().mean() < 0.02  # almost every value the same bits
     assert torch.equal(native(x[1:, 3:4]), got[1:, 3:4])  # a row alone gives the same bits
+
+
+@pytest.mark.skipif(not layer_ops.available(), reason="no native layer operations here")
+def test_native_gemma_rms_norm_matches_transformers_and_each_row_stands_alone():
+    """Gemma's norm, bf16(x / rms(x) · (1 + w)) with the products in float32."""
+    norm = Gemma3RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(256))
+    norm = norm.bfloat16()
+    x = (3 * torch.randn(2, 7, 256)).bfloat16()  # [B, T, H]
+    native = NativeRMSNorm(norm, offset=1.0)
+    got, want = native(x), norm(x)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)  # a bf16 step at most
+    assert (got != want).float().mean() < 0.02
+    assert torch.equal(native(x[1:, 3:4]), got[1:, 3:4])
 
 
 def test_fast_layers_swap_norms_only_where_the_kernel_runs():
@@ -204,8 +230,9 @@ def split_model() -> Qwen2ForCausalLM:
     return model
 
 
-def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
-    """Logits and hidden states of a prefill, chain passes, a tree pass and passes after cutting the cache back."""
+def pass_sequence(model: Qwen2ForCausalLM, tree: bool = True) -> list[torch.Tensor]:
+    """Logits and hidden states of a prefill, chain passes, a tree pass (unless not `tree`: past a sliding window,
+    `CausalLM` refuses one) and passes after cutting the cache back."""
     lm = CausalLM(model)
     generator = torch.Generator().manual_seed(3)
     tokens = lambda n: torch.randint(0, 96, (1, n), generator=generator)  # noqa: E731
@@ -214,10 +241,10 @@ def pass_sequence(model: Qwen2ForCausalLM) -> list[torch.Tensor]:
         step = lm.forward(tokens(n), logits_to_keep=n, hidden_to_keep=n)
         out += [step.logits, step.hidden_states]
     lm.truncate(lm.cache_len - 4)  # a rejected draft
-    # A tree: a root's two children, and a grandchild of the first (depths 1, 1, 2).
-    visible = torch.tensor([[True, False, False], [False, True, False], [True, False, True]])
-    out.append(lm.forward(tokens(3), logits_to_keep=3, offsets=torch.tensor([0, 0, 1]), visible=visible).logits)
-    lm.keep(lm.cache_len - 3, [0, 2])  # the accepted path
+    if tree:  # a root's two children, and a grandchild of the first (depths 1, 1, 2)
+        visible = torch.tensor([[True, False, False], [False, True, False], [True, False, True]])
+        out.append(lm.forward(tokens(3), logits_to_keep=3, offsets=torch.tensor([0, 0, 1]), visible=visible).logits)
+        lm.keep(lm.cache_len - 3, [0, 2])  # the accepted path
     out.append(lm.forward(tokens(2), logits_to_keep=2).logits)
     return out
 
@@ -263,11 +290,12 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decode
 
 @tiles_run
 @fused_run
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3"])
-def test_fused_layers_run_each_pre_norm_family_bit_for_bit(family, decoder_build, monkeypatch):
-    """Llama and Mistral (no biases), Phi-3 (q|k|v and gate|up stored stacked) and Qwen3 (norms over each head of
-    q and k) run on the fused stack."""
-    model = int4_model(family=family)
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "gemma3"])
+def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build, monkeypatch):
+    """Llama and Mistral (no biases), Phi-3 (q|k|v and gate|up stored stacked), Qwen3 (norms over each head of
+    q and k) and Gemma 3 (its norms, sandwich norms, GELU, query scale, a rotary table per layer type; its window
+    here wider than the sequence, so that the tree pass runs) run on the fused stack."""
+    model = int4_model(family=family, **({"sliding_window": 64} if family == "gemma3" else {}))
     fast_decoder_layers(model)
     assert fused_decoder(model) is not None
     got = pass_sequence(model)
@@ -277,13 +305,42 @@ def test_fused_layers_run_each_pre_norm_family_bit_for_bit(family, decoder_build
 
 @tiles_run
 @fused_run
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
+def test_fused_sliding_window_layers_match_past_their_window(family, kernel, decoder_build, monkeypatch):
+    """Gemma 3's sliding layer (a window of 4) and Mistral's windowed layers (a window of 6) attend to the last
+    tokens only, on the fused stack as on the PyTorch path, bit for bit, over passes that reach 38 tokens and cut
+    back; without the window the fused logits differ (the window is what they compute)."""
+    if kernel is not None:
+        if decoder_build != "avx512":
+            pytest.skip("AVX-512 tiles run under the AVX-512 decoder only")
+        monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
+    model = int4_model(family=family, **({"sliding_window": 6} if family == "mistral" else {}))
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None and [entry.window for entry in fused.table] == ([4, 0] if family == "gemma3" else [6, 6])
+    got = pass_sequence(model, tree=False)
+    windows = [entry.window for entry in fused.table]
+    for entry in fused.table:
+        entry.window = 0
+    unwindowed = pass_sequence(model, tree=False)
+    for entry, window in zip(fused.table, windows):
+        entry.window = window
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    want = pass_sequence(model, tree=False)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert not torch.equal(got[-1], unwindowed[-1])
+
+
+@tiles_run
+@fused_run
 def test_fused_decoder_leaves_out_what_it_does_not_compute():
-    """Sliding windows (Mistral's config) stay on the stacked layers."""
-    windowed = int4_model(family="mistral")
-    windowed.config.sliding_window = 16
-    for layer in windowed.model.layers:
-        layer.self_attn.config.sliding_window = 16
-    assert fast_decoder_layers(windowed) == 2 and fused_decoder(windowed) is None
+    """Soft-capped logits (Gemma 2's head) stay on the stacked layers; soft-capped attention scores (Gemma 2's) on
+    transformers' own."""
+    capped_head = int4_model(family="gemma3", final_logit_softcapping=30.0)
+    assert fast_decoder_layers(capped_head) == 2 and fused_decoder(capped_head) is None
+    capped_scores = int4_model(family="gemma3", attn_logit_softcapping=50.0)
+    assert fast_decoder_layers(capped_scores) == 0
 
 
 @tiles_run
@@ -319,6 +376,26 @@ def test_silu_mul_gives_pytorch_bits():
         gate_up = (scale * torch.randn(3, 2 * 128, generator=g)).bfloat16()
         want = torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:]
         assert torch.equal(decoder_layers.silu_mul(gate_up), want)
+
+
+@fused_run
+def test_act_mul_gives_pytorch_bits_for_every_bf16_gate(decoder_build):
+    """A table of Gemma's GELU (tanh) times up gives `act_fn(gate) * up` as PyTorch computes it on a stacked gate|up,
+    for all 65,536 bf16 gates (NaNs and infinities too) whose activation and product lie in float32's normal range
+    (|y| >= 1.2e-38). Below it PyTorch's GELUs differ with the layout (on a contiguous tensor, as the table was made,
+    they may flush subnormal values to zero, on a stacked gate|up not), and the AVX-512 BF16 rounding flushes
+    subnormal products to zero, as in every kernel here."""
+    act_fn = GELUTanh()
+    gate = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)  # [65536]
+    up = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    gate_up = torch.cat([gate.view(128, 512), up.view(128, 512)], dim=-1)  # [rows, 2I]
+    activated = act_fn(gate_up[:, :512])  # [rows, I]
+    want = activated * gate_up[:, 512:]
+    got = decoder_layers.act_mul(gate_up, decoder_layers.activation_table(act_fn))
+    tiny = torch.finfo(torch.float32).tiny
+    normal = ~(activated.abs() < tiny) & ~((activated.float() * gate_up[:, 512:].float()).abs() < tiny)  # NaNs too
+    assert normal.sum() > 48_000
+    torch.testing.assert_close(got[normal], want[normal], rtol=0, atol=0, equal_nan=True)  # NaNs: PyTorch's own bits
 
 
 @fused_run

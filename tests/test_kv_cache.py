@@ -48,7 +48,7 @@ def test_appends_write_in_place_until_the_buffer_is_full(monkeypatch):
     assert layer.key_buffer is not buffer and layer.keys.shape[-2] == 12
 
 
-def test_reset_starts_over_and_sliding_layers_stay_as_they_are():
+def test_reset_starts_over_and_sliding_layers_grow_too():
     layer = GrowingLayer()
     layer.update(*states(4, seed=0))
     layer.reset()
@@ -58,5 +58,30 @@ def test_reset_starts_over_and_sliding_layers_stay_as_they_are():
     config = tiny_config(layers=2)
     config.use_sliding_window, config.sliding_window = True, 8
     config.layer_types = ["full_attention", "sliding_attention"]
-    assert [type(layer).__name__ for layer in growing_cache(config).layers] == ["GrowingLayer",
-                                                                               "DynamicSlidingWindowLayer"]
+    # a sliding layer holds every token too: the masks hide what lies past its window (`kv_cache`'s text)
+    assert [type(layer).__name__ for layer in growing_cache(config).layers] == ["GrowingLayer", "GrowingLayer"]
+
+
+def test_sliding_layers_on_the_growing_cache_attend_to_their_window():
+    """Decoding token by token past a sliding window of 4, and again after a cut back past it, gives the logits of
+    one uncached pass over the sequence (transformers' own masks); with full attention they differ."""
+    from conftest import tiny_model
+    from specdraft.models.causal_lm import CausalLM
+
+    config = tiny_config(layers=2)
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["full_attention", "sliding_attention"]
+    model = tiny_model(config, seed=3)
+    tokens = torch.arange(1, 17).unsqueeze(0)  # [1, 16]
+    lm = CausalLM(model)
+    lm.forward(tokens[:, :6])
+    steps = [lm.forward(tokens[:, i : i + 1]).logits[0, -1] for i in range(6, 16)]  # [V] each
+    lm.truncate(9)  # a rejected draft, back past the window
+    again = [lm.forward(tokens[:, i : i + 1]).logits[0, -1] for i in range(9, 16)]
+    with torch.inference_mode():
+        want = model(tokens).logits[0]  # [16, V]
+    torch.testing.assert_close(torch.stack(steps), want[6:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(again), want[9:], rtol=1e-4, atol=1e-4)
+    config.layer_types = ["full_attention", "full_attention"]
+    with torch.inference_mode():
+        assert not torch.allclose(model(tokens).logits[0, 6:], want[6:], atol=1e-3)

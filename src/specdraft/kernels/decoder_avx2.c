@@ -1,11 +1,11 @@
-/* The stack of Qwen2-style decoder layers of `decoder_avx512.c` for CPUs with AVX2 and no AVX-512: the same
+/* The stack of decoder layers of `decoder_avx512.c` for CPUs with AVX2 and no AVX-512: the same
  * layer (`decoder_layers.h`) on the AVX2 kernels (`avx2_tiles.c`, `layer_ops_avx2.c`, `attention_avx2.c`),
  * with the roundings of the PyTorch path on the same kernels, so a pass gives that path's bits:
  *   - projections in float32 (on int16 activations, or int8 ones after `use_int8_activations(1)`), plus the
  *     bias in float32, rounded to bf16 (nearest even);
  *   - residual sums of two bf16 values in float32, rounded to bf16;
  *   - SiLU as PyTorch computes it for bf16, x / (1 + exp(−x)) in float32 with PyTorch's own 8-lane exp
- *     (`use_exp`), rounded; times up, rounded.
+ *     (`use_exp`), rounded; times up, rounded; another activation read from a table of PyTorch's own values.
  * Each token is computed alone, so decoding, chain verification and tree passes agree bit for bit.
  */
 #include <immintrin.h>
@@ -43,6 +43,20 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
+/* out [rows][inter] = bf16(act(gate) · up), act(gate) read from `table` (as in `decoder_avx512.c`); inter % 8 == 0. */
+void act_mul_bf16(const uint16_t *gate_up, const uint16_t *table, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        for (int64_t c = 0; c < inter; c += 8) {
+            const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + c)));
+            const __m256i act = _mm256_i32gather_epi32((const int *)table, bits, 2);  /* the entry in the low half */
+            store_bf16x8(out + r * inter + c, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(act, 16)),
+                                                           bf16x8_to_ps(up + c)));
+        }
+    }
+}
+
 /* y [n] += bias [n], float32; n % 8 == 0. */
 static void add_bias(float *y, const float *bias, int64_t n) {
     for (int64_t c = 0; c < n; c += 8) _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_loadu_ps(bias + c)));
@@ -57,6 +71,12 @@ static void to_bf16(const float *src, uint16_t *dest, int64_t n) {
 static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 8)
         store_bf16x8(hidden + i, _mm256_add_ps(bf16x8_to_ps(hidden + i), round_bf16x8(_mm256_loadu_ps(src + i))));
+}
+
+/* hidden [n] = bf16(hidden + src), src [n] bf16; n % 8 == 0. */
+static void add_residual_bf16(uint16_t *hidden, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        store_bf16x8(hidden + i, _mm256_add_ps(bf16x8_to_ps(hidden + i), bf16x8_to_ps(src + i)));
 }
 
 #include "decoder_layers.h"

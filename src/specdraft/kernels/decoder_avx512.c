@@ -1,4 +1,5 @@
-/* A whole stack of Qwen2-style decoder layers for a pass of a few bf16 tokens, in one C call.
+/* A whole stack of decoder layers (Llama's shape, or Gemma's with its sandwich norms) for a pass of a few bf16 tokens,
+ * in one C call.
  *
  * Why: with every matrix on the tile kernels, a decoding step of the bundled 1.5B target spent
  * about 4.6 of 27 ms (the 0.5B draft 3.9 of 11 ms) outside the kernels: Python module calls,
@@ -11,7 +12,8 @@
  *     bias in float32, rounded to bf16 (nearest even);
  *   - residual sums of two bf16 values in float32, rounded to bf16;
  *   - SiLU as PyTorch computes it for bf16, x / (1 + exp(−x)) in float32 with PyTorch's own exp
- *     (`use_exp`), rounded; times up, rounded.
+ *     (`use_exp`), rounded; times up, rounded; another activation (Gemma's GELU) read from a table of PyTorch's
+ *     own values for every bf16 input (`act_mul_bf16`), times up, rounded.
  * So a pass gives the PyTorch path's bits. Each token is computed alone (attention included), so
  * decoding, chain verification and tree passes agree with each other bit for bit.
  *
@@ -59,6 +61,22 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
+/* out [rows][inter] = bf16(act(gate) · up), act(gate) read from `table` (the bf16 bits of PyTorch's own activation of
+ * every bf16 value, `decoder_layers.activation_table`: 65,537 entries, the last padding for the 4-byte gathers), gate_up
+ * [rows][2·inter] bf16 (gate first); inter % 16 == 0. */
+void act_mul_bf16(const uint16_t *gate_up, const uint16_t *table, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        for (int64_t c = 0; c < inter; c += 16) {
+            const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + c)));
+            const __m512i act = _mm512_i32gather_epi32(bits, (const void *)table, 2);  /* the entry in the low half */
+            store_bf16x16(out + r * inter + c, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(act, 16)),
+                                                            bf16x16_to_ps(up + c)));
+        }
+    }
+}
+
 /* y [n] += bias [n], float32; n % 16 == 0. */
 static void add_bias(float *y, const float *bias, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) _mm512_storeu_ps(y + c, _mm512_add_ps(_mm512_loadu_ps(y + c), _mm512_loadu_ps(bias + c)));
@@ -73,6 +91,12 @@ static void to_bf16(const float *src, uint16_t *dest, int64_t n) {
 static void add_residual(uint16_t *hidden, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
         store_bf16x16(hidden + i, _mm512_add_ps(bf16x16_to_ps(hidden + i), round_bf16(_mm512_loadu_ps(src + i))));
+}
+
+/* hidden [n] = bf16(hidden + src), src [n] bf16; n % 16 == 0. */
+static void add_residual_bf16(uint16_t *hidden, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        store_bf16x16(hidden + i, _mm512_add_ps(bf16x16_to_ps(hidden + i), bf16x16_to_ps(src + i)));
 }
 
 #include "decoder_layers.h"

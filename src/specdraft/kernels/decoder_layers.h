@@ -1,12 +1,17 @@
 /* The decoder-layer stack of `decoder_avx512.c` and `decoder_avx2.c`, written once: a layer is
- * norm -> stacked q|k|v -> (norms over each head of q and k, Qwen3's) -> rotary -> cache append -> attention -> o -> residual -> norm ->
- * stacked gate|up -> SiLU·up -> down -> residual (see `decoder_avx512.c` for why and what each rounds).
+ * norm -> stacked q|k|v -> (norms over each head of q and k: Qwen3, Gemma 3) -> rotary -> cache append -> attention
+ * (over a sliding window on Gemma's sliding layers) -> o -> (norm: Gemma's sandwich) -> residual -> norm ->
+ * stacked gate|up -> activation·up -> down -> (norm: Gemma's sandwich) -> residual (see `decoder_avx512.c` for why
+ * and what each rounds). Norms are Llama's (`rms_norm_bf16`, bf16 weights) or, where `norm_gains`, Gemma's
+ * (`rms_norm_gain_bf16`, float32 gains 1 + w).
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
- * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rotary_bf16`, `attend_heads` (and through its
- * attention file `attention_items.h`: which query heads a work item takes together), `silu_mul_bf16`,
- * `add_bias` (y += bias, float32), `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))),
- * and `q8_passes` (a 4-bit or Q6_K matrix times int8 activations: `avx2_prompt.c`, `vnni_tiles.c`).
+ * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rms_norm_gain_bf16`, `rotary_bf16`, `attend_heads`
+ * (and through its attention file `attention_items.h`: which query heads a work item takes together),
+ * `silu_mul_bf16`, `act_mul_bf16` (an activation read from a table, times up), `add_bias` (y += bias, float32),
+ * `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))), `add_residual_bf16`
+ * (hidden = bf16(hidden + src), src bf16), and `q8_passes` (a 4-bit or Q6_K matrix times int8 activations:
+ * `avx2_prompt.c`, `vnni_tiles.c`).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
@@ -33,13 +38,42 @@ typedef struct {
     Run run[MAX_RUNS];
 } Projection;
 
+/* Norm weights (`const void *`): [dim] bf16 weights, or float32 gains where the pass has `norm_gains`. */
 typedef struct {
-    const uint16_t *input_norm, *post_norm;  /* [hidden] bf16 */
+    const void *input_norm, *mlp_norm;        /* [hidden]: the norms before the attention and before the MLP */
     Projection qkv, o, gate_up, down;
     uint16_t *keys, *values;                  /* [kv_heads][capacity][head_dim] bf16 */
     int64_t capacity;                         /* tokens the cache buffers hold room for */
-    const uint16_t *q_norm, *k_norm;          /* [head_dim] bf16, or NULL: RMSNorm over each head of q and of k */
+    const void *q_norm, *k_norm;              /* [head_dim], or NULL: RMSNorm over each head of q and of k */
+    const void *attention_out_norm, *mlp_out_norm;  /* [hidden], or NULL: norms of the attention's and the MLP's
+                                                       outputs before their residual adds (Gemma's sandwich) */
+    const uint16_t *cos, *sin;                /* [tokens][head_dim] bf16: the layer's rotary table for the pass */
+    int64_t window;                           /* keys a token sees in a causal pass at most (itself and the ones
+                                                 before it: a sliding-window layer), or 0: all */
 } Layer;
+
+/* y = the RMSNorm of `rows` rows of x, `dim` wide (x == y allowed): Llama's with bf16 weights, Gemma's with float32
+ * gains where `gains`. */
+static void norm_rows(const uint16_t *x, const void *weight, uint16_t *y, int64_t rows, int64_t dim, float eps,
+                      int64_t gains) {
+    if (gains)
+        rms_norm_gain_bf16(x, (const float *)weight, y, rows, dim, eps);
+    else
+        rms_norm_bf16(x, (const uint16_t *)weight, y, rows, dim, eps);
+}
+
+/* hidden [n] += a sublayer's float32 output `out` [tokens][hidden_size], rounded to bf16: as it is, or normed first
+ * where the layer has `norm` there (Gemma's sandwich); scratch: [tokens][hidden_size] bf16. */
+static void add_output(uint16_t *hidden, const float *out, const void *norm, uint16_t *scratch, int64_t tokens,
+                       int64_t hidden_size, float eps, int64_t gains) {
+    if (!norm) {
+        add_residual(hidden, out, tokens * hidden_size);
+        return;
+    }
+    to_bf16(out, scratch, tokens * hidden_size);
+    norm_rows(scratch, norm, scratch, tokens, hidden_size, eps, gains);
+    add_residual_bf16(hidden, scratch, tokens * hidden_size);
+}
 
 /* Projections of 4-bit and Q6_K runs on int8 activations (`q8_passes`) while set: every pass of a model whose
  * matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path computes.
@@ -105,11 +139,12 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
         for (int64_t t = 0; t < tokens; t++) add_bias(y + t * out, p->bias, out);
 }
 
-/* Run `hidden` [tokens][hidden_size] bf16 through `count` layers in place. cos and sin: [tokens][head_dim] bf16. */
+/* Run `hidden` [tokens][hidden_size] bf16 through `count` layers in place. `activation`: NULL for SiLU, else the table
+ * of another activation (`act_mul_bf16`). */
 void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden, int64_t tokens,
                             int64_t hidden_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t intermediate, float eps, float scaling, int64_t cache_len,
-                            const uint16_t *cos, const uint16_t *sin, const float *mask) {
+                            int64_t intermediate, float eps, float scaling, int64_t cache_len, int64_t norm_gains,
+                            const uint16_t *activation, const float *mask) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const int64_t total = cache_len + tokens;
     const HeadChunks chunks = head_chunks(heads / kv_heads);
@@ -122,16 +157,16 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
     float *projected = malloc(sizeof(float) * tokens * (widest > hidden_size ? widest : hidden_size));
     for (int64_t l = 0; l < count; l++) {
         const Layer *layer = &layers[l];
-        rms_norm_bf16(hidden, layer->input_norm, normed, tokens, hidden_size, eps);
+        norm_rows(hidden, layer->input_norm, normed, tokens, hidden_size, eps, norm_gains);
         project(&layer->qkv, normed, projected, tokens, hidden_size, qkv_size);
         to_bf16(projected, qkv, tokens * qkv_size);
         if (layer->q_norm)
             for (int64_t t = 0; t < tokens; t++) {  /* in place: a row is read before it is written */
                 uint16_t *row = qkv + t * qkv_size;
-                rms_norm_bf16(row, layer->q_norm, row, heads, head_dim, eps);
-                rms_norm_bf16(row + q_size, layer->k_norm, row + q_size, kv_heads, head_dim, eps);
+                norm_rows(row, layer->q_norm, row, heads, head_dim, eps, norm_gains);
+                norm_rows(row + q_size, layer->k_norm, row + q_size, kv_heads, head_dim, eps, norm_gains);
             }
-        rotary_bf16(qkv, tokens, qkv_size, heads + kv_heads, head_dim, cos, sin);
+        rotary_bf16(qkv, tokens, qkv_size, heads + kv_heads, head_dim, layer->cos, layer->sin);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < kv_heads; h++) {
                 const int64_t slot = (h * layer->capacity + cache_len + t) * head_dim;
@@ -146,22 +181,29 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
             for (int64_t item = 0; item < work_items(chunks, kv_heads, tokens); item++) {
                 int64_t t, kv, h;
                 const int n = work_item(chunks, tokens, item, &t, &kv, &h);
-                attend_heads(qkv + t * qkv_size + h * head_dim, n, head_dim, layer->keys + kv * layer->capacity * head_dim,
-                             layer->values + kv * layer->capacity * head_dim, mask ? mask + t * total : NULL,
-                             attended + (t * heads + h) * head_dim, mask ? total : cache_len + t + 1, head_dim, scaling,
-                             scores, rows);
+                /* the keys token t sees: all under its mask, or itself and the ones before it, the last `window` of
+                 * them on a sliding layer (a masked pass never reaches past a window: `CausalLM` refuses it) */
+                const int64_t seen = mask ? total : cache_len + t + 1;
+                const int64_t first = !mask && layer->window && seen > layer->window ? seen - layer->window : 0;
+                const int64_t start = (kv * layer->capacity + first) * head_dim;
+                attend_heads(qkv + t * qkv_size + h * head_dim, n, head_dim, layer->keys + start, layer->values + start,
+                             mask ? mask + t * total : NULL, attended + (t * heads + h) * head_dim, seen - first,
+                             head_dim, scaling, scores, rows);
             }
             free(scores);
             free(rows);
         }
         project(&layer->o, attended, projected, tokens, q_size, hidden_size);
-        add_residual(hidden, projected, tokens * hidden_size);
-        rms_norm_bf16(hidden, layer->post_norm, normed, tokens, hidden_size, eps);
+        add_output(hidden, projected, layer->attention_out_norm, normed, tokens, hidden_size, eps, norm_gains);
+        norm_rows(hidden, layer->mlp_norm, normed, tokens, hidden_size, eps, norm_gains);
         project(&layer->gate_up, normed, projected, tokens, hidden_size, 2 * intermediate);
         to_bf16(projected, gate_up, tokens * 2 * intermediate);
-        silu_mul_bf16(gate_up, activated, tokens, intermediate);
+        if (activation)
+            act_mul_bf16(gate_up, activation, activated, tokens, intermediate);
+        else
+            silu_mul_bf16(gate_up, activated, tokens, intermediate);
         project(&layer->down, activated, projected, tokens, intermediate, hidden_size);
-        add_residual(hidden, projected, tokens * hidden_size);
+        add_output(hidden, projected, layer->mlp_out_norm, normed, tokens, hidden_size, eps, norm_gains);
     }
     free(normed); free(qkv); free(attended); free(gate_up); free(activated); free(projected);
 }

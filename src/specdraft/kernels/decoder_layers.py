@@ -1,16 +1,18 @@
 """A stack of decoder layers in one C call for passes of a few bf16 tokens: `decoder_avx512.c` (with AMX where
 granted) or `decoder_avx2.c`, the one layer of `decoder_layers.h` on each instruction set's kernels.
 
-The C side runs the tile kernels, norms, rotary embedding, attention and SiLU of every layer
+The C side runs the tile kernels, norms, rotary embedding, attention and activation of every layer
 without returning to Python; `models/fused_decoder.py` describes a model's layers to it.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, isa, prompt_pass, tiles
@@ -49,12 +51,15 @@ class Projection(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One decoder layer: its two norm weights, four projections, the layer's key/value cache buffers, and the
-    weights of its norms over each head of q and k (Qwen3's; None where it has none)."""
+    """One decoder layer: its norms before the attention and the MLP, four projections, the layer's key/value cache
+    buffers, its norms over each head of q and k (Qwen3's, Gemma 3's; None where it has none) and of the attention's
+    and the MLP's outputs (Gemma's sandwich; None where it has none), its rotary table for the pass, and its sliding
+    window (0: none). A norm is its bf16 weight, or its float32 gain where the pass runs `norm_gains`."""
 
-    _fields_ = [("input_norm", _POINTER), ("post_norm", _POINTER), ("qkv", Projection), ("o", Projection),
+    _fields_ = [("input_norm", _POINTER), ("mlp_norm", _POINTER), ("qkv", Projection), ("o", Projection),
                 ("gate_up", Projection), ("down", Projection), ("keys", _POINTER), ("values", _POINTER),
-                ("capacity", _SIZE), ("q_norm", _POINTER), ("k_norm", _POINTER)]
+                ("capacity", _SIZE), ("q_norm", _POINTER), ("k_norm", _POINTER), ("attention_out_norm", _POINTER),
+                ("mlp_out_norm", _POINTER), ("cos", _POINTER), ("sin", _POINTER), ("window", _SIZE)]
 
 
 def _for_level(chosen: str) -> ctypes.CDLL | None:
@@ -91,10 +96,12 @@ def _built(chosen: str, flavour: str, with_amx: bool, avx_vnni: bool = False) ->
     if library is None:
         return None
     library.decoder_layers_forward.argtypes = ([_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [ctypes.c_float] * 2
-                                               + [_SIZE] + [_POINTER] * 3)
+                                               + [_SIZE] * 2 + [_POINTER] * 2)
     library.decoder_layers_forward.restype = None
     library.silu_mul_bf16.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
     library.silu_mul_bf16.restype = None
+    library.act_mul_bf16.argtypes = [_POINTER] * 3 + [_SIZE] * 2
+    library.act_mul_bf16.restype = None
     library.use_exp.argtypes, library.use_exp.restype = [_POINTER], None
     library.use_int8_activations.argtypes, library.use_int8_activations.restype = [_SIZE], None
     torch_exp = _torch_exp(chosen)
@@ -150,6 +157,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def activation_table(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """PyTorch's bf16 values of an elementwise activation for every bf16 input, indexed by the input's bits:
+    `[65537]` int16 (the last entry pads the C side's 4-byte reads), for `act_mul`."""
+    inputs = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)  # [65536]
+    with torch.inference_mode():
+        values = act_fn(inputs).view(torch.int16)
+    return torch.cat([values, values.new_zeros(1)])
+
+
+def act_mul(gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """`bf16(act(gate) · up)` of a stacked gate|up `[..., 2I]` bf16 -> `[..., I]` bf16 (I % 16 == 0), act(gate) read
+    from `activation_table(act)`: PyTorch's bits of `act(gate) * up` wherever act(gate) and the product lie in
+    float32's normal range (tested for every bf16 gate)."""
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    _library().act_mul_bf16(gate_up.data_ptr(), table.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+    return out
+
+
 def int8_projections(chosen: str | None = None) -> bool:
     """Whether this pass's projections run on int8 activations: inside a pass context (`prompt_pass`) with no
     precise leading row, as the tile kernels of the PyTorch path would there (every build has them: AVX2 on
@@ -158,17 +185,20 @@ def int8_projections(chosen: str | None = None) -> bool:
 
 
 def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int, int, int, int], eps: float,
-               scaling: float, cache_len: int, cos: torch.Tensor, sin: torch.Tensor,
+               scaling: float, cache_len: int, norm_gains: bool, activation: torch.Tensor | None,
                mask: torch.Tensor | None) -> None:
     """Run `hidden` `[T, H]` bf16 (contiguous) through `layers` in place.
 
-    sizes: (hidden, heads, kv_heads, head_dim, intermediate); cos/sin `[T, head_dim]` bf16; mask `[T, cache_len + T]`
-    float32 additive, or None for a causal pass. Each layer's caches (`keys`, `values`, `capacity` in its entry) must
-    have room for cache_len + T tokens. Inside a pass context, projections run as `int8_projections()` says.
+    sizes: (hidden, heads, kv_heads, head_dim, intermediate); norm_gains: every norm is Gemma's (its entries float32
+    gains), else Llama's (bf16 weights); activation: None for SiLU, else an `activation_table`; mask
+    `[T, cache_len + T]` float32 additive, or None for a causal pass. Each layer's caches (`keys`, `values`,
+    `capacity` in its entry) must have room for cache_len + T tokens, and its `cos` and `sin` `[T, head_dim]` bf16
+    hold its rotary table for the pass. Inside a pass context, projections run as `int8_projections()` says.
     """
     chosen = level()
     library = _for_level(chosen)
     library.use_int8_activations(int8_projections(chosen))
     library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
-                                   *sizes, eps, scaling, cache_len, cos.data_ptr(), sin.data_ptr(),
+                                   *sizes, eps, scaling, cache_len, int(norm_gains),
+                                   0 if activation is None else activation.data_ptr(),
                                    0 if mask is None else mask.data_ptr())

@@ -1,5 +1,5 @@
-"""Per-token decoder-layer operations in C for bf16 activations: RMSNorm, rotary embedding (`layer_ops.c` with
-AVX-512 BF16, else `layer_ops_avx2.c`)."""
+"""Per-token decoder-layer operations in C for bf16 activations: RMSNorm (Llama's and Gemma's), rotary embedding
+(`layer_ops.c` with AVX-512 BF16, else `layer_ops_avx2.c`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def _built(level: str) -> ctypes.CDLL | None:
         return None
     library.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.rms_norm_bf16.restype = None
+    library.rms_norm_gain_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    library.rms_norm_gain_bf16.restype = None
     library.rotary_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
     library.rotary_bf16.restype = None
     return library
@@ -50,6 +52,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     dim = x.shape[-1]
     _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def rms_norm_gain(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """`bf16(x / sqrt(mean(x²) + eps) · gain)` over the last dimension, the products in float32 (Gemma's RMSNorm,
+    gain = 1 + w): x `[..., dim]` bf16 (CPU, dim % 16 == 0), gain `[dim]` float32 -> bf16 `[..., dim]`."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _library().rms_norm_gain_bf16(x.data_ptr(), gain.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
 

@@ -3,6 +3,7 @@
  * row's norm may differ from the AVX-512 build's in the last bit, never from itself in another pass).
  *
  * rms_norm_bf16: y = w ⊙ bf16(x / sqrt(mean(x²) + eps)) per row, rounded to bf16; rows of `dim` (a multiple of 8).
+ * rms_norm_gain_bf16: y = bf16(x / sqrt(mean(x²) + eps) · g) per row, float32 gains g (Gemma's 1 + w), rounded once.
  * rotary_bf16: x·cos + rotate_half(x)·sin in place on the first `heads` heads of each token's row, every product and
  * the sum rounded to bf16 (transformers' bf16 bits); dim / 2 a multiple of 8.
  */
@@ -12,19 +13,34 @@
 
 #include "avx2_vectors.h"
 
+/* 1 / sqrt(mean(x²) + eps) of a row of `dim` bf16 values, the squares summed over 8 lanes in a fixed order. */
+static inline __m256 inverse_rms8(const uint16_t *row, int64_t dim, float eps) {
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 8) {
+        const __m256 v = bf16x8_to_ps(row + c);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    return _mm256_set1_ps(1.0f / sqrtf(reduce_add8(squares) / (float)dim + eps));
+}
+
 void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * dim;
-        __m256 squares = _mm256_setzero_ps();
-        for (int64_t c = 0; c < dim; c += 8) {
-            const __m256 v = bf16x8_to_ps(row + c);
-            squares = _mm256_fmadd_ps(v, v, squares);
-        }
-        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(reduce_add8(squares) / (float)dim + eps));
+        const __m256 scale = inverse_rms8(row, dim, eps);
         for (int64_t c = 0; c < dim; c += 8) {
             const __m256 normed = round_bf16x8(_mm256_mul_ps(bf16x8_to_ps(row + c), scale));
             store_bf16x8(y + r * dim + c, _mm256_mul_ps(normed, bf16x8_to_ps(weight + c)));
         }
+    }
+}
+
+void rms_norm_gain_bf16(const uint16_t *x, const float *gain, uint16_t *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * dim;
+        const __m256 scale = inverse_rms8(row, dim, eps);
+        for (int64_t c = 0; c < dim; c += 8)
+            store_bf16x8(y + r * dim + c, _mm256_mul_ps(_mm256_mul_ps(bf16x8_to_ps(row + c), scale),
+                                                        _mm256_loadu_ps(gain + c)));
     }
 }
 

@@ -1,8 +1,8 @@
 """The model families the packed GGUF path builds, each declared as data: what its files and layers differ in.
 
 A GGUF file names its tensors as llama.cpp does (`blk.3.attn_q.weight`); the model that runs them is the family's
-own transformers class, with packed linears swapped in (`gguf_native`), and, where its layers have the pre-norm
-Llama shape, the stacked and fused layer paths (`fast_layers`, `fused_decoder`). A family is one `Architecture`:
+own transformers class, with packed linears swapped in (`gguf_native`), and, where its layers have a declared shape,
+the stacked and fused layer paths (`fast_layers`, `fused_decoder`). A family is one `Architecture`:
 
 - `layer_tensors`: GGUF name inside `blk.N` -> module path inside `model.layers.N` (Gemma's `ffn_norm` is its
   pre-feed-forward norm, Llama's is the post-attention norm; Phi-3 keeps q, k, v and gate, up fused);
@@ -10,10 +10,17 @@ Llama shape, the stacked and fused layer paths (`fast_layers`, `fused_decoder`).
   rotary variant (pairs of adjacent dimensions); transformers rotates halves, so the loader puts the rows back;
 - `norm_offset`: what the file adds to each norm weight (Gemma's norms multiply by 1 + w; the file holds 1 + w);
 - `scaled_embedding`: the embedding is multiplied by sqrt(hidden) (Gemma);
-- `layer_shape`: `"pre-norm"` where a layer is norm -> attention -> residual -> norm -> gated SiLU MLP -> residual
-  with RMSNorm `w · bf16(x / rms(x))` (Llama, Mistral, Qwen2, Qwen3, Phi-3): these run on the stacked layers, and
-  on the fused C stack where nothing else differs (`fused_decoder`); None: transformers' own layers;
-- `qk_norm`: an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3).
+- `layer_shape`: `"pre-norm"` where a layer is norm -> attention -> residual -> norm -> gated MLP -> residual
+  (Llama, Mistral, Qwen2, Qwen3, Phi-3); `"sandwich"` where the attention's and the MLP's outputs are normed too,
+  before their residual adds (Gemma 3); both run on the stacked layers, and on the fused C stack where nothing else
+  differs (`fused_decoder`); None: transformers' own layers (Gemma 2, whose attention soft-caps its scores);
+  `LAYER_NORMS` names each shape's norms;
+- `rms_norm`: `"llama"`, RMSNorm `w · bf16(x / rms(x))`; `"gemma"`, `bf16(x / rms(x) · (1 + w))` with both products
+  in float32 (the 1 is `norm_offset`);
+- `qk_norm`: an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3);
+- `rotary_per_layer_type`: each layer type (`config.layer_types`: full or sliding attention) has its own rotary
+  table, which the model's rotary module computes given the type (Gemma 3: base 1M on full layers, 10k on sliding
+  ones). Sliding windows themselves are the config's (`layer_types`, `sliding_window`), read per layer.
 
 A family missing here still loads, through transformers' de-quantizer; `packed_obstacle` says why.
 """
@@ -30,6 +37,10 @@ _PRE_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# layer shape -> the layer's norms: before the attention, of the attention's output, before the MLP, of its output
+LAYER_NORMS = {"pre-norm": ("input_layernorm", None, "post_attention_layernorm", None),
+               "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                            "post_feedforward_layernorm")}
 FREQUENCY_FACTORS = "rope_freqs"  # Llama 3.1+: per-pair divisors of the rotary frequencies
 # Phi-3.5 / Phi-4-mini's LongRoPE: factors that change with the context and scale the rotary; not computed here yet
 LONGROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
@@ -48,7 +59,9 @@ class Architecture:
     norm_offset: float = 0.0
     scaled_embedding: bool = False
     layer_shape: str | None = "pre-norm"
+    rms_norm: str = "llama"
     qk_norm: bool = False
+    rotary_per_layer_type: bool = False
 
     def module_path(self, gguf_name: str) -> tuple[str, str] | None:
         """`blk.3.attn_q.bias` -> (`model.layers.3.self_attn.q_proj`, `bias`); None for an ignored tensor.
@@ -71,9 +84,10 @@ ARCHITECTURES = (
     Architecture("phi3", ("phi3",), {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"} | _PRE_NORMS),
     Architecture("gemma3", ("gemma3_text",), _ATTENTION | _MLP | _SANDWICH_NORMS | _QK_NORMS, norm_offset=1.0,
-                 scaled_embedding=True, layer_shape=None, qk_norm=True),
+                 scaled_embedding=True, layer_shape="sandwich", rms_norm="gemma", qk_norm=True,
+                 rotary_per_layer_type=True),
     Architecture("gemma2", ("gemma2",), _ATTENTION | _MLP | _SANDWICH_NORMS, norm_offset=1.0,
-                 scaled_embedding=True, layer_shape=None),
+                 scaled_embedding=True, layer_shape=None, rms_norm="gemma"),
 )
 
 
@@ -93,7 +107,7 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def pre_norm_layers(config) -> bool:
-    """Whether the model's layers have the pre-norm Llama shape the stacked layers take (see the module's text)."""
+def stacked_architecture(config) -> Architecture | None:
+    """The family's declaration where its layers have a shape the stacked layers take (see the module's text)."""
     arch = architecture_for(config)
-    return arch is not None and arch.layer_shape == "pre-norm"
+    return arch if arch is not None and arch.layer_shape in LAYER_NORMS else None

@@ -154,7 +154,7 @@ class CausalLM:
         if self._static is not None:
             return
         self._cache = growing_cache(self.config)
-        # Sliding-window layers otherwise drop states past their window, and could not be cut back.
+        # Layers of other kinds than `GrowingLayer` otherwise drop states they no longer need, and could not be cut back.
         self._cache.activate_past_recording()
         self.cache_len = 0
 

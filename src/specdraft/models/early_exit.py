@@ -8,9 +8,8 @@ view adds no weight memory and runs transformers' own modeling code (no forked f
 
 Why a fresh cache of L layers is right: each attention module indexes the cache by its
 `layer_idx`, and the first L layers keep theirs, 0..L-1. Per-layer config lists that size
-things by the layer count (`layer_types`, ...) are cut to their first L entries, so
-`DynamicCache(config=view.config)` holds L layers of the right kinds (full or sliding) and
-the model's masks are built for exactly those layers.
+things by the layer count (`layer_types`, ...) are cut to their first L entries, so the
+view's cache holds L layers and the model's masks (full or sliding) are built for exactly those layers.
 
 `exit_layer_agreement` measures, for choosing L, how often the exit at layer L predicts
 the full model's next token.

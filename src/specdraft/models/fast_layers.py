@@ -1,8 +1,8 @@
-"""Decoder layers of a packed model of the pre-norm Llama shape (Llama, Mistral, Qwen2, Qwen3, Phi-3: see
-`models/architectures.py`) with fewer kernel calls and dispatches.
+"""Decoder layers of a packed model of a declared layer shape (pre-norm: Llama, Mistral, Qwen2, Qwen3, Phi-3;
+sandwich: Gemma 3; see `models/architectures.py`) with fewer kernel calls and dispatches.
 
 Norms: each RMSNorm of a bf16 model on a CPU with AVX-512 BF16 runs as one C call
-(`kernels/layer_ops.c`) instead of seven PyTorch ops (57 norms a step in a 1.5B model).
+(`kernels/layer_ops.c`) instead of seven PyTorch ops (57 norms a step in a 1.5B model), in its family's formula.
 
 Projections:
 A decoding step calls the tile kernels once per projection: seven calls a layer, each with its
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
+from transformers.activations import GELUTanh, SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
@@ -31,13 +32,16 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
-from specdraft.models.architectures import pre_norm_layers
+from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
-# The pre-norm families' RMSNorms: one formula, `w · bf16(x / rms(x))`
-RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+# The families' RMSNorms by formula (`architectures.Architecture.rms_norm`)
+RMS_NORMS = {"llama": (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm),
+             "gemma": (Gemma3RMSNorm,)}
+# Activations other than SiLU that act on each value alone, whose table of PyTorch's values is tested to give its bits
+TABLED_ACTIVATIONS = (GELUTanh,)  # Gemma's `gelu_pytorch_tanh`
 
 
 def _run_kind(linear: nn.Module) -> str | None:
@@ -107,7 +111,7 @@ class StackedProjection(nn.Module):
 
 
 class StackedMLP(nn.Module):
-    """The gated MLP, `down(silu(gate x) · up x)`, with gate and up in one kernel call."""
+    """The gated MLP, `down(act(gate x) · up x)`, with gate and up in one kernel call."""
 
     def __init__(self, gate_up: list[nn.Module], down_proj: nn.Module, act_fn: nn.Module) -> None:
         super().__init__()
@@ -118,17 +122,25 @@ class StackedMLP(nn.Module):
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
         self.silu = isinstance(act_fn, (nn.SiLU, SiLUActivation))
         self.native_silu = self.silu and self.intermediate % 16 == 0 and decoder_layers.same_silu_as_torch()
+        # another activation (Gemma's GELU) as one C call too, read from a table of PyTorch's values ([65537] int16)
+        tabled = (isinstance(act_fn, TABLED_ACTIVATIONS) and self.intermediate % 16 == 0
+                  and decoder_layers.available())
+        self.register_buffer("activation_table", decoder_layers.activation_table(act_fn) if tabled else None,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., H] bf16
         gate_up = self.gate_up(x).to(x.dtype)  # [..., 2I]: rounded as the separate projections' outputs were
-        if self.native_silu and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
-            return self.down_proj(decoder_layers.silu_mul(gate_up))
+        if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+            if self.native_silu:
+                return self.down_proj(decoder_layers.silu_mul(gate_up))
+            if self.activation_table is not None:
+                return self.down_proj(decoder_layers.act_mul(gate_up, self.activation_table))
         return self.down_proj(self.act_fn(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
 
 
 class StackedAttention(nn.Module):
-    """The pre-norm families' attention (the steps of transformers' `LlamaAttention.forward`, with Qwen3's norms
-    over each head of q and k where it has them) with q, k and v in one pass."""
+    """The stacked families' attention (the steps of transformers' `LlamaAttention.forward`, with the norms over each
+    head of q and k of Qwen3 and Gemma 3 where it has them) with q, k and v in one pass."""
 
     def __init__(self, attention: nn.Module, qkv: list[nn.Module]) -> None:
         super().__init__()
@@ -136,7 +148,7 @@ class StackedAttention(nn.Module):
                      "is_causal"):
             setattr(self, name, getattr(attention, name))
         config = attention.config
-        # Qwen2 and Qwen3 say it per layer; Mistral and Phi-3 read their config's
+        # Qwen2, Qwen3 and Gemma 3 say it per layer; Mistral and Phi-3 read their config's
         self.sliding_window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
         self.q_size = config.num_attention_heads * self.head_dim
         self.kv_size = config.num_key_value_heads * self.head_dim
@@ -152,7 +164,7 @@ class StackedAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]  # [B, T]
         qkv = self.qkv(hidden_states).to(hidden_states.dtype)  # [B, T, q + 2 kv]
-        if self.q_norm is not None:  # Qwen3: each head of q and k normed before the rotation
+        if self.q_norm is not None:  # Qwen3, Gemma 3: each head of q and k normed before the rotation
             query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             query = self.q_norm(query.reshape(*input_shape, -1, self.head_dim)).flatten(-2)
             key = self.k_norm(key.reshape(*input_shape, -1, self.head_dim)).flatten(-2)
@@ -176,25 +188,37 @@ class StackedAttention(nn.Module):
 
 
 class NativeRMSNorm(nn.Module):
-    """The pre-norm families' RMSNorm (`w ⊙ bf16(x / rms(x))`) in one C call (`layer_ops.rms_norm`); bf16 on the CPU only."""
+    """A family's RMSNorm in one C call (`layer_ops`), bf16 on the CPU only: Llama's `w ⊙ bf16(x / rms(x))`, or
+    given an `offset`, Gemma's `bf16(x / rms(x) · gain)` with `gain = offset + w` in float32, computed here once
+    (as Gemma's norm computes it each call)."""
 
-    def __init__(self, norm: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, offset: float | None = None) -> None:
         super().__init__()
-        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.weight = norm.weight
+        eps = getattr(norm, "variance_epsilon", None)
+        self.variance_epsilon = norm.eps if eps is None else eps  # Gemma's norms call it `eps`
+        gain = None if offset is None else offset + norm.weight.detach().float()  # [dim] float32
+        self.register_buffer("gain", gain, persistent=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., H] bf16
-        return layer_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        if self.gain is None:
+            return layer_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return layer_ops.rms_norm_gain(hidden_states, self.gain, self.variance_epsilon)
 
 
-def _native_norm_fits(norm: nn.Module) -> bool:
+def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
+    """`norm` as a `NativeRMSNorm` of its family's formula where the kernel takes it, else `norm` itself."""
     weight = getattr(norm, "weight", None)
-    return (isinstance(norm, RMS_NORMS) and weight is not None and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available())
+    if not (isinstance(norm, RMS_NORMS[arch.rms_norm]) and weight is not None and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available()):
+        return norm
+    return NativeRMSNorm(norm, arch.norm_offset if arch.rms_norm == "gemma" else None)
 
 
 def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]] | None:
-    """A layer's q|k|v and gate|up projections in stacking order, if each runs on a tile kernel and the layer's
-    rotary turns whole heads (Phi-4-mini turns part of each); else None."""
+    """A layer's q|k|v and gate|up projections in stacking order, if each runs on a tile kernel, the layer's
+    rotary turns whole heads (Phi-4-mini turns part of each) and its attention does not soft-cap its scores (Gemma 2;
+    `StackedAttention` does not); else None."""
     attention, mlp = layer.self_attn, layer.mlp
     qkv = [attention.qkv_proj] if hasattr(attention, "qkv_proj") else [
         getattr(attention, f"{n}_proj", None) for n in "qkv"]
@@ -204,30 +228,30 @@ def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
         return None
     config = attention.config
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+    if (rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0
+            or getattr(config, "attn_logit_softcapping", None) is not None):
         return None
     return qkv, gate_up
 
 
 def fast_decoder_layers(model: nn.Module) -> int:
-    """Swap a pre-norm model's norms for `NativeRMSNorm` where it runs, and each decoder layer's
+    """Swap a stacked family's norms for `NativeRMSNorm` where it runs, and each decoder layer's
     attention and MLP for stacked ones where every projection runs on a tile kernel (outputs of the
     projections unchanged); returns how many layers had their projections stacked."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not pre_norm_layers(model.config):
+    arch = stacked_architecture(model.config)
+    if layers is None or arch is None:
         return 0
     model.__dict__.pop(FUSED_ATTRIBUTE, None)  # what fused_decoder kept describes the layers as they were
-    if _native_norm_fits(model.model.norm):
-        model.model.norm = NativeRMSNorm(model.model.norm)
+    model.model.norm = _native_norm(model.model.norm, arch)
     stacked = 0
     for layer in layers:
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            if _native_norm_fits(getattr(layer, name)):
-                setattr(layer, name, NativeRMSNorm(getattr(layer, name)))
+        for name in filter(None, LAYER_NORMS[arch.layer_shape]):
+            setattr(layer, name, _native_norm(getattr(layer, name), arch))
         for name in ("q_norm", "k_norm"):
             norm = getattr(layer.self_attn, name, None)
-            if norm is not None and _native_norm_fits(norm):
-                setattr(layer.self_attn, name, NativeRMSNorm(norm))
+            if norm is not None:
+                setattr(layer.self_attn, name, _native_norm(norm, arch))
         parts = _stackable_parts(layer)
         if parts is None:
             continue

@@ -1,5 +1,5 @@
-"""A pre-norm model's decoder layers (Llama, Mistral, Qwen2, Phi-3: `models/architectures.py`) as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or
-AVX2).
+"""A stacked model's decoder layers (pre-norm: Llama, Mistral, Qwen2, Qwen3, Phi-3; sandwich: Gemma 3;
+`models/architectures.py`) as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or AVX2).
 
 After `fast_layers.fast_decoder_layers`, every projection of a packed model runs on a tile kernel,
 yet a decoding step still spent about a sixth of its time (the bundled 0.5B draft: a third) in
@@ -10,9 +10,10 @@ the pass's keys and values into the model's `GrowingLayer` caches in place, so t
 take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
-MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms (Qwen3's over each head of q and k too), no
-sliding window), else returns None; it is kept on
-the model (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
+MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms (over each head of q and k too, where it has them),
+SiLU or a tabled activation (`fast_layers.TABLED_ACTIVATIONS`)), else returns None; sliding-window layers attend
+to their window (each its own rotary table where the family declares one per layer type). It is kept on the model
+(not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
-from specdraft.models.architectures import pre_norm_layers
+from specdraft.models.architectures import LAYER_NORMS, stacked_architecture
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
@@ -66,27 +67,39 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
             slot.scale, slot.zero = packed.d.data_ptr(), 0
 
 
+def _norm_pointer(norm: NativeRMSNorm | None) -> int:
+    """Where the C stack reads a norm: its float32 gain (Gemma's), its bf16 weight (Llama's), or 0 for none."""
+    if norm is None:
+        return 0
+    return (norm.weight if norm.gain is None else norm.gain).data_ptr()
+
+
 class FusedDecoder:
-    """Runs a pre-norm model's decoder layers for a pass of a few tokens in one C call."""
+    """Runs a stacked model's decoder layers for a pass of a few tokens in one C call."""
 
     def __init__(self, model: nn.Module, layer_projections: list[list[tuple[list, torch.Tensor | None]]]) -> None:
         base, config = model.model, model.config
+        arch = stacked_architecture(config)
         self.layers = base.layers  # the list these describe (an early-exit view has its own)
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
         self.head = model.get_output_embeddings()
-        attention = base.layers[0].self_attn
+        attention, mlp = base.layers[0].self_attn, base.layers[0].mlp
         self.head_dim, self.kv_heads = attention.head_dim, attention.kv_size // attention.head_dim
         self.sizes = (config.hidden_size, attention.q_size // attention.head_dim, self.kv_heads, self.head_dim,
-                      base.layers[0].mlp.intermediate)
+                      mlp.intermediate)
         self.eps, self.scaling = float(base.layers[0].input_layernorm.variance_epsilon), float(attention.scaling)
+        self.norm_gains = base.layers[0].input_layernorm.gain is not None
+        self.activation = None if mlp.silu else mlp.activation_table  # [65537] int16, or None for SiLU
+        # the rotary table each layer reads: its layer type's, or one for all (None)
+        self.rotary_kinds = ([config.layer_types[layer.self_attn.layer_idx] for layer in base.layers]
+                             if arch.rotary_per_layer_type else [None] * len(base.layers))
         self.table = (decoder_layers.Layer * len(base.layers))()
         self._alive = []  # tensors the table points to (biases converted here)
         for entry, layer, projections in zip(self.table, base.layers, layer_projections):
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            if layer.self_attn.q_norm is not None:
-                entry.q_norm = layer.self_attn.q_norm.weight.data_ptr()
-                entry.k_norm = layer.self_attn.k_norm.weight.data_ptr()
+            norms = [getattr(layer, name) if name else None for name in LAYER_NORMS[arch.layer_shape]]
+            entry.input_norm, entry.attention_out_norm, entry.mlp_norm, entry.mlp_out_norm = map(_norm_pointer, norms)
+            entry.q_norm, entry.k_norm = _norm_pointer(layer.self_attn.q_norm), _norm_pointer(layer.self_attn.k_norm)
+            entry.window = layer.self_attn.sliding_window or 0
             inputs = (config.hidden_size, attention.q_size, config.hidden_size, layer.mlp.intermediate)
             for name, (runs, bias), in_features in zip(("qkv", "o", "gate_up", "down"), projections, inputs):
                 _describe(getattr(entry, name), runs, bias, in_features)
@@ -100,15 +113,19 @@ class FusedDecoder:
         or None for a causal pass."""
         length = tokens.shape[1]
         hidden = self.embed(tokens)[0].contiguous()  # [T, H] bf16
-        cos, sin = self.rotary(hidden, positions)  # [1, T, d] each
+        rotary = {}  # layer type (None: every layer) -> (cos, sin) [T, d] each
+        for kind in dict.fromkeys(self.rotary_kinds):
+            cos, sin = self.rotary(hidden, positions) if kind is None else self.rotary(hidden, positions, kind)
+            rotary[kind] = cos[0].contiguous(), sin[0].contiguous()  # [1, T, d] -> [T, d]
         template = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
-        for entry, layer in zip(self.table, cache.layers):
+        for entry, layer, kind in zip(self.table, cache.layers, self.rotary_kinds):
             if layer.reserve(template, template, length) != cache_len:
                 raise RuntimeError("the cache does not hold cache_len tokens")
             entry.keys, entry.values = layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()
             entry.capacity = layer.key_buffer.shape[-2]
-        decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
-                                  cos[0].contiguous(), sin[0].contiguous(), mask)
+            entry.cos, entry.sin = rotary[kind][0].data_ptr(), rotary[kind][1].data_ptr()
+        decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len, self.norm_gains,
+                                  self.activation, mask)
         for layer in cache.layers:
             layer.advance(cache_len + length)
         return self.norm(hidden).unsqueeze(0)  # [1, T, H]
@@ -128,18 +145,19 @@ def _qualifies(model: nn.Module) -> list | None:
     base = getattr(model, "model", None)
     config = getattr(model, "config", None)
     layers = getattr(base, "layers", None)
-    if (not layers or config is None or not pre_norm_layers(config) or not decoder_layers.available()
-            or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    arch = None if config is None else stacked_architecture(config)
+    if (not layers or arch is None or not decoder_layers.available()
+            or getattr(config, "final_logit_softcapping", None) is not None  # the head here is the bare linear
             or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
         return None
     described = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         if not (isinstance(attention, StackedAttention) and isinstance(mlp, StackedMLP) and attention.native_rotary
-                and attention.sliding_window is None and mlp.silu and _head_norms_fit(attention, layer)
+                and (mlp.silu or mlp.activation_table is not None) and _head_norms_fit(attention, layer)
                 and attention.head_dim <= decoder_layers.MAX_HEAD_DIM
-                and isinstance(layer.input_layernorm, NativeRMSNorm)
-                and isinstance(layer.post_attention_layernorm, NativeRMSNorm)):
+                and all(isinstance(getattr(layer, name), NativeRMSNorm)
+                        for name in LAYER_NORMS[arch.layer_shape] if name)):
             return None
         projections = [_runs(p) for p in (attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj)]
         if any(p is None or len(p[0]) > decoder_layers.MAX_RUNS for p in projections):

@@ -5,12 +5,17 @@ layer's whole cache on every pass: at 1,200 cached tokens of a 1.5B model (28 la
 heads of 128), 34 MB a decoding step. `GrowingLayer` keeps its states in a buffer with room to
 spare and writes each pass into it; `keys` and `values` stay views of the buffer's first tokens,
 so cropping (a view) and in-place edits (`CausalLM.keep`) work as before.
+
+Sliding-window layers (Gemma's) are `GrowingLayer`s too, holding every token: transformers' masks hide what lies
+past a layer's window (they are made from the config's window and absolute positions, whatever the cache layer),
+the fused layers (`fused_decoder`) read the window from the buffer as it is, and a cache cut back keeps the states
+the window needs again.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 SPARE_TOKENS = 256  # room added when a buffer grows: a copy of the cache every 256 tokens, not every pass
 
@@ -60,7 +65,8 @@ class GrowingLayer(DynamicLayer):
 
 
 def growing_cache(config) -> DynamicCache:
-    """A `DynamicCache` for `config` whose full-attention layers are `GrowingLayer`s (sliding ones unchanged)."""
+    """A `DynamicCache` for `config` whose full- and sliding-attention layers are `GrowingLayer`s."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
     return cache
