@@ -576,6 +576,16 @@ def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     assert sum(agree) >= 0.5 * len(agree)  # ~0.7 seen; unrelated weights would agree ~1/512
 
 
+def test_packed_model_counts_each_weight_once(models):
+    """The packed model counts the weights of the model unpacked from the same file: a linear split into two 4-bit
+    halves is one matrix's weights, not three."""
+    from specdraft.models.causal_lm import CausalLM
+
+    packed = models("fallback", False, torch.bfloat16, stacked=False)
+    assert any(isinstance(m, SplitInt4Linear) for m in packed.modules())
+    assert CausalLM(packed).num_parameters() == CausalLM(reference_model(models)).num_parameters()
+
+
 def test_kept_packed_model_is_the_built_one(gguf_files, tmp_path, monkeypatch, capsys):
     """A model read back from its kept modules computes the first build's logits bit for bit and keeps transformers'
     hidden-state capture; the second build converts nothing; an unreadable kept file is built again, with a warning."""

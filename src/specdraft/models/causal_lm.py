@@ -145,7 +145,7 @@ class CausalLM:
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel()
-        return total + sum(m.num_packed_weights() for m in self.model.modules() if hasattr(m, "num_packed_weights"))
+        return total + _packed_weights(self.model)
 
     # ----- the cache ---------------------------------------------------------------------
     def reset(self) -> None:
@@ -353,3 +353,11 @@ class CausalLM:
             if hidden:
                 states.append(out.hidden_states[0])
         return torch.cat(states) if hidden else None
+
+
+def _packed_weights(module: torch.nn.Module) -> int:
+    """The weights `module`'s packed parts hold, each counted once: a module that counts its own (`num_packed_weights`)
+    is not looked into (a split linear's two 4-bit halves are one matrix's weights)."""
+    if hasattr(module, "num_packed_weights"):
+        return module.num_packed_weights()
+    return sum(_packed_weights(child) for child in module.children())
