@@ -620,6 +620,10 @@ def test_truncated_file_is_reported(gguf_files, tmp_path):
     cut.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(SpecdraftError, match="truncated"):  # the header is whole: the tensor reads find the cut
         build_native_model(cut, gguf_config(), torch.bfloat16)
+    embedding = next(e for e in read_header(path).tensors if e.name == "token_embd.weight")
+    cut.write_bytes(path.read_bytes()[:embedding.offset + 10])  # cut inside the mapped embedding table
+    with pytest.raises(SpecdraftError, match="ends inside tensor 'token_embd.weight'"):
+        build_native_model(cut, gguf_config(), torch.bfloat16)
     cut.write_bytes(path.read_bytes()[:200])  # cut inside the header
     with pytest.raises(SpecdraftError, match="truncated or corrupt"):
         read_header(cut)

@@ -59,7 +59,7 @@ def read(file: Path) -> dict[str, nn.Module | torch.Tensor] | None:
 def keep(file: Path, built: dict[str, nn.Module | torch.Tensor]) -> None:
     """Save `built` to `file` atomically, removing the same variant kept by older packing code; a failure (a full
     disk, a read-only cache) only costs the conversion next time."""
-    partial = file.with_name(file.name + ".partial")
+    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")  # two processes may keep the same model
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(built, partial)
