@@ -140,17 +140,47 @@ def test_llama3_rotary_scaling_is_read_from_its_frequency_factors(tmp_path):
     assert ((got - want).norm() / want.norm()).item() < 0.05
 
 
-def test_longrope_files_are_refused_not_run_wrongly(tmp_path):
-    """A Phi file with LongRoPE factors (Phi-3.5, Phi-4-mini) is refused on both paths, naming why: neither the
-    packed model nor transformers' GGUF loader computes them yet."""
+def test_longrope_files_run_with_their_factors(tmp_path):
+    """A Phi file with LongRoPE factors (Phi-3.5, Phi-4-mini: tensors beside the pretraining length) is read into
+    transformers' `longrope` parameters: the packed model computes the reference's logits (transformers rotating with
+    the short factors and the attention factor), which differ from the same weights without the factors; the context
+    is held to the pretraining length; greedy `spec` == `ar`. Factors written otherwise are refused on both paths."""
     import numpy as np
     from gguf import GGUFWriter
 
     from specdraft import SpecdraftError
     from specdraft.models.loading import _refuse_unread_frequency_factors
 
-    path = tmp_path / "longrope.gguf"
-    writer = GGUFWriter(str(path), "phi3")
+    half = 64 // 2  # tiny_config's head_dim 64, whole-head rotary
+    long = [1.0 + 0.5 * i for i in range(half)]
+    short = [1.0 + 0.25 * (i % 5) for i in range(half)]
+    config = tiny_config("phi3", max_position_embeddings=4096, original_max_position_embeddings=256,
+                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": long,
+                                          "short_factor": short, "original_max_position_embeddings": 256})
+    path = write_random_gguf(config, tmp_path / "longrope.gguf", "Q8_0", seed=3)
+    read = gguf_config(path)
+    assert read.rope_parameters["rope_type"] == "longrope" and read.max_position_embeddings == 256
+    assert read.rope_parameters["short_factor"] == pytest.approx(short)
+    assert read.rope_parameters["attention_factor"] == pytest.approx((1 + np.log(16) / np.log(256)) ** 0.5)
+    model = build_native_model(path, read, torch.bfloat16)
+    reference = file_reference(path)
+    plain = file_reference(path)
+    plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    plain.model.rotary_emb = type(plain.model.rotary_emb)(config=plain.config)
+    ids = torch.arange(40, 120).unsqueeze(0)  # [1, 80]
+    with torch.inference_mode():
+        got, want, without = model(ids).logits.float(), reference(ids).logits, plain(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 0.05
+    assert ((without - want).norm() / want.norm()).item() > 0.2  # the factors matter
+    target = CausalLM(model)
+    assert target.max_context == 256
+    spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(reference), min_confidence=0.0), k=3)
+    prompt = list(range(100, 130))
+    want_ids = SpeculativeDecoder(target).generate(prompt, max_new_tokens=16).token_ids
+    assert spec.generate(prompt, max_new_tokens=16).token_ids == want_ids
+
+    odd = tmp_path / "odd.gguf"  # factors without the pretraining length beside them
+    writer = GGUFWriter(str(odd), "phi3")
     writer.add_tensor("rope_factors_short.weight", np.ones(32, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -158,6 +188,6 @@ def test_longrope_files_are_refused_not_run_wrongly(tmp_path):
     writer.close()
     config = tiny_config("phi3")
     with pytest.raises(SpecdraftError, match="LongRoPE"):
-        build_native_model(path, config, torch.bfloat16)
+        build_native_model(odd, config, torch.bfloat16)
     with pytest.raises(SpecdraftError, match="LongRoPE"):
-        _refuse_unread_frequency_factors(path, config)
+        _refuse_unread_frequency_factors(odd, config)

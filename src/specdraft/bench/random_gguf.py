@@ -117,8 +117,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_att
             head_dim=64, vocab_size=512, max_position_embeddings=2048)
 
 LLAMA_32_ROPE = {**LLAMA3_ROPE, "rope_theta": 500000.0, "factor": 32.0}
-# Published config.json fields (family, fields). Phi-4-mini's LongRoPE factors are left out (plain rope
-# over its 96 rotary dims): speed work does not depend on them.
+# Published config.json fields (family, fields). Phi-4-mini's LongRoPE factors are left out (plain rope over its
+# 96 rotary dims; a config with `longrope` parameters writes them): speed work does not depend on them.
 REAL_SHAPES = {
     "llama-3.2-1b": ("llama", dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -248,6 +248,10 @@ def converted(config, hf_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterato
     rope = rope_parameters(config)
     if rope.get("rope_type") == "llama3":
         yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_factors(head_dim_of(config), rope)
+    if rope.get("rope_type") == "longrope":  # Phi-3.5 / Phi-4-mini: the factors as tensors
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+            yield gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(rope[key], dtype=torch.float32)
     names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
     for hf_name, values in hf_tensors:
         stem, _, suffix = hf_name.rpartition(".")
@@ -499,8 +503,12 @@ def add_metadata(writer: GGUFWriter, config, ftype: LlamaFileType) -> None:
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "longrope":  # the factors are tensors; the converter's attention factor
+        scale = config.max_position_embeddings / config.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)) if scale > 1 else 1.0)
     elif rope_type not in ("default", "llama3"):  # llama3 is the rope_freqs tensor
-        raise SpecdraftError(f"Rope type {rope_type!r} is not written here (default, linear, llama3 are).")
+        raise SpecdraftError(f"Rope type {rope_type!r} is not written here (default, linear, llama3, longrope are).")
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "head_dim", None):
         writer.add_key_length(config.head_dim)

@@ -42,7 +42,7 @@ LAYER_NORMS = {"pre-norm": ("input_layernorm", None, "post_attention_layernorm",
                "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                             "post_feedforward_layernorm")}
 FREQUENCY_FACTORS = "rope_freqs"  # Llama 3.1+: per-pair divisors of the rotary frequencies
-# Phi-3.5 / Phi-4-mini's LongRoPE: factors that change with the context and scale the rotary; not computed here yet
+# Phi-3.5 / Phi-4-mini's LongRoPE factors, which `gguf_config` reads into the config's rotary parameters
 LONGROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
 
 

@@ -5,7 +5,8 @@ config parser (5.x) leaves at its defaults:
 - Gemma 2 / 3: `query_pre_attn_scalar` (llama.cpp scales queries by 1/sqrt(head_dim), or by
   1/sqrt(hidden / heads) for the 27B shape), which layers slide (`sliding_window_pattern`) and Gemma 3's
   sliding layers' rotary base (`rope.freq_base_swa`), the logit soft-caps;
-- Phi-3: the rotary's share of each head (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dimensions);
+- Phi-3: the rotary's share of each head (`rope.dimension_count`: Phi-4-mini turns 96 of 128 dimensions), and
+  Phi-3.5 / Phi-4-mini's LongRoPE factors (tensors in the file) as transformers' `longrope` parameters;
 - Llama 3.1+: the rotary scaling, which the file holds only as a `rope_freqs` tensor of frequency factors,
   recovered as transformers' `llama3` rope parameters when the factors are that scaling's (else left to the
   packed loader, which divides the frequencies by the factors itself);
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdraft.models.architectures import ARCHITECTURES, head_dim_of
+from specdraft.models.architectures import ARCHITECTURES, LONGROPE_FACTORS, head_dim_of
 from specdraft.models.gguf_header import GgufHeader, read_header
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -100,6 +101,8 @@ def complete_config(config, header: GgufHeader, path: Path):
             setattr(config, key, header.get(f"{arch}.{key}"))
     if arch == "phi3" and (dims := header.get("phi3.rope.dimension_count")) is not None:
         config.rope_parameters["partial_rotary_factor"] = dims / head_dim
+    if arch == "phi3":
+        _read_longrope(config, header, path)
     factors = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
     if arch == "llama" and factors is not None and factors.type_name == "F32":
         factors = torch.from_numpy(np.fromfile(path, dtype=np.float32, count=factors.shape[-1], offset=factors.offset))
@@ -110,6 +113,27 @@ def complete_config(config, header: GgufHeader, path: Path):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= config.vocab_size:
             setattr(config, key, None)
     return config
+
+
+def _read_longrope(config, header: GgufHeader, path: Path) -> None:
+    """Phi-3.5 / Phi-4-mini's LongRoPE: the file's `rope_factors_long` / `_short` tensors and attention factor as
+    transformers' `longrope` parameters. The context is held to the pretraining length: there transformers (the
+    reference) rotates with the short factors alone; past it, it switches every position of a pass to the long ones,
+    so a verify pass crossing the length would rotate differently from one-token decoding."""
+    factors = {entry.name.split(".")[0]: entry for entry in header.tensors if entry.name.split(".")[0] in LONGROPE_FACTORS}
+    original = header.get("phi3.rope.scaling.original_context_length")
+    if set(factors) != set(LONGROPE_FACTORS) or original is None or any(e.type_name != "F32" for e in factors.values()):
+        return  # not LongRoPE, or not as llama.cpp writes it: the loaders refuse the file (`longrope_refusal`)
+
+    def values(entry) -> list[float]:
+        return np.fromfile(path, dtype=np.float32, count=entry.shape[-1], offset=entry.offset).tolist()
+    rope = {**config.rope_parameters, "rope_type": "longrope", "long_factor": values(factors["rope_factors_long"]),
+            "short_factor": values(factors["rope_factors_short"]), "original_max_position_embeddings": int(original),
+            "factor": config.max_position_embeddings / original}
+    if (attention := header.get("phi3.rope.scaling.attn_factor")) is not None:
+        rope["attention_factor"] = float(attention)
+    config.rope_parameters = rope
+    config.original_max_position_embeddings = config.max_position_embeddings = int(original)
 
 
 def gguf_config(path: Path):

@@ -238,10 +238,15 @@ def describe_packing(model: nn.Module) -> str:
 
 
 def longrope_refusal(path: Path) -> str:
-    """Why a file with LongRoPE factors is refused, in words."""
-    return (f"{path.name} scales its rotary with LongRoPE factors (rope_factors_long / rope_factors_short: Phi-3.5, "
-            "Phi-4-mini), which specdraft does not compute yet, and transformers' GGUF loader ignores; its output "
-            "would be wrong, so it is not loaded.")
+    """Why a file with LongRoPE factors that the config does not carry is refused, in words."""
+    return (f"{path.name} has LongRoPE factors (rope_factors_long / rope_factors_short) that are not as llama.cpp's "
+            "converter writes Phi-3.5 and Phi-4-mini (both F32 tensors beside phi3.rope.scaling.original_context_"
+            "length), so its rotary cannot be read; its output would be wrong, so it is not loaded.")
+
+
+def reads_longrope(config) -> bool:
+    """Whether the config carries a file's LongRoPE factors (`gguf_config`), so its factor tensors are read."""
+    return (getattr(config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
 
 
 def packed_obstacle(config) -> str | None:
@@ -275,6 +280,8 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
             place = arch.module_path(entry.name)
         except KeyError:
             if entry.name.split(".")[0] in LONGROPE_FACTORS:
+                if reads_longrope(config):
+                    continue  # the config holds them
                 raise SpecdraftError(longrope_refusal(path)) from None
             raise SpecdraftError(f"Unexpected tensor {entry.name!r} for a {arch.name} model in {path.name}; "
                                  "load it with --gguf-weights unpacked.") from None

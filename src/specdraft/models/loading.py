@@ -132,10 +132,10 @@ def _refuse_unread_frequency_factors(path: Path, config) -> None:
     (`gguf_config` recovers Llama 3's), the unpacked model would rotate wrongly: refuse, naming the way out."""
     from specdraft.models.architectures import LONGROPE_FACTORS
     from specdraft.models.gguf_header import read_header
-    from specdraft.models.gguf_native import longrope_refusal
+    from specdraft.models.gguf_native import longrope_refusal, reads_longrope
 
     names = {entry.name.split(".")[0] for entry in read_header(path).tensors}
-    if names & set(LONGROPE_FACTORS):
+    if names & set(LONGROPE_FACTORS) and not reads_longrope(config):
         raise SpecdraftError(longrope_refusal(path))
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
