@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specdraft.models.architectures import ARCHITECTURES, LONGROPE_FACTORS, head_dim_of
-from specdraft.models.gguf_header import GgufHeader, read_header
+from specdraft.models.gguf_header import GgufHeader, TensorEntry, read_header
 
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # Llama 3.1 / 3.2 / 3.3's published scaling
@@ -79,6 +79,11 @@ def transformers_config_dict(header: GgufHeader) -> dict:
     return config
 
 
+def _f32_vector(path: Path, entry: TensorEntry) -> np.ndarray:
+    """A one-dimensional F32 tensor of the file (rotary factors), read where the header says it lies."""
+    return np.fromfile(path, dtype=np.float32, count=entry.shape[-1], offset=entry.offset)
+
+
 def complete_config(config, header: GgufHeader, path: Path):
     """`config` (transformers' parse of the GGUF file at `path`, whose header is `header`) completed as the
     module's text says; returns it."""
@@ -105,7 +110,7 @@ def complete_config(config, header: GgufHeader, path: Path):
         _read_longrope(config, header, path)
     factors = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
     if arch == "llama" and factors is not None and factors.type_name == "F32":
-        factors = torch.from_numpy(np.fromfile(path, dtype=np.float32, count=factors.shape[-1], offset=factors.offset))
+        factors = torch.from_numpy(_f32_vector(path, factors))
         rope = {**LLAMA3_ROPE, "rope_theta": config.rope_parameters["rope_theta"], "factor": float(factors.max())}
         if torch.allclose(llama3_rope_factors(head_dim, rope), factors):
             config.rope_parameters = rope
@@ -124,12 +129,10 @@ def _read_longrope(config, header: GgufHeader, path: Path) -> None:
     original = header.get("phi3.rope.scaling.original_context_length")
     if set(factors) != set(LONGROPE_FACTORS) or original is None or any(e.type_name != "F32" for e in factors.values()):
         return  # not LongRoPE, or not as llama.cpp writes it: the loaders refuse the file (`longrope_refusal`)
-
-    def values(entry) -> list[float]:
-        return np.fromfile(path, dtype=np.float32, count=entry.shape[-1], offset=entry.offset).tolist()
-    rope = {**config.rope_parameters, "rope_type": "longrope", "long_factor": values(factors["rope_factors_long"]),
-            "short_factor": values(factors["rope_factors_short"]), "original_max_position_embeddings": int(original),
-            "factor": config.max_position_embeddings / original}
+    rope = {**config.rope_parameters, "rope_type": "longrope",
+            "long_factor": _f32_vector(path, factors["rope_factors_long"]).tolist(),
+            "short_factor": _f32_vector(path, factors["rope_factors_short"]).tolist(),
+            "original_max_position_embeddings": int(original), "factor": config.max_position_embeddings / original}
     if (attention := header.get("phi3.rope.scaling.attn_factor")) is not None:
         rope["attention_factor"] = float(attention)
     config.rope_parameters = rope
