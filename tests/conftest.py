@@ -33,18 +33,32 @@ CORPUS = [
 ] * 20
 
 
-def _tile_kernel_params():
-    """(kernel module, dot flavour) pairs: AMX where granted; the AVX-512 kernels in each flavour this CPU runs; AVX2."""
-    from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles
+def avx512_library(flavour: str):
+    """The AVX-512 library built with the tiles' `flavour` dot product (no AMX), or None where it does not run here."""
+    from specdraft.kernels import bindings
 
-    return [pytest.param((amx_tiles, None), id="amx",
-                         marks=pytest.mark.skipif(not amx_tiles.available(), reason="no AMX (or not granted) on this CPU"))] + [
-        pytest.param((avx512_tiles, flavour), id=f"avx512-{flavour}",
-                     marks=pytest.mark.skipif(avx512_tiles._built(flavour) is None,
+    return bindings.library(bindings.Build("avx512", flavour))
+
+
+def avx2_library(avx_vnni: bool = False):
+    """The AVX2 library (with AVX-VNNI where asked), or None where it does not run here."""
+    from specdraft.kernels import bindings
+
+    return bindings.library(bindings.Build("avx2", avx_vnni=avx_vnni))
+
+
+def _tile_kernel_params():
+    """(kernel, dot flavour) pairs: AMX where granted; the AVX-512 kernels in each flavour this CPU runs; AVX2."""
+    from specdraft.kernels import tiles
+
+    return [pytest.param((tiles.AMX, None), id="amx",
+                         marks=pytest.mark.skipif(not tiles.AMX.available(), reason="no AMX (or not granted) on this CPU"))] + [
+        pytest.param((tiles.AVX512, flavour), id=f"avx512-{flavour}",
+                     marks=pytest.mark.skipif(avx512_library(flavour) is None,
                                               reason=f"the AVX-512 {flavour} tile kernels do not run on this CPU"))
         for flavour in ("int16", "bf16")] + [
-        pytest.param((avx2_tiles, None), id="avx2",
-                     marks=pytest.mark.skipif(avx2_tiles._library() is None, reason="no AVX2 (or no C compiler) here"))]
+        pytest.param((tiles.AVX2, None), id="avx2",
+                     marks=pytest.mark.skipif(avx2_library() is None, reason="no AVX2 (or no C compiler) here"))]
 
 
 @pytest.fixture(params=_tile_kernel_params())
@@ -60,9 +74,7 @@ def tile_kernel(request, monkeypatch):
 @pytest.fixture(params=["int16", "bf16"])
 def tile_dots(request, monkeypatch):
     """Each dot flavour of the AVX-512 tile kernels this CPU runs, set for the whole test (decoder and prompt kernels too)."""
-    from specdraft.kernels import avx512_tiles
-
-    if avx512_tiles._built(request.param) is None:
+    if avx512_library(request.param) is None:
         pytest.skip(f"the AVX-512 {request.param} tile kernels do not run on this CPU")
     monkeypatch.setenv("SPECDRAFT_TILE_DOTS", request.param)
     return request.param
@@ -71,14 +83,14 @@ def tile_dots(request, monkeypatch):
 def activations_as_multiplied(x: torch.Tensor, kernel) -> torch.Tensor:
     """x `[tokens, K]` bf16 as `kernel` multiplies it, in float64: the int16 grid under AVX2 and the AVX-512 int16
     flavour, else x itself."""
-    from specdraft.kernels import avx2_tiles, avx512_tiles, tile_dots
+    from specdraft.kernels import numerics, tiles
 
-    on_grid = kernel is avx2_tiles or (kernel is avx512_tiles and tile_dots.dots() == "int16")
+    on_grid = kernel is tiles.AVX2 or (kernel is tiles.AVX512 and numerics.current().tile_dots == "int16")
     return int16_activation_grid(x) if on_grid else x.double()
 
 
 def int16_activation_grid(x: torch.Tensor) -> torch.Tensor:
-    """x `[tokens, K]` as the AVX-512 tile kernels multiply it (`avx512_tiles.c`): each token's 16 inputs at a
+    """x `[tokens, K]` as the AVX-512 tile kernels multiply it (`native/avx512/tiles.h`): each token's 16 inputs at a
     time rounded (ties to even) to a multiple of 2^e, e = floor(log2 max|x|) − 14 (0 where all 16 are zero).
     Independent of the kernel's own code: frexp gives the exponent, torch.round the rounding."""
     groups = x.float().view(x.shape[0], -1, 16)  # [T, K/16, 16]

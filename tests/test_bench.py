@@ -486,7 +486,7 @@ def test_machine_block_records_what_llama_cpp_reports(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", FakeLlamaCpp(script=[]))
     info = machine_info(torch.device("cpu"), llama_cpp=True)
     assert info["llama_cpp_system_info"] == "CPU : SSE3 = 1 | AVX2 = 1 |"  # bytes decoded
-    assert set(info["kernels"]) == {"isa", "tiles", "int8_activations", "avx_vnni", "SPECDRAFT_ISA"}
+    assert set(info["kernels"]) == {"isa", "tiles", "int8_activations", "avx_vnni", "SPECDRAFT_ISA", "tile_dots"}
     assert "llama_cpp_system_info" not in machine_info(torch.device("cpu"))
 
 

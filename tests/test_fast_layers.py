@@ -13,7 +13,9 @@ from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, M
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import amx_tiles, avx512_tiles, decoder_layers, gguf_matmul, isa, layer_ops, tiles
+from specdraft.kernels import bindings, decoder_layers, gguf_matmul, isa, layer_ops, numerics, tiles
+
+from conftest import avx2_library, avx512_library
 from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
@@ -255,11 +257,11 @@ def decoder_build(request, monkeypatch):
     where the CPU has more)."""
     level, _, flavour = request.param.partition("-")
     if level == "avx2":
-        if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags() or decoder_layers._built("avx2", "int16", False) is None:
+        if avx2_library() is None:
             pytest.skip("the AVX2 decoder does not run on this CPU")
-        monkeypatch.setenv(isa.VARIABLE, "avx2")
+        monkeypatch.setenv(numerics.ISA_VARIABLE, "avx2")
     else:
-        if isa.detected() not in ("avx512", "amx") or avx512_tiles._built(flavour) is None:
+        if not numerics.current().allows("avx512") or avx512_library(flavour) is None:
             pytest.skip(f"the AVX-512 {flavour} tile kernels do not run on this CPU")
         monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
     assert decoder_layers.level() == level
@@ -269,17 +271,17 @@ def decoder_build(request, monkeypatch):
 @tiles_run
 @fused_run
 @pytest.mark.parametrize("build", [int4_model, mixed_model, split_model])
-@pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
+@pytest.mark.parametrize("kernel", [None, tiles.AVX512], ids=["fastest", "avx512"])
 def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decoder_build, monkeypatch):
     if kernel is not None:  # on an AMX machine, also the AVX-512 4-bit runs (the decoder's AMX build takes both)
         if decoder_build != "avx512":
             pytest.skip("AVX-512 tiles run under the AVX-512 decoder only")
-        monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
     model = build()
     fast_decoder_layers(model)
     fused = fused_decoder(model)
     assert fused is not None and len(fused.table) == 2
-    int4_kind = decoder_layers.INT4_AMX if kernel is None and amx_tiles.available() else decoder_layers.INT4
+    int4_kind = decoder_layers.INT4_AMX if kernel is None and tiles.AMX.available() else decoder_layers.INT4
     assert fused.table[1].qkv.run[0].kind == int4_kind
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
@@ -306,7 +308,7 @@ def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build,
 @tiles_run
 @fused_run
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
-@pytest.mark.parametrize("kernel", [None, avx512_tiles], ids=["fastest", "avx512"])
+@pytest.mark.parametrize("kernel", [None, tiles.AVX512], ids=["fastest", "avx512"])
 def test_fused_sliding_window_layers_match_past_their_window(family, kernel, decoder_build, monkeypatch):
     """Gemma 3's sliding layer (a window of 4) and Mistral's windowed layers (a window of 6) attend to the last
     tokens only, on the fused stack as on the PyTorch path, bit for bit, over passes that reach 38 tokens and cut
@@ -314,7 +316,7 @@ def test_fused_sliding_window_layers_match_past_their_window(family, kernel, dec
     if kernel is not None:
         if decoder_build != "avx512":
             pytest.skip("AVX-512 tiles run under the AVX-512 decoder only")
-        monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
     model = int4_model(family=family, **({"sliding_window": 6} if family == "mistral" else {}))
     fast_decoder_layers(model)
     fused = fused_decoder(model)
@@ -408,6 +410,6 @@ def test_silu_mul_without_pytorchs_exp_stays_within_a_bf16_step():
         library.use_exp(None)
         got = decoder_layers.silu_mul(gate_up)
     finally:
-        library.use_exp(decoder_layers._torch_exp(decoder_layers.level()))
+        library.use_exp(bindings._torch_exp(bindings.LIBRARIES[decoder_layers.level()].torch_exp))
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3)
     assert (got != want).float().mean() < 0.02

@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, tiles
+from specdraft.kernels import gguf_matmul, int4_layout, isa, numerics, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import dequantize, q4_affine, q4k_affine, q6k_unpack, split_affine, unpack_rows
@@ -397,7 +397,7 @@ def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
     kernel = tile_kernel
     raw = torch.from_numpy(random_q6k(48, 3, np.random.default_rng(tokens)))  # [48, 630]
     weight = q6k_unpack(raw)  # [48, 768]
-    packed = gguf_matmul.pack_q6k(raw, kernel.TILE_LAYOUT)
+    packed = gguf_matmul.pack_q6k(raw, kernel.layout)
     assert packed.tiles.numel() == 48 * 768 * 13 // 16  # 6.5 bits a weight, as in the file
     x = torch.randn(tokens, 768, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     got = kernel.q6k_matmul(packed.tiles, packed.d, x, 48)  # [T, N]
@@ -445,15 +445,15 @@ def test_q6k_linears_take_the_fastest_kernel_the_isa_allows(level, monkeypatch):
     """AMX where granted, else AVX-512, else AVX2; `SPECDRAFT_ISA` forces a lower level on a bigger CPU."""
     if not isa.CPU_FLAGS[level] <= isa.cpu_flags():
         pytest.skip(f"this CPU has no {level}")
-    monkeypatch.setenv(isa.VARIABLE, level)
+    monkeypatch.setenv(numerics.ISA_VARIABLE, level)
     raw = torch.from_numpy(random_q6k(16, 1, np.random.default_rng(0)))
     x = torch.randn(2, 256).bfloat16()
-    kernel = next(k for k in (amx_tiles, avx512_tiles, avx2_tiles) if isa.allows(tiles.kernel_name(k)) and k._library())
+    kernel = next(k for k in tiles.KERNELS if numerics.current().allows(k.level) and k.library())
     assert tiles.tile_kernel() is kernel
-    packed = gguf_matmul.pack_q6k(raw, kernel.TILE_LAYOUT)
+    packed = gguf_matmul.pack_q6k(raw, kernel.layout)
     assert torch.equal(gguf_matmul.block_matmul(packed, x), kernel.q6k_matmul(packed.tiles, packed.d, x, 16))
-    other = int4_layout.QUADS if kernel.TILE_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
-    with pytest.raises(ValueError, match=f"reads {kernel.TILE_LAYOUT} tiles; the matrix was packed as {other}"):
+    other = int4_layout.QUADS if kernel.layout == int4_layout.PAIRS else int4_layout.PAIRS
+    with pytest.raises(ValueError, match=f"reads {kernel.layout} tiles; the matrix was packed as {other}"):
         gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw, other), x)
 
 

@@ -1,17 +1,14 @@
 """The int4 tile kernels (AMX; AVX-512 on int16 or bf16 dot products): x · (s·q − m) to float32 rounding,
 the same per token at any pass width, and Int4Linear's choice among them and PyTorch's kernel."""
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import activations_as_multiplied
+from conftest import activations_as_multiplied, avx2_library, avx512_library
 from test_gguf_native import random_q6k
-from specdraft.errors import SpecdraftError
-from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, build, gguf_matmul, int4_layout, isa,
-                               prompt_pass, tile_dots, tiles, vnni_tiles)
+from specdraft.kernels import bindings, gguf_matmul, int4_layout, numerics, prompt_pass, tiles
 from specdraft.models.quantize import Int4Linear
 
 
@@ -34,7 +31,7 @@ def test_matches_the_dequantized_weight(tile_kernel, tokens, inputs):
     kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(96, inputs)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
-    out = kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT), x)  # [T, N]
+    out = kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.layout), x)  # [T, N]
     expected = activations_as_multiplied(x, kernel) @ weight.double().T
     assert out.dtype == torch.float32 and out.shape == (tokens, 96)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -44,15 +41,15 @@ def test_each_token_is_computed_alone(tile_kernel):
     """A token's output is bit-identical whether it runs alone or among 19 (verify pass == decode step)."""
     kernel = tile_kernel
     codes, scale, minimum, _ = affine_matrix(64, 128, seed=1)
-    packed = int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT)
+    packed = int4_layout.pack(codes, scale, minimum, kernel.layout)
     x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     together = kernel.matmul(packed, x)
     for i in range(19):
         assert torch.equal(kernel.matmul(packed, x[i:i + 1])[0], together[i])
     with pytest.raises(ValueError, match=r"\[tokens, 128\]"):
         kernel.matmul(packed, x[:, :64])
-    other = int4_layout.QUADS if kernel.TILE_LAYOUT == int4_layout.PAIRS else int4_layout.PAIRS
-    with pytest.raises(ValueError, match=f"reads {kernel.TILE_LAYOUT} tiles; the matrix was packed as {other}"):
+    other = int4_layout.QUADS if kernel.layout == int4_layout.PAIRS else int4_layout.PAIRS
+    with pytest.raises(ValueError, match=f"reads {kernel.layout} tiles; the matrix was packed as {other}"):
         kernel.matmul(int4_layout.pack(codes, scale, minimum, other), x)
 
 
@@ -90,11 +87,11 @@ def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatc
     kernel = tile_kernel
     codes, scale, minimum, weight = affine_matrix(64, 128, seed=4)
     bias = torch.randn(64)
-    monkeypatch.setattr(tiles, "tile_kernel", lambda: kernel)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
     on_tiles = Int4Linear.from_affine(codes, scale, minimum, bias)
-    monkeypatch.setattr(tiles, "tile_kernel", lambda: None)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: None)
     on_torch = Int4Linear.from_affine(codes, scale, minimum, bias)
-    assert on_tiles.tiles is not None and on_tiles.tile_matmul is kernel.matmul and on_torch.tiles is None
+    assert on_tiles.tiles is not None and on_tiles.tile_matmul == kernel.matmul and on_torch.tiles is None
     x = torch.randn(1, tokens, 128, generator=torch.Generator().manual_seed(5)).bfloat16()  # [1, T, K]
     expected = (x.float() @ weight.T + bias.bfloat16().float()).bfloat16().float()
     for module in (on_tiles, on_torch):
@@ -106,14 +103,24 @@ def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatc
 
 
 def test_int4_linear_prefers_amx_then_avx512_then_avx2_then_pytorch(monkeypatch):
-    for kernel in (amx_tiles, avx512_tiles, avx2_tiles):
-        monkeypatch.setattr(kernel, "available", lambda: True)
-    for kernel in (amx_tiles, avx512_tiles, avx2_tiles):
+    runs = {kernel.name: True for kernel in tiles.KERNELS}
+    monkeypatch.setattr(tiles.TileKernel, "available", lambda self, config=None: runs[self.name])
+    for kernel in tiles.KERNELS:
         assert tiles.tile_kernel() is kernel and tiles.kernel_name(kernel) in ("amx", "avx512", "avx2")
-        monkeypatch.setattr(kernel, "available", lambda: False)
+        runs[kernel.name] = False
     assert tiles.tile_kernel() is None and tiles.kernel_name(None) == "torch"
     codes, scale, minimum, _ = affine_matrix(32, 64, seed=7)
     assert Int4Linear.from_affine(codes, scale, minimum).tiles is None  # PyTorch's layout instead
+
+
+def test_a_tile_kernel_pickles_as_itself():
+    """A kept packed model's linears name their kernel: unpickled, it is the same object (the fused decoder finds
+    its projections by it)."""
+    import pickle
+
+    for kernel in tiles.KERNELS:
+        assert pickle.loads(pickle.dumps(kernel)) is kernel
+        assert pickle.loads(pickle.dumps(kernel.matmul)) == kernel.matmul
 
 
 def test_packing_in_row_slices_changes_nothing(monkeypatch):
@@ -127,39 +134,15 @@ def test_packing_in_row_slices_changes_nothing(monkeypatch):
             assert torch.equal(getattr(whole, name), getattr(sliced, name))
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
-def test_avx512_kernels_build_for_cpus_without_bf16(monkeypatch):
-    """The AVX-512 tile kernels use VNNI alone, so Cascade Lake and Ice Lake (VNNI, no BF16) run them: the source
-    builds without -mavx512bf16 on such a CPU's flags (a BF16 instruction in it would fail this build)."""
-    assert "avx512_bf16" not in avx512_tiles._REQUIRED_CPU_FLAGS and "-mavx512bf16" not in avx512_tiles._FLAGS
-    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"})
-    library = build.compiled_library(avx512_tiles._SOURCE, avx512_tiles._FLAGS, avx512_tiles._REQUIRED_CPU_FLAGS, "test")
-    assert library is not None and hasattr(library, "int4_avx512_matmul") and hasattr(library, "q6k_matmul")
+def test_the_bf16_dots_are_a_build_option_of_the_avx512_library():
+    """The bf16 build asks for its define (the AVX-512 library needs BF16 anyway); the int16 build for nothing more."""
+    assert bindings.Build("avx512", "int16").options() == [] and bindings.Build("avx2", "bf16").options() == []
+    assert bindings.Build("avx512", "bf16").options() == ["tile_dots_bf16"]
+    assert bindings.VARIANTS["tile_dots_bf16"][0] == ("-DTILE_DOTS_BF16",)
+    assert "avx512_bf16" in bindings.LIBRARIES["avx512"].cpu_flags
 
 
-def test_the_dot_flavour_follows_the_cpu_and_the_variable(monkeypatch):
-    """bf16 dot products on AMD CPUs with AVX-512 BF16, int16 elsewhere; `SPECDRAFT_TILE_DOTS` overrides, a wrong
-    value is a clear error; the bf16 build asks for the BF16 flag and instructions, the int16 build for neither."""
-    monkeypatch.delenv(tile_dots.VARIABLE, raising=False)
-    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "fma"}
-    for vendor, flags, want in [("AuthenticAMD", avx512 | {"avx512_bf16"}, "bf16"), ("AuthenticAMD", avx512, "int16"),
-                                ("GenuineIntel", avx512 | {"avx512_bf16"}, "int16"), ("", set(), "int16")]:
-        monkeypatch.setattr(tile_dots, "cpu_vendor", lambda: vendor)
-        monkeypatch.setattr(tile_dots, "cpu_flags", lambda: flags)
-        tile_dots._for_this_cpu.cache_clear()
-        assert tile_dots.dots() == want, vendor
-    tile_dots._for_this_cpu.cache_clear()
-    monkeypatch.setenv(tile_dots.VARIABLE, "BF16")
-    assert tile_dots.dots() == "bf16"
-    monkeypatch.setenv(tile_dots.VARIABLE, "fp8")
-    with pytest.raises(SpecdraftError, match="SPECDRAFT_TILE_DOTS must be one of int16, bf16"):
-        tile_dots.dots()
-    assert tile_dots.build_options("int16") == ([], set())
-    flags, required = tile_dots.build_options("bf16")
-    assert "-DTILE_DOTS_BF16" in flags and "-mavx512bf16" in flags and required == {"avx512_bf16"}
-
-
-@pytest.mark.skipif(avx512_tiles._built("int16") is None or avx512_tiles._built("bf16") is None,
+@pytest.mark.skipif(avx512_library("int16") is None or avx512_library("bf16") is None,
                     reason="needs both AVX-512 flavours")
 def test_the_two_flavours_are_two_builds_of_one_function():
     """Both flavours compute x · W^T to float32 rounding of what they multiply, but not with the same bits: the
@@ -167,13 +150,13 @@ def test_the_two_flavours_are_two_builds_of_one_function():
     codes, scale, minimum, weight = affine_matrix(64, 256, seed=8)
     packed = int4_layout.pack(codes, scale, minimum)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
-    out = {flavour: int4_layout.run_tile_kernel(avx512_tiles._built(flavour).int4_avx512_matmul, packed, x, int4_layout.PAIRS)
+    out = {flavour: int4_layout.run_tile_kernel(avx512_library(flavour).int4_matmul, packed, x, int4_layout.PAIRS)
            for flavour in ("int16", "bf16")}
     assert not torch.equal(out["int16"], out["bf16"])
     torch.testing.assert_close(out["int16"], out["bf16"], rtol=1e-4, atol=1e-4 * out["bf16"].abs().max().item())
 
 
-@pytest.mark.skipif(avx2_tiles._library() is None or avx512_tiles._built("int16") is None,
+@pytest.mark.skipif(avx2_library() is None or avx512_library("int16") is None,
                     reason="needs the AVX2 and the AVX-512 int16 tile kernels on one CPU")
 @pytest.mark.parametrize("tokens", [1, 3, 6, 11])
 def test_avx2_gives_the_avx512_int16_bits(tokens):
@@ -182,22 +165,22 @@ def test_avx2_gives_the_avx512_int16_bits(tokens):
     codes, scale, minimum, _ = affine_matrix(64, 256, seed=10)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
     x[0, :16] *= 300.0  # a huge activation (an attention sink's) coarsens its 16's grid alone
-    wide = int4_layout.run_tile_kernel(avx512_tiles._built("int16").int4_avx512_matmul,
+    wide = int4_layout.run_tile_kernel(avx512_library("int16").int4_matmul,
                                        int4_layout.pack(codes, scale, minimum), x, int4_layout.PAIRS)
-    assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+    assert torch.equal(tiles.AVX2.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
     raw = torch.from_numpy(random_q6k(32, 1, np.random.default_rng(tokens)))  # [32, 210]: K = 256
     q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
     wide = torch.empty(tokens, 32)
-    avx512_tiles._built("int16").q6k_matmul(q6_pairs.tiles.data_ptr(), q6_pairs.d.data_ptr(), x.data_ptr(),
+    avx512_library("int16").q6k_matmul(q6_pairs.tiles.data_ptr(), q6_pairs.d.data_ptr(), x.data_ptr(),
                                             wide.data_ptr(), 32, 256, tokens)
-    assert torch.equal(avx2_tiles.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide)
+    assert torch.equal(tiles.AVX2.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide)
 
 
-@pytest.mark.skipif(not vnni_tiles.available() or vnni_tiles._built("int16") is None or avx2_prompt._library() is None,
+@pytest.mark.skipif(not tiles.AVX512.available() or avx512_library("int16") is None or avx2_library() is None,
                     reason="needs the AVX-512 VNNI and the AVX2 prompt kernels on one CPU")
 @pytest.mark.parametrize("tokens", [1, 5, 19])
 def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
-    """The AVX2 prompt kernels compute `vnni_tiles.c`'s function in its order: the same bits (int16 tiles for the
+    """The AVX2 prompt kernels compute the AVX-512 library's `int8_tiles.h` function in its order: the same bits (int16 tiles for the
     leading precise row on both), 4-bit and Q6_K, each kernel on its own tile layout."""
     codes, scale, minimum, _ = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
@@ -205,8 +188,8 @@ def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
     raw = torch.from_numpy(random_q6k(32, 2, np.random.default_rng(tokens)))  # [32, 420]: K = 512
     q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
     with prompt_pass.prompt_pass(starts_sequence=True):
-        wide = avx512_tiles.matmul(int4_layout.pack(codes, scale, minimum), x)
-        wide_q6 = avx512_tiles.q6k_matmul(q6_pairs.tiles, q6_pairs.d, x, 32)
-        monkeypatch.setenv(isa.VARIABLE, "avx2")
-        assert torch.equal(avx2_tiles.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
-        assert torch.equal(avx2_tiles.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide_q6)
+        wide = tiles.AVX512.matmul(int4_layout.pack(codes, scale, minimum), x)
+        wide_q6 = tiles.AVX512.q6k_matmul(q6_pairs.tiles, q6_pairs.d, x, 32)
+        monkeypatch.setenv(numerics.ISA_VARIABLE, "avx2")
+        assert torch.equal(tiles.AVX2.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+        assert torch.equal(tiles.AVX2.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide_q6)

@@ -22,7 +22,7 @@ def level(request, monkeypatch):
     if request.param == "avx2":
         if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags():
             pytest.skip("no AVX2 on this CPU")
-        monkeypatch.setenv(isa.VARIABLE, "avx2")
+        monkeypatch.setenv("SPECDRAFT_ISA", "avx2")
     elif isa.detected() != "avx512":
         pytest.skip("the AVX-512 kernels do not run here (or AMX does, where prefixes are not reused)")
     if decoder_layers.level() != request.param:

@@ -1,4 +1,4 @@
-"""Prompt passes on int8 activations (`kernels/vnni_tiles` on AVX-512, `kernels/avx2_prompt` on AVX2): the 4-bit
+"""Prompt passes on int8 activations (each native library's `int8_tiles.h`: VNNI on AVX-512, AVX2 or AVX-VNNI): the 4-bit
 and Q6_K tiles times activations quantized per group of 32, only inside `prompt_pass()` (which `CausalLM.prefill`
 opens), each token computed alone; speculation stays exact against plain decoding with them. Every test runs on
 each build this CPU runs (AVX2 forced by `SPECDRAFT_ISA` where the CPU has more)."""
@@ -8,36 +8,42 @@ import torch
 
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.kernels import (amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, gguf_matmul, int4_layout, isa, prompt_pass, tiles,
-                               vnni_tiles)
+from specdraft.kernels import gguf_matmul, int4_layout, isa, numerics, prompt_pass, tiles
 from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_blocks import dequantize
 from test_fast_layers import int4_model, random_q6k_raw
 from test_int4_tiles import affine_matrix
 
+from conftest import avx2_library, avx512_library
+
 
 @pytest.fixture(autouse=True, params=["avx512-int16", "avx512-bf16", "avx2", "avx2-vnni"])
 def prompt_tiles(request, monkeypatch):
-    """(tile kernel module, prompt kernel module) of each build this CPU runs; the tile kernel is the one models use.
+    """The tile kernel of each library build this CPU runs, the one models use (its int8 passes on the same library).
     `avx2`: without AVX-VNNI (as on a Zen 3), `avx2-vnni`: with it, where the CPU has it."""
     level, _, flavour = request.param.partition("-")
     if level == "avx2":
-        if flavour == "vnni" and not isa.AVX_VNNI_BUILD[1] <= isa.cpu_flags():
+        if flavour == "vnni" and not isa.AVX_VNNI_CPU_FLAGS <= isa.cpu_flags():
             pytest.skip("no AVX-VNNI on this CPU")
-        monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, "1" if flavour == "vnni" else "0")
-        if not isa.CPU_FLAGS["avx2"] <= isa.cpu_flags() or avx2_prompt._library() is None:
-            pytest.skip("the AVX2 prompt kernels do not run on this CPU")
-        monkeypatch.setenv(isa.VARIABLE, "avx2")
-        kernels = (avx2_tiles, avx2_prompt)
+        monkeypatch.setenv(numerics.AVX_VNNI_VARIABLE, "1" if flavour == "vnni" else "0")
+        if avx2_library(flavour == "vnni") is None:
+            pytest.skip("the AVX2 library does not run on this CPU")
+        monkeypatch.setenv(numerics.ISA_VARIABLE, "avx2")
+        kernel = tiles.AVX2
     else:
-        if not vnni_tiles.available() or vnni_tiles._built(flavour) is None:
+        if not tiles.AVX512.available() or avx512_library(flavour) is None:
             pytest.skip(f"no AVX-512 VNNI + BF16 ({flavour} tiles) on this CPU")
-        monkeypatch.setenv("SPECDRAFT_TILE_DOTS", flavour)
-        kernels = (avx512_tiles, vnni_tiles)
-    monkeypatch.setattr(tiles, "tile_kernel", lambda: kernels[0])  # the prompt kernels' tiles (on AMX too)
-    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")  # prompt passes only (`every` has its own tests below)
-    return kernels
+        monkeypatch.setenv(numerics.TILE_DOTS_VARIABLE, flavour)
+        kernel = tiles.AVX512
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)  # the int8 kernels' tiles (on AMX too)
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "prompt")  # prompt passes only (`every` has its own tests below)
+    return kernel
+
+
+def int8_active() -> bool:
+    """Whether a matmul now runs on int8 activations (inside an enabled pass context)."""
+    return prompt_pass.precise_rows() is not None
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -48,13 +54,13 @@ def int4_case(tokens: int):
     codes, scale, minimum, weight = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()  # [T, K]
     kernel = tiles.tile_kernel()
-    return (lambda inputs: kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.TILE_LAYOUT), inputs)), x, x.double() @ weight.double().T
+    return (lambda inputs: kernel.matmul(int4_layout.pack(codes, scale, minimum, kernel.layout), inputs)), x, x.double() @ weight.double().T
 
 
 def q6k_case(tokens: int):
     raw = random_q6k_raw(48, 512, seed=tokens)
     kernel = tiles.tile_kernel()
-    packed = gguf_matmul.pack_q6k(torch.from_numpy(raw), kernel.TILE_LAYOUT)
+    packed = gguf_matmul.pack_q6k(torch.from_numpy(raw), kernel.layout)
     weight = dequantize(raw, "Q6_K", (48, 512))  # [N, K]
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     return (lambda inputs: kernel.q6k_matmul(packed.tiles, packed.d, inputs, 48)), x, x.double() @ weight.double().T
@@ -90,9 +96,9 @@ def test_prompt_pass_over_long_rows_cuts_the_tokens_into_spans():
     """4,096 inputs a row: the AVX2 kernel sweeps the rows once per 64 tokens (its int8 activations kept in L2), so 70
     tokens take two sweeps; each token still gets its own bits and the int8 error."""
     codes, scale, minimum, weight = affine_matrix(32, 4096, seed=7)
-    packed = int4_layout.pack(codes, scale, minimum, tiles.tile_kernel().TILE_LAYOUT)
+    packed = int4_layout.pack(codes, scale, minimum, tiles.tile_kernel().layout)
     raw = random_q6k_raw(16, 4096, seed=7)
-    q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw), tiles.tile_kernel().TILE_LAYOUT)
+    q6 = gguf_matmul.pack_q6k(torch.from_numpy(raw), tiles.tile_kernel().layout)
     x = torch.randn(70, 4096, generator=torch.Generator().manual_seed(7)).bfloat16()  # [T, K]
     cases = [(lambda inputs: tiles.tile_kernel().matmul(packed, inputs), weight),
              (lambda inputs: tiles.tile_kernel().q6k_matmul(q6.tiles, q6.d, inputs, 16), dequantize(raw, "Q6_K", (16, 4096)))]
@@ -121,13 +127,13 @@ def test_a_sequences_first_token_stays_on_the_16_bit_kernels(case):
 def test_prompt_pass_can_be_switched_off(monkeypatch, prompt_tiles):
     matmul, x, _ = int4_case(4)
     plain = matmul(x)
-    monkeypatch.setenv(prompt_pass.VARIABLE, "none")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "none")
     with prompt_pass.prompt_pass():
-        assert not prompt_tiles[1].active() and torch.equal(matmul(x), plain)
-    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")
+        assert not int8_active() and torch.equal(matmul(x), plain)
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "prompt")
     with prompt_pass.prompt_pass():
-        assert prompt_tiles[1].active() and not torch.equal(matmul(x), plain)
-    assert not prompt_tiles[1].active()  # the pass ends with its block
+        assert int8_active() and not torch.equal(matmul(x), plain)
+    assert not int8_active()  # the pass ends with its block
 
 
 def cache_keys(lm: CausalLM) -> torch.Tensor:
@@ -141,7 +147,7 @@ def test_prefill_runs_the_prompt_pass_and_later_passes_do_not(monkeypatch):
     prompt = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     keys, logits = {}, {}
     for mode in ("none", "prompt"):
-        monkeypatch.setenv(prompt_pass.VARIABLE, mode)
+        monkeypatch.setenv(numerics.INT8_VARIABLE, mode)
         lm.reset()
         lm.prefill(prompt[:, :-1])
         keys[mode] = cache_keys(lm)
@@ -180,26 +186,26 @@ def test_greedy_spec_equals_ar_with_prompt_passes(monkeypatch, drafter):
 def test_the_modes_and_their_defaults(monkeypatch, prompt_tiles):
     """Unset: every pass where the AVX2 or AVX-512 tiles run (with their int8 kernels), prompt passes elsewhere (AMX,
     PyTorch); `every` there and a wrong name are clear errors."""
-    monkeypatch.delenv(prompt_pass.VARIABLE)
+    monkeypatch.delenv(numerics.INT8_VARIABLE)
     assert tiles.int8_every_pass()
-    monkeypatch.setenv(prompt_pass.VARIABLE, "prompt")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "prompt")
     assert not tiles.int8_every_pass()
-    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "every")
     assert tiles.int8_every_pass()
-    for other in (amx_tiles, None):
-        monkeypatch.setattr(tiles, "tile_kernel", lambda: other)
-        monkeypatch.delenv(prompt_pass.VARIABLE)
+    for other in (tiles.AMX, None):
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: other)
+        monkeypatch.delenv(numerics.INT8_VARIABLE)
         assert not tiles.int8_every_pass()
-        monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+        monkeypatch.setenv(numerics.INT8_VARIABLE, "every")
         with pytest.raises(SpecdraftError, match="every runs on the AVX2 and AVX-512 VNNI kernels only"):
             tiles.int8_every_pass()
-    monkeypatch.setenv(prompt_pass.VARIABLE, "sometimes")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "sometimes")
     with pytest.raises(SpecdraftError, match="SPECDRAFT_INT8_ACTIVATIONS must be one of every, prompt, none"):
-        prompt_pass.configured()
+        numerics.current()
 
 
 def every_pass_tiles(prompt_tiles, monkeypatch):
-    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "every")
 
 
 def test_every_pass_runs_int8_but_a_sequences_first_token(monkeypatch, prompt_tiles):
@@ -210,7 +216,7 @@ def test_every_pass_runs_int8_but_a_sequences_first_token(monkeypatch, prompt_ti
     prompt = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(4))
     runs = {}
     for mode in ("every", "none"):
-        monkeypatch.setenv(prompt_pass.VARIABLE, mode)
+        monkeypatch.setenv(numerics.INT8_VARIABLE, mode)
         lm = CausalLM(model)
         first = lm.forward(prompt[:, :1]).logits
         rest = lm.forward(prompt[:, 1:]).logits
@@ -218,7 +224,7 @@ def test_every_pass_runs_int8_but_a_sequences_first_token(monkeypatch, prompt_ti
         runs[mode] = (first, rest, steps)
     assert torch.equal(runs["every"][0], runs["none"][0])  # the attention sink's token: 16-bit both ways
     assert not torch.equal(runs["every"][2][-1], runs["none"][2][-1])
-    monkeypatch.setenv(prompt_pass.VARIABLE, "every")
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "every")
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)  # every pass through transformers' layers
     lm = CausalLM(model)
     lm.forward(prompt[:, :1])
@@ -243,15 +249,15 @@ def test_avx_vnni_gives_the_bits_of_avx2_alone(monkeypatch, prompt_tiles):
     """AVX-VNNI's `vpdpbusd` sums the same integers as `vpmaddubsw` + `vpaddw` (exactly, in any order), and the
     float steps are the same: every width's output has the same bits with it and without it (4-bit and Q6_K tiles,
     passes of 1 to 17 tokens, blocks of 4 and their remainders)."""
-    if prompt_tiles[1] is not avx2_prompt or not isa.avx_vnni():
+    if prompt_tiles is not tiles.AVX2 or not numerics.current().avx_vnni:
         pytest.skip("compares the two AVX2 builds where the CPU has AVX-VNNI")
-    assert avx2_prompt._built(True) is not None and avx2_prompt._built(True) is not avx2_prompt._built(False)
+    assert avx2_library(True) is not None and avx2_library(True) is not avx2_library(False)
     for case in (int4_case, q6k_case):
         for tokens in (1, 4, 5, 8, 17):
             matmul, x, _ = case(tokens)
             outputs = []
             for setting in ("1", "0"):
-                monkeypatch.setenv(isa.AVX_VNNI_VARIABLE, setting)
+                monkeypatch.setenv(numerics.AVX_VNNI_VARIABLE, setting)
                 with prompt_pass.prompt_pass():
                     outputs.append(matmul(x))
             assert torch.equal(outputs[0], outputs[1]), (case.__name__, tokens)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from specdraft.kernels import avx2_prompt, gguf_matmul, prompt_pass, tiles, vnni_tiles
+from specdraft.kernels import gguf_matmul, prompt_pass, tiles
 from specdraft.models import registry
 from specdraft.models.gguf_blocks import dequantize, q4k_affine
 from specdraft.models.gguf_header import read_header
@@ -67,7 +67,7 @@ def test_q6k_kernel_matches_the_file(target_file, name, tokens):
     source.close()
     weight = dequantize(raw.numpy(), "Q6_K", (raw.shape[0], entry.shape[1]))  # [N, K]
     x = torch.randn(tokens, entry.shape[1], generator=torch.Generator().manual_seed(tokens)).bfloat16()
-    got = gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw, tiles.tile_kernel().TILE_LAYOUT), x).double()  # [tokens, N]
+    got = gguf_matmul.block_matmul(gguf_matmul.pack_q6k(raw, tiles.tile_kernel().layout), x).double()  # [tokens, N]
     want = x.double() @ weight.double().t()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
@@ -84,7 +84,7 @@ def test_packed_model_matches_a_float32_reference(target_file):
         model = build_native_model(path, config, dtype, pack=pack)
         with torch.inference_mode():
             logits[name] = [model(tokenizer(p, return_tensors="pt").input_ids).logits[0].float() for p in PROMPTS]
-            if pack and prompt_pass.enabled() and (vnni_tiles.available() or avx2_prompt.available()):
+            if pack and prompt_pass.enabled() and (tiles.AVX512.available() or tiles.AVX2.available()):
                 with prompt_pass.prompt_pass(starts_sequence=True):
                     logits["int8"] = [model(tokenizer(p, return_tensors="pt").input_ids).logits[0].float()
                                       for p in PROMPTS]

@@ -135,7 +135,7 @@ def test_what_cannot_run_on_a_static_cache_is_named(model, monkeypatch):
     with pytest.raises(SpecdraftError, match="static cache"):
         CausalLM(packed, static_cache=True)
     monkeypatch.setenv("SPECDRAFT_STATIC_CACHE", "yes")
-    with pytest.raises(SpecdraftError, match="0, 1 or auto"):
+    with pytest.raises(SpecdraftError, match="one of 0, 1, auto"):
         wants_static_cache(model, None)
 
 

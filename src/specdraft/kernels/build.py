@@ -42,14 +42,16 @@ def source_text(source: Path) -> bytes:
     them makes a new build)."""
     text = source.read_bytes()
     for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
-        text += source_text(source.with_name(name.decode()))
+        text += source_text(source.parent / name.decode())
     return text
 
 
-def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str], what: str) -> ctypes.CDLL | None:
-    """`source` built with `flags` (cached by a hash of both and of what it includes), or None where it cannot be built or run here
-    (a CPU flag missing, no compiler, a failed build). Whether a build may run is the caller's question
-    (`isa.allows`: `SPECDRAFT_ISA=torch` turns every native kernel off)."""
+def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str], what: str,
+                     name: str | None = None) -> ctypes.CDLL | None:
+    """`source` built with `flags` (cached as `name` (default: the source's stem) and a hash of both and of what it
+    includes), or None where it cannot be built or run here (a CPU flag missing, no compiler, a failed build).
+    Whether a build may run is the caller's question (`NumericConfig.allows`: `SPECDRAFT_ISA=torch` turns every native
+    kernel off)."""
     if not required_cpu_flags <= cpu_flags():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -57,7 +59,7 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
         return None
 
     key = hashlib.sha256(source_text(source) + " ".join(flags).encode()).hexdigest()[:16]
-    built = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    built = cache_dir() / "kernels" / f"{name or source.stem}-{key}.so"
     if not built.is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
         partial = built.with_suffix(f".{os.getpid()}.partial")
@@ -72,9 +74,10 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
 
 
 def bind(library: ctypes.CDLL | None, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """`library` with each function of `signatures` given its argument types (and no result), or None."""
+    """`library` with each function of `signatures` that it has given its argument types (and no result), or None."""
     if library is not None:
         for name, argtypes in signatures.items():
-            function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, None
+            function = getattr(library, name, None)
+            if function is not None:
+                function.argtypes, function.restype = argtypes, None
     return library

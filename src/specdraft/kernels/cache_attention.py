@@ -1,4 +1,4 @@
-"""Few-query attention over a bf16 cache in C (`attention_avx512.c` with AVX-512 BF16, else `attention_avx2.c`):
+"""Few-query attention over a bf16 cache in C (each library's `attention.h`):
 the CPU path of `models.attention.few_query_attention` where it builds and runs.
 
 Measured (1.5B target, 28 layers, 300 cached keys, one query, 2 cores): see the C file's notes
@@ -7,44 +7,19 @@ and `few_query_attention`'s.
 
 from __future__ import annotations
 
-import ctypes
-from functools import lru_cache
-from pathlib import Path
-
 import torch
 
-from specdraft.kernels import isa
-from specdraft.kernels.build import compiled_library
+from specdraft.kernels import numerics
 
-_HERE = Path(__file__).parent
-_BUILDS = {  # level -> (source, compiler flags, CPU flags)
-    "avx512": (_HERE / "attention_avx512.c",
-               ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-shared", "-fPIC"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
-    "avx2": (_HERE / "attention_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"],
-             isa.CPU_FLAGS["avx2"]),
-}
 _MAX_DIM = 256
 
 
-def _library() -> ctypes.CDLL | None:
-    return isa.first_built(_built)
-
-
-@lru_cache(maxsize=None)
-def _built(level: str) -> ctypes.CDLL | None:
-    source, flags, required = _BUILDS[level]
-    library = compiled_library(source, flags, required, f"the {level} attention kernel")
-    if library is None:
-        return None
-    function = library.few_query_attention_bf16
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-    function.restype = None
-    return library
+def _library():
+    return numerics.current().library()
 
 
 def available() -> bool:
-    """Whether the kernel runs on this machine (AVX-512 BF16 or AVX2, as `SPECDRAFT_ISA` allows)."""
+    """Whether a native library runs on this machine (AVX-512 or AVX2, as the `NumericConfig` allows)."""
     return _library() is not None
 
 

@@ -1,5 +1,6 @@
-"""A stack of decoder layers in one C call for passes of a few bf16 tokens: `decoder_avx512.c` (with AMX where
-granted) or `decoder_avx2.c`, the one layer of `decoder_layers.h` on each instruction set's kernels.
+"""A stack of decoder layers in one C call for passes of a few bf16 tokens: the layer of
+`native/shared/decoder_layers.h` in the library that runs (`NumericConfig.library`: AVX-512, with AMX where granted,
+or AVX2), on that library's kernels.
 
 The C side runs the tile kernels, norms, rotary embedding, attention and activation of every layer
 without returning to Python; `models/fused_decoder.py` describes a model's layers to it.
@@ -9,30 +10,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from specdraft.kernels import amx_tiles, avx2_tiles, avx512_tiles, isa, prompt_pass, tiles
-from specdraft.kernels.build import compiled_library
-from specdraft.kernels.tile_dots import build_options, dots
+from specdraft.kernels import bindings, numerics, prompt_pass, tiles
 
-_HERE = Path(__file__).parent
-_BUILDS = {  # level -> (source, compiler flags, CPU flags)
-    "avx512": (_HERE / "decoder_avx512.c",
-               ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma",
-                "-fopenmp", "-shared", "-fPIC"],
-               {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"}),
-    "avx2": (_HERE / "decoder_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"],
-             isa.CPU_FLAGS["avx2"]),
-}
-_AMX_FLAGS = ["-DWITH_AMX", "-mamx-tile", "-mamx-bf16"]  # the build that may run 4-bit projections on AMX
-_TORCH_EXP = {"avx512": "Sleef_expf16_u10", "avx2": "Sleef_expf8_u10"}  # PyTorch's exp for the build's vector width
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in the attention C files)
-INT4, Q6K, INT4_AMX, Q6K_AMX = 0, 1, 2, 3  # run kinds (the AMX ones only where `amx_tiles.available()`)
+INT4, Q6K, INT4_AMX, Q6K_AMX = 0, 1, 2, 3  # run kinds (the AMX ones only where `tiles.AMX` runs)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -62,68 +48,20 @@ class Layer(ctypes.Structure):
                 ("mlp_out_norm", _POINTER), ("cos", _POINTER), ("sin", _POINTER), ("window", _SIZE)]
 
 
-def _for_level(chosen: str) -> ctypes.CDLL | None:
-    """The build of level `chosen` for this machine: AVX-512 with its dot flavour (and AMX where granted)."""
-    if chosen == "avx512":
-        return _built(chosen, dots(), amx_tiles.available())
-    return (isa.avx_vnni() and _built(chosen, "int16", False, True)) or _built(chosen, "int16", False)
-
-
 def level() -> str | None:
-    """The instruction set of the build that runs here (`avx512` or `avx2`), or None."""
-    return next((chosen for chosen in _BUILDS if isa.allows(chosen) and _for_level(chosen) is not None), None)
+    """The instruction set of the library that runs here (`avx512`, with AMX where granted, or `avx2`), or None."""
+    config = numerics.current()
+    return next((chosen for chosen in ("avx512", "avx2") if config.library(chosen) is not None), None)
 
 
 def _library() -> ctypes.CDLL | None:
-    chosen = level()
-    return None if chosen is None else _for_level(chosen)
-
-
-@lru_cache(maxsize=None)
-def _built(chosen: str, flavour: str, with_amx: bool, avx_vnni: bool = False) -> ctypes.CDLL | None:
-    """The decoder layers of level `chosen`; avx512: with the tiles of `flavour` (and AMX); avx2: with AVX-VNNI's
-    int8 dot products (`isa.avx_vnni`)."""
-    source, flags, required = _BUILDS[chosen]
-    what = f"the {chosen.upper().replace('AVX512', 'AVX-512')} decoder layers"
-    if avx_vnni:
-        flags, required, what = isa.with_avx_vnni(flags, required, what)
-    if chosen == "avx512":
-        extra, extra_required = build_options(flavour)
-        flags, required = flags + extra, required | extra_required
-        if with_amx:  # the tile state is granted: the AMX build runs projections on AMX
-            flags, required, what = flags + _AMX_FLAGS, required | amx_tiles.REQUIRED_CPU_FLAGS, what + " with AMX"
-    library = compiled_library(source, flags, required, what)
-    if library is None:
-        return None
-    library.decoder_layers_forward.argtypes = ([_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [ctypes.c_float] * 2
-                                               + [_SIZE] * 2 + [_POINTER] * 2)
-    library.decoder_layers_forward.restype = None
-    library.silu_mul_bf16.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
-    library.silu_mul_bf16.restype = None
-    library.act_mul_bf16.argtypes = [_POINTER] * 3 + [_SIZE] * 2
-    library.act_mul_bf16.restype = None
-    library.use_exp.argtypes, library.use_exp.restype = [_POINTER], None
-    library.use_int8_activations.argtypes, library.use_int8_activations.restype = [_SIZE], None
-    torch_exp = _torch_exp(chosen)
-    if torch_exp is not None:
-        library.use_exp(torch_exp)
-    return library
-
-
-def _torch_exp(chosen: str) -> int | None:
-    """The address of SLEEF's float32 exp of the build's vector width in PyTorch's CPU library (what its SiLU
-    uses), or None."""
-    try:
-        function = getattr(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")), _TORCH_EXP[chosen])
-        return ctypes.cast(function, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
+    return numerics.current().library()
 
 
 def same_silu_as_torch() -> bool:
     """Whether SiLU here uses PyTorch's own exp (so it gives PyTorch's bits)."""
     chosen = level()
-    return chosen is not None and _torch_exp(chosen) is not None
+    return chosen is not None and bindings.same_exp_as_torch(bindings.Build(chosen))
 
 
 def available() -> bool:
@@ -135,17 +73,17 @@ def int4_kinds() -> dict:
     """The 4-bit tile functions the loaded build runs, as run kinds: {matmul function: kind}."""
     chosen = level()
     if chosen == "avx512":
-        return {avx512_tiles.matmul: INT4, amx_tiles.matmul: INT4_AMX}
-    return {avx2_tiles.matmul: INT4} if chosen == "avx2" else {}
+        return {tiles.AVX512.matmul: INT4, tiles.AMX.matmul: INT4_AMX}
+    return {tiles.AVX2.matmul: INT4} if chosen == "avx2" else {}
 
 
 def q6k_kind() -> int | None:
     """The run kind of Q6_K matrices (on the kernel `gguf_matmul.block_matmul` runs them on here), or None where the
     loaded build does not have that kernel."""
     kernel, chosen = tiles.tile_kernel(), level()
-    if chosen == "avx512" and kernel in (amx_tiles, avx512_tiles):
-        return Q6K_AMX if kernel is amx_tiles else Q6K
-    return Q6K if chosen == "avx2" and kernel is avx2_tiles else None
+    if chosen == "avx512" and kernel in (tiles.AMX, tiles.AVX512):
+        return Q6K_AMX if kernel is tiles.AMX else Q6K
+    return Q6K if chosen == "avx2" and kernel is tiles.AVX2 else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -179,8 +117,8 @@ def act_mul(gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def int8_projections(chosen: str | None = None) -> bool:
     """Whether this pass's projections run on int8 activations: inside a pass context (`prompt_pass`) with no
-    precise leading row, as the tile kernels of the PyTorch path would there (every build has them: AVX2 on
-    `avx2_prompt.c`, AVX-512 on `vnni_tiles.c`; `chosen`, default `level()`, is the loaded build's level)."""
+    precise leading row, as the tile kernels of the PyTorch path would there (every library has them: its
+    `int8_tiles.h`; `chosen`, default `level()`, is the loaded library's level)."""
     return prompt_pass.precise_rows() == 0 and (chosen or level()) is not None
 
 
@@ -195,9 +133,8 @@ def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int
     `capacity` in its entry) must have room for cache_len + T tokens, and its `cos` and `sin` `[T, head_dim]` bf16
     hold its rotary table for the pass. Inside a pass context, projections run as `int8_projections()` says.
     """
-    chosen = level()
-    library = _for_level(chosen)
-    library.use_int8_activations(int8_projections(chosen))
+    library = _library()
+    library.use_int8_activations(int8_projections(level()))
     library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
                                    *sizes, eps, scaling, cache_len, int(norm_gains),
                                    0 if activation is None else activation.data_ptr(),

@@ -1,10 +1,10 @@
-"""Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for `amx_tiles.c` (where the CPU
-grants AMX), `avx512_tiles.c` or `avx2_tiles.c` (`tiles.tile_kernel`).
+"""Linears that multiply straight from GGUF Q6_K weights, repacked into tiles for the tile kernels (`tiles.AMX` where
+the CPU grants AMX, `tiles.AVX512` or `tiles.AVX2`: `tiles.tile_kernel`).
 
 PyTorch has kernels for 4-bit groups (Q4_K runs on them or on ours) but none for Q6_K's 6-bit
 codes with a scale per 16 weights. `pack_q6k` rearranges a Q6_K matrix's own bits (codes,
 int8 scales, d) into tiles of 16 rows x 32 inputs, 6.5 bits a weight like the file, with no
-rounding, laid out as the kernel reads them (its `TILE_LAYOUT`: `PAIRS` for AMX and AVX-512,
+rounding, laid out as the kernel reads them (its `layout`: `PAIRS` for AMX and AVX-512,
 `QUADS` for AVX2, whose int8 kernel then unpacks with masks and shifts alone); where the
 kernels cannot build or run, `available()` is False and the loader unpacks
 Q6_K to bf16 instead: the same function, slower and 2.4x larger.
@@ -36,7 +36,7 @@ def available() -> bool:
 @lru_cache(maxsize=1)
 def _high_bit_sources() -> torch.Tensor:
     """For each of a tile's 128 high-bit bytes and 2-bit field f: the (row · 32 + input) whose top two code
-    bits go there, `[4 chunks · 32 bytes, 4 fields]` (the order in which `avx512_tiles.c` unpacks them).
+    bits go there, `[4 chunks · 32 bytes, 4 fields]` (the order in which `native/avx512/tiles.h` unpacks them).
 
     Nibble byte 16·L + u of chunk p (L, u < 16) becomes the code bytes 16·L + 2u' + e (u' = u % 8) of pair
     vector u // 8; that pair vector's byte m = 16·L + 2u' + e holds row 4·L + u' % 4, input
@@ -58,7 +58,7 @@ def _high_bit_sources() -> torch.Tensor:
 def _quad_high_bits(high: torch.Tensor) -> torch.Tensor:
     """Top two code bits `[rows, K]` (rows % 16 == 0) as `QUADS` high-bit bytes `[rows / 16, K / 32, 128]`: byte
     32·j + 4·c + b holds, from bit 0 up, those of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b),
-    (8 + c, 8j + 4 + b): the bits of the two `vpmaddubsw` operands of both halves of chunk j (`avx2_prompt.c`)."""
+    (8 + c, 8j + 4 + b): the bits of the two `vpmaddubsw` operands of both halves of chunk j (`native/avx2/int8_tiles.h`)."""
     rows, k = high.shape
     split = high.view(rows // _TILE_ROWS, 2, 8, k // _TILE_INPUTS, 4, 2, 4)  # [nb, h, c, g, j, e, b]
     fields = split[:, 0, :, :, :, 0] | (split[:, 0, :, :, :, 1] << 2) | (split[:, 1, :, :, :, 0] << 4) | (split[:, 1, :, :, :, 1] << 6)
@@ -80,7 +80,7 @@ class PackedQ6K:
 def pack_q6k(raw: torch.Tensor, layout: str = PAIRS) -> PackedQ6K:
     """Q6_K rows `[N, K / 256 · 210]` (uint8, N % 16 == 0) -> tiles for the Q6_K kernels that read `layout` (`PAIRS`,
     `QUADS`), without rounding. A tile: 256 bytes of low nibbles (as `int4_layout` lays out 4-bit codes), 128 of top
-    bits (`PAIRS`: as `avx512_tiles.c` unpacks them; `QUADS`: `_quad_high_bits`), 32 of int8 scales [sub-block][row].
+    bits (`PAIRS`: as `native/avx512/tiles.h` unpacks them; `QUADS`: `_quad_high_bits`), 32 of int8 scales [sub-block][row].
 
     `raw` is only sliced by rows, 4096 at a time: a loader may pass an object with `shape`, `dtype`
     and row slicing that reads each slice from the file, so the raw matrix is never whole in memory.
@@ -123,13 +123,13 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for a Q6_K matrix in tiles; x `[tokens, K]` -> float32 `[tokens, N]`.
 
     x is rounded to bf16 (as a bf16 model's activations are); on AMX the products and sums are float32, on
-    AVX-512 and AVX2 x is taken on an int16 grid per 16 inputs and the sums are integers (`avx512_tiles.c`; the
+    AVX-512 and AVX2 x is taken on an int16 grid per 16 inputs and the sums are integers (`native/avx512/tiles.h`; the
     bf16 flavour of AVX-512 multiplies x as it is).
     """
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
     kernel = tiles.tile_kernel()  # one kernel for every pass on a machine
-    require_layout(packed.layout, kernel.TILE_LAYOUT)
+    require_layout(packed.layout, kernel.layout)
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 
@@ -140,7 +140,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
-        self.packed = pack_q6k(raw, tiles.tile_kernel().TILE_LAYOUT)
+        self.packed = pack_q6k(raw, tiles.tile_kernel().layout)
         self.register_buffer("tiles", self.packed.tiles)  # buffers, so the module's memory shows them
         self.register_buffer("tile_d", self.packed.d)
         self.type_name = type_name

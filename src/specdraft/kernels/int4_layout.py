@@ -1,5 +1,5 @@
-"""The packed 4-bit layouts of the tile kernels: `PAIRS` (`amx_tiles.c`, `avx512_tiles.c`, `vnni_tiles.c`) and
-`QUADS` (`avx2_tiles.c`, `avx2_prompt.c`). Both hold 256 bytes for each block of 16 output rows and group g of
+"""The packed 4-bit layouts of the tile kernels: `PAIRS` (the AVX-512 library's `tiles.h`,
+`int8_tiles.h` and `amx_tiles.h`) and `QUADS` (the AVX2 library's `tiles.h` and `int8_tiles.h`). Both hold 256 bytes for each block of 16 output rows and group g of
 32 inputs, two codes a byte, low nibble first:
 
 - `PAIRS`: the code pair (q[n0 + c][k0 + 2r], q[n0 + c][k0 + 2r + 1]) is the byte at
@@ -80,7 +80,7 @@ def require_layout(packed: str, kernel: str) -> None:
     """A ValueError where a matrix packed in layout `packed` is given to a kernel that reads `kernel`."""
     if packed != kernel:
         raise ValueError(f"this kernel reads {kernel} tiles; the matrix was packed as {packed} "
-                         f"(pack it with the kernel's TILE_LAYOUT)")
+                         f"(pack it with the kernel's layout)")
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: str = PAIRS) -> PackedInt4:

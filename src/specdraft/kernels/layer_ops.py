@@ -1,47 +1,19 @@
 """Per-token decoder-layer operations in C for bf16 activations: RMSNorm (Llama's and Gemma's), rotary embedding
-(`layer_ops.c` with AVX-512 BF16, else `layer_ops_avx2.c`)."""
+(each library's `layer_ops.h`)."""
 
 from __future__ import annotations
 
-import ctypes
-from functools import lru_cache
-from pathlib import Path
-
 import torch
 
-from specdraft.kernels import isa
-from specdraft.kernels.build import compiled_library
-
-_HERE = Path(__file__).parent
-_BUILDS = {  # level -> (source, compiler flags, CPU flags)
-    "avx512": (_HERE / "layer_ops.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared",
-                                       "-fPIC"], {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
-    "avx2": (_HERE / "layer_ops_avx2.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"],
-             isa.CPU_FLAGS["avx2"]),
-}
+from specdraft.kernels import numerics
 
 
-def _library() -> ctypes.CDLL | None:
-    return isa.first_built(_built)
-
-
-@lru_cache(maxsize=None)
-def _built(level: str) -> ctypes.CDLL | None:
-    source, flags, required = _BUILDS[level]
-    library = compiled_library(source, flags, required, f"the {level} layer operations")
-    if library is None:
-        return None
-    library.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    library.rms_norm_bf16.restype = None
-    library.rms_norm_gain_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    library.rms_norm_gain_bf16.restype = None
-    library.rotary_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
-    library.rotary_bf16.restype = None
-    return library
+def _library():
+    return numerics.current().library()
 
 
 def available() -> bool:
-    """Whether the kernels run on this machine (AVX-512 BF16 or AVX2, as `SPECDRAFT_ISA` allows)."""
+    """Whether a native library runs on this machine (AVX-512 or AVX2, as the `NumericConfig` allows)."""
     return _library() is not None
 
 

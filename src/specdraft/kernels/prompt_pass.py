@@ -1,10 +1,10 @@
-"""Passes on int8 activations: the context in which tile matmuls run on them (`vnni_tiles` on AVX-512,
-`avx2_prompt` on AVX2), and which passes open it.
+"""Passes on int8 activations: the context in which tile matmuls run on them (each library's `int8_tiles.h`: VNNI
+on AVX-512, `vpmaddubsw` or AVX-VNNI on AVX2), and which passes open it.
 
 int8 dot products do twice the multiply-adds an instruction of the 16-bit ones. They compute a slightly
 different function (activations keep about 8 bits per group of 32, as llama.cpp's Q8 activations), so a model
 must run every pass that decodes or scores a draft on the same one, or speculation would part from plain
-decoding. `SPECDRAFT_INT8_ACTIVATIONS` chooses:
+decoding. `SPECDRAFT_INT8_ACTIVATIONS` (`NumericConfig.int8_activations`) chooses:
 - `prompt`: only prompt passes (`CausalLM.prefill`, a draft's first read): plain and speculative decoding prefill
   alike, and every pass that scores a draft keeps the 16-bit kernels. The default where AMX runs.
 - `every`: every pass of a model whose matmuls run on the AVX2 or AVX-512 tile kernels (`CausalLM.forward` opens
@@ -20,28 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
-from specdraft.errors import SpecdraftError
+from specdraft.kernels import numerics
 
-VARIABLE = "SPECDRAFT_INT8_ACTIVATIONS"
-MODES = ("every", "prompt", "none")
 # None outside a prompt pass; inside, how many leading rows of each matmul stay on the 16-bit kernels
 _PRECISE_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("specdraft_prompt_pass", default=None)
 
 
-def configured() -> str | None:
-    """`$SPECDRAFT_INT8_ACTIVATIONS` (every, prompt or none), or None where unset (each machine's default)."""
-    chosen = os.environ.get(VARIABLE, "").strip().lower()
-    if chosen and chosen not in MODES:
-        raise SpecdraftError(f"{VARIABLE} must be one of {', '.join(MODES)} (or unset for this machine's default), "
-                             f"got {chosen!r}.")
-    return chosen or None
-
-
 def enabled() -> bool:
     """Whether passes in the context may use int8 activations (not turned off by `SPECDRAFT_INT8_ACTIVATIONS=none`)."""
-    return configured() != "none"
+    return numerics.current().int8_activations != "none"
 
 
 def inside() -> bool:

@@ -1,35 +1,115 @@
-"""The kernel that multiplies 4-bit and Q6_K tiles on this machine: AMX where granted, else AVX-512, else
-AVX2 (each within what `SPECDRAFT_ISA` allows), or None where only PyTorch's kernels run."""
+"""The kernels that multiply 4-bit and Q6_K tiles: AMX where granted, else AVX-512, else AVX2 (each within what the
+`NumericConfig` allows), or None where only PyTorch's kernels run.
+
+- `AMX`: AMX's bf16 tiles (`native/avx512/amx_tiles.h`): a flat cost from 1 to 16 tokens.
+- `AVX512`: AVX-512 dot products (`native/avx512/tiles.h`), a tile unpacked once per pass of up to 8 tokens; the dot
+  product is `vpdpwssd` on each token's bf16 activations put on an int16 grid per 16 inputs (exact for every input
+  within 2^7 of the largest of its 16; also on CPUs without AVX-512 BF16 in their dot products) or `vdpbf16ps` on x
+  as it is (`NumericConfig.tile_dots`); in an int8 pass (`prompt_pass`), VNNI on int8 activations
+  (`native/avx512/int8_tiles.h`).
+- `AVX2`: AVX2 integer dot products (`native/avx2/tiles.h`) in their own layout (`int4_layout.QUADS`), the arithmetic
+  of the AVX-512 int16 flavour (the same bits); int8 passes on `vpmaddubsw` or AVX-VNNI (`native/avx2/int8_tiles.h`).
+
+Every kernel computes each token alone, so a verify pass agrees bit for bit with one-token decoding.
+"""
 
 from __future__ import annotations
 
-from types import ModuleType
+import ctypes
+from dataclasses import dataclass, replace
+
+import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import amx_tiles, avx2_prompt, avx2_tiles, avx512_tiles, isa, prompt_pass, vnni_tiles
-
-KERNELS = (amx_tiles, avx512_tiles, avx2_tiles)  # fastest first; each has matmul (4-bit) and q6k_matmul
-
-
-def tile_kernel() -> ModuleType | None:
-    """The fastest tile kernel module that runs here, or None."""
-    return next((kernel for kernel in KERNELS if kernel.available()), None)
+from specdraft.kernels import isa, numerics, prompt_pass
+from specdraft.kernels.int4_layout import PAIRS, QUADS, PackedInt4, run_tile_kernel
+from specdraft.kernels.numerics import NumericConfig
 
 
-def kernel_name(kernel: ModuleType | None) -> str:
-    """A kernel module's short name (`amx`, `avx512`, `avx2`), `torch` for None."""
-    return "torch" if kernel is None else kernel.__name__.rsplit(".", 1)[-1].removesuffix("_tiles")
+@dataclass(frozen=True)
+class TileKernel:
+    """One tile kernel: its name, the level of the library that has it, the tile layout it reads, the library
+    functions for 4-bit and Q6_K tiles, and whether its int8 passes run on the library's int8 tiles."""
+
+    name: str  # amx | avx512 | avx2
+    level: str
+    layout: str
+    int4: str
+    q6k: str
+    int8: bool
+
+    def library(self, config: NumericConfig | None = None) -> ctypes.CDLL | None:
+        """The library that runs this kernel under `config` (default: `numerics.current()`), or None."""
+        return (config or numerics.current()).library(self.level)
+
+    def available(self, config: NumericConfig | None = None) -> bool:
+        """Whether this kernel runs here under `config` (its library builds and loads, and the level is allowed)."""
+        return self.library(config) is not None
+
+    def _loaded(self) -> ctypes.CDLL:
+        """The library a direct call runs on: the configuration's, whatever level it holds the choice of kernel to
+        (`tile_kernel` is what respects the level; a test may call each kernel this CPU has)."""
+        config = numerics.current()
+        library = self.library(replace(config, isa=isa.detected()) if not config.allows(self.level) else config)
+        if library is None:
+            raise RuntimeError(f"the {self.name} tile kernels are not available on this machine")
+        return library
+
+    def _function(self, name: str):
+        """Library function `name`, or in an int8 pass its int8 counterpart with the pass's leading 16-bit rows bound."""
+        library, rows = self._loaded(), prompt_pass.precise_rows()
+        if self.int8 and rows is not None:
+            return prompt_pass.bound(getattr(library, name.replace("_matmul", "_q8_matmul")), rows)
+        return getattr(library, name)
+
+    def matmul(self, packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` for 4-bit tiles: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
+        return run_tile_kernel(self._function(self.int4), packed, x, self.layout)
+
+    def q6k_matmul(self, tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+        """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32
+        `[tokens, N]`."""
+        kernel = self._function(self.q6k)
+        x = x.to(torch.bfloat16).contiguous()
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        kernel(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1], x.shape[0])
+        return out
+
+    def __reduce__(self):  # a pickled module's kernel comes back as the one below of its name
+        return kernel_named, (self.name,)
 
 
-def int8_every_pass() -> bool:
+AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "q6k_amx_matmul", int8=False)
+AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "q6k_matmul", int8=True)
+AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "q6k_matmul", int8=True)
+KERNELS = (AMX, AVX512, AVX2)  # fastest first
+
+
+def kernel_named(name: str) -> TileKernel:
+    """The tile kernel called `name`."""
+    return next(kernel for kernel in KERNELS if kernel.name == name)
+
+
+def tile_kernel(config: NumericConfig | None = None) -> TileKernel | None:
+    """The fastest tile kernel that runs here under `config` (default: `numerics.current()`), or None."""
+    config = config or numerics.current()
+    return next((kernel for kernel in KERNELS if kernel.available(config)), None)
+
+
+def kernel_name(kernel: TileKernel | None) -> str:
+    """A kernel's short name (`amx`, `avx512`, `avx2`), `torch` for None."""
+    return "torch" if kernel is None else kernel.name
+
+
+def int8_every_pass(config: NumericConfig | None = None) -> bool:
     """Whether every pass runs on int8 activations (`prompt_pass`'s `every`): the default where the AVX2 or the
-    AVX-512 tile kernels run (with their int8 kernels: `avx2_prompt`, `vnni_tiles`), or as
-    `SPECDRAFT_INT8_ACTIVATIONS` says (`every` where neither runs, e.g. on AMX, is an error)."""
-    chosen = prompt_pass.configured()
-    kernel = tile_kernel()
-    runs_int8 = ((kernel is avx2_tiles and avx2_prompt.available())
-                 or (kernel is avx512_tiles and vnni_tiles.available()))
-    if chosen == "every" and not runs_int8:
-        raise SpecdraftError(f"{prompt_pass.VARIABLE}=every runs on the AVX2 and AVX-512 VNNI kernels only (this "
-                             f"machine runs {kernel_name(kernel)}): use prompt or none, or force {isa.VARIABLE}=avx2.")
-    return runs_int8 if chosen is None else chosen == "every"
+    AVX-512 tile kernels run, or as `config.int8_activations` says (`every` where neither runs, e.g. on AMX, is an
+    error)."""
+    config = config or numerics.current()
+    kernel = tile_kernel(config)
+    runs_int8 = kernel is not None and kernel.int8
+    if config.int8_activations == "every" and not runs_int8:
+        raise SpecdraftError(f"{numerics.INT8_VARIABLE}=every runs on the AVX2 and AVX-512 VNNI kernels only (this "
+                             f"machine runs {kernel_name(kernel)}): use prompt or none, or force "
+                             f"{numerics.ISA_VARIABLE}=avx2.")
+    return runs_int8 if config.int8_activations is None else config.int8_activations == "every"

@@ -8,14 +8,13 @@ length (rollback after a rejected draft) or to an accepted tree path. No model-n
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import amx_tiles, prompt_pass, tiles
+from specdraft.kernels import numerics, prompt_pass, tiles
 from specdraft.models.attention import FEW_QUERIES, attends_token_by_token, use_grouped_sdpa
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.graph_decoder import StaticDecoder, static_obstacle
@@ -34,14 +33,14 @@ class ForwardOutput:
     hidden_states: torch.Tensor | None = None  # [1, T'', hidden] (after the final norm)
 
 
-def wants_static_cache(model: PreTrainedModel, static_cache: bool | None) -> bool:
-    """Whether `model` runs on a `StaticDecoder`: `static_cache` if given, else `SPECDRAFT_STATIC_CACHE`
-    (`1` where the model qualifies, on any device; `0` never), else on CUDA where the model qualifies."""
-    setting = os.environ.get("SPECDRAFT_STATIC_CACHE", "auto") if static_cache is None else static_cache
+def wants_static_cache(model: PreTrainedModel, static_cache: bool | None,
+                       config: numerics.NumericConfig | None = None) -> bool:
+    """Whether `model` runs on a `StaticDecoder`: `static_cache` if given, else `config.static_cache`
+    (`SPECDRAFT_STATIC_CACHE`: `1` where the model qualifies, on any device; `0` never; `auto`: on CUDA where the
+    model qualifies)."""
+    setting = (config or numerics.current()).static_cache if static_cache is None else static_cache
     if setting in (False, "0"):
         return False
-    if setting not in (True, "1", "auto"):
-        raise SpecdraftError(f"SPECDRAFT_STATIC_CACHE must be 0, 1 or auto, got {setting!r}.")
     qualifies = static_obstacle(model) is None
     if setting is True and not qualifies:
         raise SpecdraftError(f"This model cannot run on a static cache: {static_obstacle(model)}.")
@@ -58,13 +57,18 @@ class CausalLM:
     On CUDA (or with `static_cache=True`) a qualifying model runs on a `graph_decoder.StaticDecoder`: a
     preallocated cache and one captured CUDA graph per pass width, captured here, at load; with `warm=False` each
     as a pass first needs it (a batch's prompt reader and packed draft caches, made as requests come).
+
+    `numerics`: the numeric choices the model runs with (`kernels.numerics`; default: the `SPECDRAFT_*` variables at
+    load), kept for its life.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, name: str = "model",
-                 static_cache: bool | None = None, warm: bool = True) -> None:
+                 static_cache: bool | None = None, warm: bool = True,
+                 numerics_config: numerics.NumericConfig | None = None) -> None:
         self.model = model.eval()
+        self.numerics = numerics_config or numerics.current()
         use_grouped_sdpa(model)
-        self._static = StaticDecoder(model) if wants_static_cache(model, static_cache) else None
+        self._static = StaticDecoder(model) if wants_static_cache(model, static_cache, self.numerics) else None
         if self._static is not None and warm:
             self._static.warm_up()
         # transformers >= 5.24 takes the cache as `cache` (`past_key_values` is deprecated there)
@@ -120,7 +124,7 @@ class CausalLM:
         take int8 ones."""
         return (self._static is None and self._sliding_window() is None
                 and attends_token_by_token(self.model, self.device, self.dtype, self.head_dim)
-                and fused_decoder(self.model) is not None and tiles.tile_kernel() is not amx_tiles)
+                and fused_decoder(self.model) is not None and tiles.tile_kernel(self.numerics) is not tiles.AMX)
 
     @property
     def max_context(self) -> int:
@@ -282,11 +286,11 @@ class CausalLM:
         Without it, the cache length plus the offsets' reach (a tree's depths) or the pass's width.
 
         `prompt`: a prompt pass, where packed tile weights multiply int8 activations if the CPU has
-        AVX-512 VNNI or AVX2 (`kernels/vnni_tiles`, `kernels/avx2_prompt`: faster kernels, a slightly different
+        AVX-512 VNNI or AVX2 (each native library's `int8_tiles.h`: faster kernels, a slightly different
         function). For the prompt (`prefill`) and a draft's reads, never for a pass that scores a draft, unless
         every pass runs so (`kernels/prompt_pass`: the default on the AVX2 and AVX-512 kernels).
         """
-        if self._static is None and (prompt or tiles.int8_every_pass()) and not prompt_pass.inside():
+        if self._static is None and (prompt or tiles.int8_every_pass(self.numerics)) and not prompt_pass.inside():
             first_position = self.cache_len + (int(offsets[0]) if offsets is not None else 0)
             with prompt_pass.prompt_pass(starts_sequence=first_position == 0):  # a packed batch's sequence too
                 return self.forward(tokens, logits_to_keep, hidden_to_keep, offsets, visible, reach=reach)

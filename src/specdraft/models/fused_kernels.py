@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from specdraft.kernels import numerics
+
 try:
     import triton
     import triton.language as tl
@@ -51,7 +53,7 @@ def fits(head_dim: int) -> bool:
 def available(device: torch.device) -> bool:
     """Whether the fused kernels run for tensors on `device`: on CUDA when Triton is installed, unless
     `SPECDRAFT_FUSED_KERNELS=0`; on the CPU only under Triton's interpreter with `SPECDRAFT_FUSED_KERNELS=1`."""
-    setting = os.environ.get("SPECDRAFT_FUSED_KERNELS", "auto")
+    setting = numerics.current().fused_kernels
     if triton is None or setting == "0":
         return False
     return device.type == "cuda" or (setting == "1" and interpreted())

@@ -1,7 +1,7 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
 - 4-bit affine linears (Q4_K, Q4_0, Q4_1) run with the file's own scales and offsets
-  (`Int4Linear.from_affine`) on our AMX kernel (`kernels/amx_tiles.c`) where the CPU grants AMX,
+  (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
   of each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the

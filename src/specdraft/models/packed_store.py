@@ -22,7 +22,7 @@ from torch import nn
 from specdraft.kernels import tiles
 
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
-                 "kernels/int4_layout.py", "kernels/gguf_matmul.py", "gguf_layout.py")  # what decides the bytes
+                 "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
 
 
 @lru_cache(maxsize=1)

@@ -18,12 +18,13 @@ Set `SPECDRAFT_PREPACK=0` to keep PyTorch's linears (for comparisons).
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from torch import nn
 
-VARIABLE = "SPECDRAFT_PREPACK"
+from specdraft.kernels import numerics
+
+VARIABLE = numerics.PREPACK_VARIABLE
 # oneDNN's kernel for 4 rows beats its kernels for 1 to 3 (Zen 4, 2 threads: 8960x1536 1.19 / 1.25 / 1.10
 # against 1.00 ms, the 151936-row head 19.6 / 18.7 / 13.5 against 12.5 ms), so fewer rows are padded to 4.
 FAST_ROWS = 4
@@ -31,7 +32,7 @@ FAST_ROWS = 4
 
 def available() -> bool:
     """Whether this PyTorch build has oneDNN's bf16 linear on this CPU, and `$SPECDRAFT_PREPACK` is not 0."""
-    if os.environ.get(VARIABLE, "1") == "0" or not torch.backends.mkldnn.is_available():
+    if not numerics.current().prepack or not torch.backends.mkldnn.is_available():
         return False
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(supported is not None and supported())

@@ -70,7 +70,7 @@ class Int4Linear(nn.Module):
         self.dense_weight = dense_weight
         kernel, self.tiles = tiles.tile_kernel(), None
         if kernel is not None and fits(n, k, self.group_size):
-            self.tiles = pack(codes, scale, minimum, kernel.TILE_LAYOUT)
+            self.tiles = pack(codes, scale, minimum, kernel.layout)
             self.tile_matmul = kernel.matmul
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"tile_{name}", getattr(self.tiles, name))

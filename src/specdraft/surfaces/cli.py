@@ -198,7 +198,7 @@ def kernels() -> None:
     from specdraft.kernels.prebuild import build_all, in_use_text
 
     try:
-        ready = build_all()
+        ready = {f"{level} library": runs for level, runs in build_all().items()}
         line = in_use_text()
         detected = isa.detected()
     except SpecdraftError as error:

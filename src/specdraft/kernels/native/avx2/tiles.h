@@ -2,8 +2,8 @@
  * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
  *
  * 4-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the int8
- * kernels of `avx2_prompt.c` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
- * int16 flavour (`avx512_tiles.c`): each token's 16 inputs at a time on an
+ * kernels of `avx2/int8_tiles.h` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
+ * int16 flavour (`avx512/tiles.h`): each token's 16 inputs at a time on an
  * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
  * float32 in the same order:
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
@@ -20,12 +20,14 @@
  * Each token is computed alone, in an order that does not depend on the pass width, so a verify
  * pass agrees bit for bit with one-token decoding. Rows are split across OpenMP threads.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "avx2_vectors.h"
+#include "vectors.h"
 
 #define GROUP 32
 #define SUB 16
@@ -227,7 +229,7 @@ static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16
     release_activations(act);
 }
 
-void int4_avx2_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                       const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
@@ -255,7 +257,7 @@ static void q6_chunk(const uint8_t *tiles, const float *d, const uint16_t *x, fl
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */
-void q6k_avx2_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+void q6k_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
                      int64_t tokens) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);

@@ -1,20 +1,22 @@
-/* The decoder-layer stack of `decoder_avx512.c` and `decoder_avx2.c`, written once: a layer is
+/* The decoder-layer stack of `avx512/decoder_ops.h` and `avx2/decoder_ops.h`, written once: a layer is
  * norm -> stacked q|k|v -> (norms over each head of q and k: Qwen3, Gemma 3) -> rotary -> cache append -> attention
  * (over a sliding window on Gemma's sliding layers) -> o -> (norm: Gemma's sandwich) -> residual -> norm ->
- * stacked gate|up -> activation·up -> down -> (norm: Gemma's sandwich) -> residual (see `decoder_avx512.c` for why
+ * stacked gate|up -> activation·up -> down -> (norm: Gemma's sandwich) -> residual (see `avx512/decoder_ops.h` for why
  * and what each rounds). Norms are Llama's (`rms_norm_bf16`, bf16 weights) or, where `norm_gains`, Gemma's
  * (`rms_norm_gain_bf16`, float32 gains 1 + w).
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
  * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rms_norm_gain_bf16`, `rotary_bf16`, `attend_heads`
- * (and through its attention file `attention_items.h`: which query heads a work item takes together),
+ * (and through its attention file `shared/attention_items.h`: which query heads a work item takes together),
  * `silu_mul_bf16`, `act_mul_bf16` (an activation read from a table, times up), `add_bias` (y += bias, float32),
  * `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))), `add_residual_bf16`
  * (hidden = bf16(hidden + src), src bf16), and `q8_passes` (a 4-bit or Q6_K matrix times int8 activations:
- * `avx2_prompt.c`, `vnni_tiles.c`).
+ * `avx2/int8_tiles.h`, `avx512/int8_tiles.h`).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
+#pragma once
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,7 @@
 /* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
 typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
-                             2, 3: 4-bit, Q6_K tiles on AMX (`amx_tiles.c`, in the WITH_AMX build only) */
+                             2, 3: 4-bit, Q6_K tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only) */
     const uint8_t *tiles;
     const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */

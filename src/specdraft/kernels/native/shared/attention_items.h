@@ -1,10 +1,12 @@
-/* How few-query attention is cut into OpenMP work items (`attention_avx2.c`, `attention_avx512.c`, the decoder stack
- * of `decoder_layers.h`): an item is one query token and up to GROUP_HEADS query heads that read the same key/value
+/* How few-query attention is cut into OpenMP work items (`avx2/attention.h`, `avx512/attention.h`, the decoder stack
+ * of `shared/decoder_layers.h`): an item is one query token and up to GROUP_HEADS query heads that read the same key/value
  * head (the including attention file defines GROUP_HEADS: how many heads its `attend_heads` takes at once). A
  * key/value head's `groups` query heads are split into chunks as even as can be: 6 = 3 + 3, 7 = 4 + 3 for 4.
  */
 #ifndef SPECDRAFT_ATTENTION_ITEMS_H
 #define SPECDRAFT_ATTENTION_ITEMS_H
+#pragma once
+
 #include <stdint.h>
 
 typedef struct {

@@ -6,7 +6,7 @@
  * PyTorch dispatch, conversions and allocations, some 20 operations a layer. Here a layer is
  * norm -> stacked q|k|v -> rotary -> cache append -> attention -> o -> residual -> norm ->
  * stacked gate|up -> SiLU·up -> down -> residual, calling the same kernels as the PyTorch path
- * (`avx512_tiles.c` and `vnni_tiles.c`, `layer_ops.c`, `attention_avx512.c`, included below) with the same
+ * (`avx512/tiles.h` and `avx512/int8_tiles.h`, `avx512/layer_ops.h`, `avx512/attention.h`, included below) with the same
  * roundings:
  *   - projections in float32 (on int16 activations, or int8 ones after `use_int8_activations(1)`), plus the
  *     bias in float32, rounded to bf16 (nearest even);
@@ -22,17 +22,15 @@
  * The key/value caches are [kv_heads][capacity][head_dim] bf16 per layer; the pass's keys and
  * values are written at cache_len .. cache_len + T - 1 (the caller makes room).
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "vnni_tiles.c"  /* the int16 tiles (`avx512_tiles.c`) and the int8 ones */
-#include "layer_ops.c"
-#include "attention_avx512.c"
-#ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit runs may name the AMX kernel */
-#include "amx_tiles.c"
-#endif
+#include "vectors.h"
+
 
 /* exp of 16 float32 values. PyTorch's SiLU uses SLEEF's `Sleef_expf16_u10` (exported by libtorch_cpu);
  * `use_exp` hands its address over so that SiLU here gives the same bits. Until then (or where it is
@@ -98,5 +96,3 @@ static void add_residual_bf16(uint16_t *hidden, const uint16_t *src, int64_t n) 
     for (int64_t i = 0; i < n; i += 16)
         store_bf16x16(hidden + i, _mm512_add_ps(bf16x16_to_ps(hidden + i), bf16x16_to_ps(src + i)));
 }
-
-#include "decoder_layers.h"

@@ -7,7 +7,7 @@
  *
  * How: a tile holds 16 output rows x 32 inputs. Its codes become 16-bit numbers by integer ops
  * alone, as vectors that each hold one input pair (2r, 2r + 1) of the 16 rows: what a dot-product
- * instruction multiplies with a broadcast pair of activations (`tile_unpack.h`; `amx_tiles.c` shares
+ * instruction multiplies with a broadcast pair of activations (`avx512/tile_unpack.h`; `avx512/amx_tiles.h` shares
  * the 4-bit layout, see `int4_layout.py`). A tile is unpacked once per pass of up to MAX_TOKENS
  * tokens and then costs one dot-product instruction per 32 weights per token.
  *
@@ -55,12 +55,14 @@
  *   - 32 bytes: sc of sub-block 0 (inputs 0-15) of the 16 rows, then of sub-block 1;
  * and d as float32 [N/16][K/256][16].
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 
 #include <stdlib.h>
 
-#include "bf16_vectors.h"
+#include "vectors.h"
 #include "tile_unpack.h"
 
 #define GROUP 32
@@ -69,7 +71,7 @@
 #define INT4_TILE_BYTES 256
 #define Q6_TILE_BYTES 416
 /* Codes are fetched this far ahead, every line of a tile: PREFETCH_BYTES in passes of at most PREFETCH_FAR_TOKENS
- * tokens, PREFETCH_NEAR_BYTES in wider ones (`vnni_tiles.c`). A Zen 5, 2 threads, the bundled target after a
+ * tokens, PREFETCH_NEAR_BYTES in wider ones (`avx512/int8_tiles.h`). A Zen 5, 2 threads, the bundled target after a
  * 300-token cache, builds in alternating processes: 8 KB rather than 4 made 2- and 3-token passes 3-15% faster
  * (one token the same), and a 128-token prompt read 15% slower (452 against 389-395 ms). */
 #define PREFETCH_BYTES 8192
@@ -287,7 +289,7 @@ static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16
     release_activations(act);
 }
 
-void int4_avx512_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                         const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);

@@ -6,7 +6,7 @@
  * pass, so a flat cost is what it needs.
  *
  * How: no weight is dequantized to float. Each code q becomes the bf16 number 128 + q by integer
- * ops (`tile_unpack.h`: bf16 bits 0x4300 | q), laid out as the rows of a B tile (AMX's
+ * ops (`avx512/tile_unpack.h`: bf16 bits 0x4300 | q), laid out as the rows of a B tile (AMX's
  * pair-interleaved layout: row r holds input pair (2r, 2r + 1) of 16 outputs), and one
  * `tdpbf16ps` multiplies it into every token of the pass at once (C = x · (128 + q) in float32).
  * The scales are applied to the tokens x 16 result in float32, with S = Σ x over the group:
@@ -21,13 +21,15 @@
  * Each token's result does not depend on the other tokens of the pass: the same tile products
  * and the same float32 order for 1 or 16 tokens, so a verify pass agrees with one-token decoding.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "bf16_vectors.h"
+#include "vectors.h"
 #include "tile_unpack.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023

@@ -1,4 +1,4 @@
-/* Prefill kernels: the 4-bit and Q6_K tiles of `avx512_tiles.c` times int8 activations, with AVX-512
+/* Prefill kernels: the 4-bit and Q6_K tiles of `avx512/tiles.h` times int8 activations, with AVX-512
  * VNNI integer dot products (`vpdpbusd`: 64 multiply-adds an instruction, against 32 for `vdpbf16ps`).
  *
  * Why: a prompt's pass is compute-bound on the dot products (a 1.5B target, 2 cores: about 4 ms a
@@ -18,7 +18,9 @@
  * the 16) holds the codes of 4 consecutive inputs as bytes — by a byte shuffle and nibble unpacking,
  * once per pass of up to VNNI_TOKENS tokens.
  */
-#include "avx512_tiles.c"
+#pragma once
+
+#include "tiles.h"
 
 #define VNNI_TOKENS 16
 
@@ -193,7 +195,7 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
 void int4_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
                     int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
-    int4_avx512_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
+    int4_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
     q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
 }
 

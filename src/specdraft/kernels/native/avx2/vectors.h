@@ -1,7 +1,9 @@
-/* Vector helpers shared by the AVX2 kernels (the counterpart of `bf16_vectors.h`): bf16 <-> float32 for 8 lanes,
+/* Vector helpers shared by the AVX2 kernels (the counterpart of `avx512/vectors.h`): bf16 <-> float32 for 8 lanes,
  * horizontal max and sums, exp. Rounding to bf16 is PyTorch's (nearest, ties to even; NaN stays NaN). */
 #ifndef SPECDRAFT_AVX2_VECTORS_H
 #define SPECDRAFT_AVX2_VECTORS_H
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -60,7 +62,7 @@ static inline __m256 exp2_integral8(__m256 n) {
 }
 
 /* exp(x) for -104 <= x <= 89 (callers clamp): 2^n · p(r) with r = x − n ln 2, |r| <= ln2 / 2, a degree-7
- * polynomial; relative error about 2e-7 (as `exp_reduced` of `bf16_vectors.h`). */
+ * polynomial; relative error about 2e-7 (as `exp_reduced` of `avx512/vectors.h`). */
 static inline __m256 exp_reduced8(__m256 x) {
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

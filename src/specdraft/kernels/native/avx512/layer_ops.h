@@ -16,10 +16,12 @@
  * the sum rounded to bf16, as transformers' bf16 ops round them (the same bits). cos and sin are
  * [tokens][dim]; dim / 2 a multiple of 16.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "bf16_vectors.h"
+#include "vectors.h"
 
 /* 1 / sqrt(mean(x²) + eps) of a row of `dim` bf16 values, the squares summed over 16 lanes in a fixed order. */
 static inline __m512 inverse_rms(const uint16_t *row, int64_t dim, float eps) {

@@ -1,4 +1,4 @@
-/* Few-query attention over a bf16 key/value cache in AVX2 (the counterpart of `attention_avx512.c`, same layouts,
+/* Few-query attention over a bf16 key/value cache in AVX2 (the counterpart of `avx512/attention.h`, same layouts,
  * same rules): scores q · k in float32 (bf16 products are exact in float32, summed over 8 lanes), scaled, plus the
  * additive mask; keys the mask hides (-1e30 or less) skipped, so a tree node agrees bit for bit with the same token
  * decoded in a chain; softmax with the row's maximum and a polynomial exp; Σ p v in float32, divided by Σ p once,
@@ -10,11 +10,13 @@
  * and value row is converted from bf16 once for all of them, not once per head. 1.4-1.5x faster than a head at a
  * time over 300 and 1,200 keys, the same bits (one thread, Zen 3).
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "avx2_vectors.h"
+#include "vectors.h"
 
 #define MAX_DIM 256
 #define HIDDEN_BELOW (-1e30f)  /* mask values at or below this hide a key */
@@ -24,7 +26,7 @@
 static inline __m256 exp_nonpositive8(__m256 x) { return exp_reduced8(_mm256_max_ps(x, _mm256_set1_ps(-100.0f))); }
 
 #define GROUP_HEADS 4  /* query heads of one key/value head that a pass over the keys takes together */
-#include "attention_items.h"
+#include "../shared/attention_items.h"
 
 /* The scores of `n` query heads against one key row: per head two FMA chains over the lanes (even, odd), summed once. */
 static inline __attribute__((always_inline)) void score_heads(const __m256 *qv, int n, const uint16_t *row, int64_t lanes,

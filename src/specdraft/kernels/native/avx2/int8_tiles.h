@@ -1,7 +1,7 @@
-/* Prompt passes on int8 activations for CPUs with AVX2 and no AVX-512: the function of `vnni_tiles.c` (the same
+/* Prompt passes on int8 activations for CPUs with AVX2 and no AVX-512: the function of `avx512/int8_tiles.h` (the same
  * bits), on `vpmaddubsw` in place of `vpdpbusd`.
  *
- * Numerics (as `vnni_tiles.c`): each token's activations quantized per group of 32 inputs, â = round(x · 127 /
+ * Numerics (as `avx512/int8_tiles.h`): each token's activations quantized per group of 32 inputs, â = round(x · 127 /
  * max|x|), a = max|x| / 127; the integer sums Σ q·â exact, then scaled in float32 in the same order:
  *   4-bit (w = s·(q − 8) + z):  y += (s·a) ⊙ Σ q·â − (8s − z) ⊙ a·Σâ
  *   Q6_K  (w = d·sc·(q − 32)):  y += (s·a) ⊙ Σ q·â − 32 s ⊙ a·Σâ  per sub-block of 16, s = d·sc
@@ -14,11 +14,13 @@
  * 8 rows (a tile's half), each dword lane the codes of 4 consecutive inputs of one row: 32 multiply-adds an
  * instruction, against 16 for the int16 kernels' `vpmaddwd`.
  *
- * Built with AVX-VNNI (`__AVXVNNI__`: `isa.avx_vnni`), `vpdpbusd` adds the same four products straight into the
+ * Built with AVX-VNNI (`__AVXVNNI__`: `NumericConfig.avx_vnni`), `vpdpbusd` adds the same four products straight into the
  * int32 lane, one instruction where `vpmaddubsw` + `vpaddw` (+ the widening) took two or three: the integer sums
  * are exact either way, so the bits are the same (measured on a Zen 5, AVX2 forced: every pass width 11-13% faster).
  */
-#include "avx2_tiles.c"
+#pragma once
+
+#include "tiles.h"
 
 /* Tokens a sweep over a block of 16 rows takes: Q8_BLOCK (as many as the int16 kernels take, whose sums for 16 rows
  * stay in registers), or a remainder of 5 to Q8_WIDEST in one sweep. A pass of 5 tokens as 4 + 1 unpacked every code
@@ -221,17 +223,17 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 4-bit tiles; the first `precise_tokens` tokens on the int16
  * kernel (a sequence's first token: see `prompt_pass.py`). */
-void int4_avx2_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
+void int4_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
                          int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
-    int4_avx2_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
+    int4_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
     q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; the first `precise_tokens` on the int16 kernel. */
-void q6k_avx2_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
+void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
                         int64_t tokens, int64_t precise_tokens) {
     precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
-    q6k_avx2_matmul(tiles, d, x, y, N, K, precise_tokens);
+    q6k_matmul(tiles, d, x, y, N, K, precise_tokens);
     q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
 }

@@ -1,6 +1,8 @@
-/* Vector helpers shared by the AVX-512 kernels (included by each .c file): bf16 <-> float32, exp. */
+/* Vector helpers shared by the AVX-512 kernels (included by each header of this folder): bf16 <-> float32, exp. */
 #ifndef SPECDRAFT_BF16_VECTORS_H
 #define SPECDRAFT_BF16_VECTORS_H
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 

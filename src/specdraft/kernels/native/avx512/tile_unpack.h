@@ -1,9 +1,11 @@
 /* Unpacking of the tile layouts (`int4_layout.py`, `gguf_matmul.pack_q6k`) into vectors of 16-bit code
- * pairs, shared by the AVX-512 kernels (`avx512_tiles.c`: int16 q, operands of `vpdpwssd`) and the AMX ones
- * (`amx_tiles.c`: bf16 128 + q, rows of B tiles). Integer ops only: a code q < 128 becomes the 16 bits
+ * pairs, shared by the AVX-512 kernels (`avx512/tiles.h`: int16 q, operands of `vpdpwssd`) and the AMX ones
+ * (`avx512/amx_tiles.h`: bf16 128 + q, rows of B tiles). Integer ops only: a code q < 128 becomes the 16 bits
  * (high << 8) | q, so high = INT16_CODES gives the integer q and high = BF16_CODES the bf16 number 128 + q. */
 #ifndef SPECDRAFT_TILE_UNPACK_H
 #define SPECDRAFT_TILE_UNPACK_H
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 

@@ -1,5 +1,5 @@
-/* The stack of decoder layers of `decoder_avx512.c` for CPUs with AVX2 and no AVX-512: the same
- * layer (`decoder_layers.h`) on the AVX2 kernels (`avx2_tiles.c`, `layer_ops_avx2.c`, `attention_avx2.c`),
+/* The stack of decoder layers of `avx512/decoder_ops.h` for CPUs with AVX2 and no AVX-512: the same
+ * layer (`shared/decoder_layers.h`) on the AVX2 kernels (`avx2/tiles.h`, `avx2/layer_ops.h`, `avx2/attention.h`),
  * with the roundings of the PyTorch path on the same kernels, so a pass gives that path's bits:
  *   - projections in float32 (on int16 activations, or int8 ones after `use_int8_activations(1)`), plus the
  *     bias in float32, rounded to bf16 (nearest even);
@@ -8,14 +8,15 @@
  *     (`use_exp`), rounded; times up, rounded; another activation read from a table of PyTorch's own values.
  * Each token is computed alone, so decoding, chain verification and tree passes agree bit for bit.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "avx2_prompt.c"  /* the int16 tiles (`avx2_tiles.c`) and the int8 ones */
-#include "layer_ops_avx2.c"
-#include "attention_avx2.c"
+#include "vectors.h"
+
 
 /* exp of 8 float32 values: PyTorch's (`Sleef_expf8_u10`, what its SiLU uses on AVX2) once `use_exp` hands its
  * address over, else `exp_reduced8` (relative error about 2e-7). */
@@ -43,7 +44,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
-/* out [rows][inter] = bf16(act(gate) · up), act(gate) read from `table` (as in `decoder_avx512.c`); inter % 8 == 0. */
+/* out [rows][inter] = bf16(act(gate) · up), act(gate) read from `table` (as in `avx512/decoder_ops.h`); inter % 8 == 0. */
 void act_mul_bf16(const uint16_t *gate_up, const uint16_t *table, uint16_t *out, int64_t rows, int64_t inter) {
 #pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
@@ -78,5 +79,3 @@ static void add_residual_bf16(uint16_t *hidden, const uint16_t *src, int64_t n) 
     for (int64_t i = 0; i < n; i += 8)
         store_bf16x8(hidden + i, _mm256_add_ps(bf16x8_to_ps(hidden + i), bf16x8_to_ps(src + i)));
 }
-
-#include "decoder_layers.h"

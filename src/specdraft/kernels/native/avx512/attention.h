@@ -22,10 +22,12 @@
  * between heads (a cache cut back in place keeps its capacity); mask [T][S] or NULL; out
  * [T][heads][d]. Query head h reads key/value head h / (heads / kv_heads). d % 32 == 0, d <= 256.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "bf16_vectors.h"
+#include "vectors.h"
 #include <stdlib.h>
 
 #define MAX_DIM 256
@@ -88,10 +90,10 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
         _mm256_storeu_si256((__m256i *)(out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], scale)));
 }
 
-/* What the decoder stack (`decoder_layers.h`) takes from an attention file: here a work item is one query head
+/* What the decoder stack (`shared/decoder_layers.h`) takes from an attention file: here a work item is one query head
  * (GROUP_HEADS 1), as in `few_query_attention_bf16` below. */
 #define GROUP_HEADS 1
-#include "attention_items.h"
+#include "../shared/attention_items.h"
 
 /* One query head (n is 1; q_stride unused). */
 static inline void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint16_t *k, const uint16_t *v,

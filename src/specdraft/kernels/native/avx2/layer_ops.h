@@ -1,4 +1,4 @@
-/* The per-token decoder-layer operations of `layer_ops.c` (RMSNorm, rotary embedding) in AVX2, for CPUs without
+/* The per-token decoder-layer operations of `avx512/layer_ops.h` (RMSNorm, rotary embedding) in AVX2, for CPUs without
  * AVX-512: the same definitions and roundings, 8 lanes at a time (so the sum of squares adds in another order: a
  * row's norm may differ from the AVX-512 build's in the last bit, never from itself in another pass).
  *
@@ -7,11 +7,13 @@
  * rotary_bf16: x·cos + rotate_half(x)·sin in place on the first `heads` heads of each token's row, every product and
  * the sum rounded to bf16 (transformers' bf16 bits); dim / 2 a multiple of 8.
  */
+#pragma once
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#include "avx2_vectors.h"
+#include "vectors.h"
 
 /* 1 / sqrt(mean(x²) + eps) of a row of `dim` bf16 values, the squares summed over 8 lanes in a fixed order. */
 static inline __m256 inverse_rms8(const uint16_t *row, int64_t dim, float eps) {
