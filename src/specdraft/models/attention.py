@@ -51,7 +51,7 @@ def few_query_attention(
     scaling: float,
 ) -> torch.Tensor:  # [B, T, heads, head_dim] in the query's dtype
     """softmax(q kᵀ · scaling + mask) v in float32, each key/value head shared by its group of query heads
-    (in C, `kernels/attention_avx512.c` or `attention_avx2.c`, where it runs: bf16, batch 1)."""
+    (in C, each native library's `attention.h`, where it runs: bf16, batch 1)."""
     if cache_attention.supports(query, key, value):
         return cache_attention.attend(query, key, value, attention_mask, scaling)
     batch, heads, length, dim = query.shape
