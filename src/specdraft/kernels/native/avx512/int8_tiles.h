@@ -189,21 +189,3 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
     }
     release(act);
 }
-
-/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 4-bit tiles (`int4_layout`); K % 32 == 0, N % 16 == 0.
- * The first `precise_tokens` tokens run on the int16 kernel (see `vnni_tiles.py`: a sequence's first token). */
-void int4_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                    int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
-    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
-    int4_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
-    q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
-}
-
-/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q6_K tiles; K % 256 == 0, N % 16 == 0; the first
- * `precise_tokens` tokens on the int16 kernel. */
-void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, float *y, int64_t N, int64_t K,
-                   int64_t tokens, int64_t precise_tokens) {
-    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
-    q6k_matmul(tiles, d, x, y, N, K, precise_tokens);
-    q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
-}

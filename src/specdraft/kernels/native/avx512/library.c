@@ -3,7 +3,8 @@
  *
  *   tiles.h        4-bit and Q6_K tiles times bf16 activations: int4_matmul, q6k_matmul (int16 or, with
  *                  -DTILE_DOTS_BF16, bf16 dot products: `tile_dots.py`)
- *   int8_tiles.h   the same tiles times int8 activations (VNNI): int4_q8_matmul, q6k_q8_matmul
+ *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`; the entry points in
+ *                  ../shared/int8_entries.h), on VNNI: int4_q8_matmul, q6k_q8_matmul
  *   amx_tiles.h    (WITH_AMX) the same tiles on AMX: amx_tiles_init, int4_amx_matmul, q6k_amx_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
@@ -12,6 +13,7 @@
  */
 #include "tiles.h"
 #include "int8_tiles.h"
+#include "../shared/int8_entries.h"
 #ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit and Q6_K runs may name the AMX kernels */
 #include "amx_tiles.h"
 #endif
