@@ -1,4 +1,4 @@
-"""Imports only go down: the package's layers (DESIGN.md) in order, and no import cycle between its modules.
+"""Imports only go down: the package's layers (docs/design.md, docs/architecture.md) in order, and no import cycle between its modules.
 
 Read from the source with `ast`, imports inside functions included (an import deferred to the call is still a
 dependency).
@@ -14,7 +14,7 @@ import specdraft
 ROOT = Path(specdraft.__file__).parent
 # Lowest first. A module may import from its own layer and the ones below, never from above.
 LAYERS = [
-    {"errors", "paths", "gguf_layout"},
+    {"errors", "extras", "paths", "gguf_layout"},
     {"sampling", "tree", "text", "stats", "policy", "goodput", "prompts", "goodness_of_fit"},
     {"kernels"},
     {"models"},

@@ -1,4 +1,4 @@
-"""Tier 1 of the exactness tests (DESIGN.md): hand-built logits whose verdict is known.
+"""Tier 1 of the exactness tests (docs/design.md): hand-built logits whose verdict is known.
 
 Every case here has an answer that can be worked out by hand: which draft tokens the
 verifier keeps, which token comes next, what the residual distribution is, and what

@@ -1,4 +1,4 @@
-"""Tier 2 of the exactness tests (DESIGN.md): a goodness-of-fit test on a toy Markov LM.
+"""Tier 2 of the exactness tests (docs/design.md): a goodness-of-fit test on a toy Markov LM.
 
 The "LM" is a Markov chain on a small vocabulary: the next-token logits depend only on the
 last token. The target's transition logits are P, the draft's Q (different). Many rows

@@ -1,4 +1,4 @@
-"""Checking greedy output against plain decoding, with DESIGN.md's near-tie rule.
+"""Checking greedy output against plain decoding, with the near-tie rule of docs/design.md.
 
 Kernels for different batch shapes (one token vs k + 1 tokens a pass) round differently,
 so in bf16 two greedy runs may part where the target's top two logits are nearly equal.

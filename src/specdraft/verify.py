@@ -1,6 +1,6 @@
 """Chain and tree verification: keep exactly what the target would have produced.
 
-Glossary (DESIGN.md):
+Glossary (docs/design.md):
     accepted   draft tokens the verifier kept (a prefix of the draft)
     recovered  at the first rejection, a token drawn from normalize(max(p - q, 0))
     bonus      after a fully accepted draft, one more token drawn from the target's last row

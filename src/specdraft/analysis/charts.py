@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specdraft.analysis.theory import expected_speedup
+from specdraft.extras import require
 
 CURVE_POINTS = 201  # α samples of a theory curve over [0, 1]
 
 
 def new_figure(width: float = 7.5, height: float = 4.5):
-    """A figure on its own Agg canvas, laid out with constrained layout."""
+    """A figure on its own Agg canvas, laid out with constrained layout (MissingExtra without matplotlib)."""
+    require("bench", "Drawing a chart", "matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -10,8 +10,8 @@ time over one target step's time, so the expected speedup is τ / (1 + k·c). Th
 over k + 1 tokens to cost what one token costs; where it does not (a CPU's cores, see
 `costs`), the 1 becomes the measured ratio V(k + 1) / V(1).
 
-Note the two α's: DESIGN.md's acceptance rate `accepted / drafted` counts every draft token,
-also those after a rejection that were never tested, so it is lower than the per-token α these
+Note the two α's: the acceptance rate `accepted / drafted` of docs/design.md counts every draft
+token, also those after a rejection that were never tested, so it is lower than the per-token α these
 formulas take. `token_acceptance` estimates the per-token α from the per-position counts.
 """
 

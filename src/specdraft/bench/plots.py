@@ -16,8 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from matplotlib.ticker import MaxNLocator
-
 from specdraft.analysis.charts import new_figure, note, save, theory_curve
 from specdraft.analysis.theory import mixed_speedup, token_acceptance
 from specdraft.bench.summary import position_counts
@@ -56,6 +54,8 @@ def plot_speedup_by_category(methods: Mapping[str, Mapping], path: str | Path) -
 
 def plot_acceptance_by_position(records: Sequence[Mapping], path: str | Path) -> Path:
     """accepted_at[i] / drafted_at[i] per draft position i, one line per method that drafts."""
+    from matplotlib.ticker import MaxNLocator  # matplotlib is the `bench` extra: imported when a plot is drawn
+
     figure = new_figure()
     axes = figure.add_subplot()
     counts = position_counts(records)

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over the speculative decoder (`specdraft serve`).
 
-app.py (routes, auth, the playground, who shares cross-request memory), schemas.py (request
+app.py (the route handlers, auth, the playground, and `create_app` wiring them), settings.py
+(`ServerSettings`; who shares cross-request memory), middleware.py (request counts, the body limit), schemas.py (request
 bodies), prepare.py (a request checked and turned into token ids and sampling), decoders.py (one
 decoder per drafter, k and memory partition, built on demand, the least recently used dropped
 past a bound), worker.py (the bounded queue and the one engine thread), responses.py (OpenAI
@@ -8,7 +9,12 @@ response bodies and stream chunks), metrics.py (Prometheus text), errors.py (Ope
 JSON).
 """
 
-from specdraft.server.app import ServerSettings, create_app
-from specdraft.server.decoders import DecoderPool
+from specdraft.extras import require
+
+require("server", "specdraft's server", "fastapi", "pydantic")
+
+from specdraft.server.app import create_app  # noqa: E402  (after the check: fastapi is the `server` extra)
+from specdraft.server.decoders import DecoderPool  # noqa: E402
+from specdraft.server.settings import ServerSettings  # noqa: E402
 
 __all__ = ["DecoderPool", "ServerSettings", "create_app"]

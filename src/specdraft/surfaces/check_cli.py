@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # a message's own [brackets] (pip install 'x[extra]') are no markup
 
 from specdraft.analysis.check import DEFAULT_ALPHA, DEFAULT_DEPTH, DEFAULT_TOP
 from specdraft.errors import SpecdraftError
@@ -56,7 +57,7 @@ def check(
         passed = _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy_tokens, batch, as_json,
                         model_options)
     except SpecdraftError as error:
-        err.print(f"[bold red]error:[/] {error}")
+        err.print(f"[bold red]error:[/] {escape(str(error))}")
         raise typer.Exit(2)
     raise typer.Exit(0 if passed else 1)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdraft.errors import SpecdraftError
+from specdraft.extras import require
 
-RAY_HINT = "pip install -e '.[ray]' (or: pip install 'ray[serve]')"
 APP_NAME = DEPLOYMENT = "specdraft"
 REPLICA_HEADER = "x-specdraft-replica"
 MIRROR_SECONDS = 2.0  # how often a replica copies its figures into Ray's metrics
@@ -36,11 +36,10 @@ MIRROR_SECONDS = 2.0  # how often a replica copies its figures into Ray's metric
 
 def import_ray() -> tuple[Any, Any]:
     """(ray, ray.serve), or a SpecdraftError that says how to install them."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise SpecdraftError(f"--ray needs Ray Serve, which is not installed here: {RAY_HINT}.") from None
+    require("ray", "specdraft serve --ray", "ray")
+    import ray
+    from ray import serve
+
     return ray, serve
 
 

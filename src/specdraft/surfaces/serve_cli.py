@@ -6,9 +6,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # a message's own [brackets] (pip install 'x[extra]') are no markup
 
 from specdraft.batch_engine import DEFAULT_MAX_BATCH, megabytes
 from specdraft.errors import SpecdraftError
+from specdraft.extras import require
 from specdraft.policy import GPU_MAX_AUTO_K
 from specdraft.surfaces.model_setup import flag_names, with_options_of
 from specdraft.surfaces.server_app import build_app, check_speculation
@@ -92,6 +94,7 @@ def serve(
                    prefix_cache_mb=prefix_cache_mb, max_k=max_k, cross_request_memory=cross_request_memory,
                    **model_options)
     try:
+        require("server", "specdraft serve", "fastapi", "uvicorn", "pydantic")
         if ray:
             return serve_on_ray(options, host, port, threads, replicas, min_replicas, max_replicas, target_ongoing,
                                 ray_address, ray_metrics_port)
@@ -101,7 +104,7 @@ def serve(
             torch.set_num_threads(threads)
         app = build_app(**options)
     except SpecdraftError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         raise typer.Exit(2)
     import uvicorn
 

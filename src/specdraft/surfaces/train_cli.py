@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # a message's own [brackets] (pip install 'x[extra]') are no markup
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specdraft.errors import SpecdraftError
@@ -17,7 +18,7 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False)
     raise typer.Exit(2)
 
 
