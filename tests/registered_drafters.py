@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters import DRAFTERS, Drafter, EagleDrafter, MedusaDrafter, make_drafter
+from specdraft.drafters import DRAFTERS, Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter, make_drafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+from specdraft.models.eagle3_loading import build_eagle3, from_published
 from specdraft.models.medusa import MedusaConfig, MedusaHeads
 
 OPTIONS = {"early-exit": {"exit-layer": 1}, "ngram+model": {"ngram-min": 3}}  # options that suit the tiny models
@@ -33,7 +34,23 @@ def random_eagle(target: CausalLM, min_confidence: float = 0.0) -> EagleDrafter:
     return EagleDrafter(target, model, torch.arange(target.vocab_size), min_confidence)
 
 
-TRAINED = {"medusa": random_medusa, "eagle": random_eagle}
+def random_eagle3(target: CausalLM, min_confidence: float = 0.0) -> Eagle3Drafter:
+    """A random EAGLE-3 head in the speculators format (`eagle3_checkpoints`), read through the loader's name and
+    config mapping: three of the target's layer inputs (0, L // 2, L - 1), a draft vocabulary of all but every
+    fourth token (the rest only through the residual)."""
+    from eagle3_checkpoints import random_head
+
+    config, layers = target.config, target.config.num_hidden_layers
+    keep = [i for i in range(target.vocab_size) if i % 4 != 3]
+    head = random_head(config, "speculators", hidden=config.hidden_size, heads=2, kv_heads=1, head_dim=16,
+                       intermediate=64, draft_ids=keep, aux_layers=(0, layers // 2, layers - 1),
+                       own_embeddings=False, seed=13)
+    eagle3_config, tensors = from_published(head.config, head.tensors)
+    return Eagle3Drafter(target, build_eagle3(eagle3_config, tensors, "random head", target.dtype, target.device),
+                         min_confidence)
+
+
+TRAINED = {"medusa": random_medusa, "eagle": random_eagle, "eagle3": random_eagle3}
 
 
 def registered() -> list[str]:

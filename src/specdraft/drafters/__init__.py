@@ -14,6 +14,7 @@ from typing import Any, Callable
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.composed import ComposedDrafter
 from specdraft.drafters.eagle import EagleDrafter
+from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.model import DEFAULT_CATCH_UP, DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
@@ -121,9 +122,26 @@ def _build_eagle(options: dict, target_model=None, shared=None, **_resources) ->
     return _built_once("eagle", options, shared, build)
 
 
+def _build_eagle3(options: dict, target_model=None, shared=None, **_resources) -> Drafter:
+    def build():
+        from specdraft.models.eagle3_loading import load_eagle3
+
+        if target_model is None:
+            raise SpecdraftError("The 'eagle3' drafter needs the target model its head was trained for.")
+        if not options["trained"]:
+            raise SpecdraftError("The 'eagle3' drafter runs a published EAGLE-3 head: pass --trained PATH, a SpecForge "
+                                 "or speculators checkpoint folder (config.json and model.safetensors) or the GGUF "
+                                 "llama.cpp's convert_hf_to_gguf.py --target-model-dir makes of one.")
+        model = load_eagle3(options["trained"], dtype=target_model.dtype, device=target_model.device)
+        return Eagle3Drafter(target_model, model, options["draft-confidence"])
+    return _built_once("eagle3", options, shared, build)
+
+
 CONFIDENCE = Option(DEFAULT_MIN_CONFIDENCE, "stop a draft once the drafter's own estimate that the whole draft is "
                     "accepted falls below this (0 = always k)")
-TRAINED = Option("", "a trained drafter file from `specdraft train` (default: the one shipped for the target)")
+TRAINED = Option("", "a trained drafter: for medusa and eagle a file from `specdraft train` (default: the one shipped "
+                 "for the target); for eagle3 a published EAGLE-3 head, its checkpoint folder (SpecForge or "
+                 "speculators) or its llama.cpp GGUF (required)")
 
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
@@ -158,6 +176,9 @@ DRAFTERS: dict[str, DrafterInfo] = {
     "eagle": DrafterInfo("EAGLE feature drafter: one trained decoder layer extrapolates the target's hidden states, "
                          "reading them from its verification passes (--trained FILE, default the shipped one)",
                          _build_eagle, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
+    "eagle3": DrafterInfo("a published EAGLE-3 head (SpecForge, speculators or its llama.cpp GGUF): fuses three of the "
+                          "target's layers, drafts chains or trees over its draft vocabulary (--trained PATH)",
+                          _build_eagle3, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
     "oracle": DrafterInfo("bench only: synthetic acceptance; proposes the target's own tokens from a recorded ar run "
                           "of the prompt, each wrong with probability 1 - oracle-alpha (`specdraft bench` records "
                           "them: spec:drafter=oracle;oracle-alpha=0.8)", _build_oracle, False, {
@@ -242,7 +263,7 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
     return composed
 
 
-__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "EagleDrafter",
-           "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Option", "OracleDrafter",
+__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "Eagle3Drafter",
+           "EagleDrafter", "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Option", "OracleDrafter",
            "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options", "make_drafter",
            "needs_draft_model", "remembers_requests", "user_options"]

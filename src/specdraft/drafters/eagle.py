@@ -48,7 +48,7 @@ class EagleDrafter(FeatureDrafter):
         self._pending, self._real = [], 0
 
     def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
-        if hidden.shape[0]:
+        if self.checked(hidden).shape[0]:
             self._pending.append(hidden)
 
     def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:

@@ -1,5 +1,6 @@
-"""What the trained drafters (`medusa`, `eagle`) share: they read the target's final hidden states
-and score tokens through the target's own LM head restricted to their vocabulary."""
+"""What the trained drafters (`medusa`, `eagle`, `eagle3`) share: they read the target's hidden states and score
+tokens through a head over part of the vocabulary (the target's own LM head restricted to their vocabulary, or the
+head's own: EAGLE-3's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from specdraft.drafters.base import DraftContext, Drafter
 from specdraft.drafters.dynamic_tree import ranking
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
-from specdraft.models.draft_head import target_subset_head
+from specdraft.models.draft_head import SubsetHead, target_subset_head
 from specdraft.models.quantize import int4_kernel_available, quantize_int4
 
 
@@ -22,20 +23,31 @@ def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
 
 
 class FeatureDrafter(Drafter):
-    """A drafter trained on `target`'s final hidden states (of size `hidden_size`), drafting tokens
-    among `vocab_ids` through the target's LM head; a chain stops once its estimated survival
-    falls below `min_confidence`."""
+    """A drafter trained on `target`'s hidden states (of size `hidden_size`), drafting tokens
+    among `vocab_ids` through the target's LM head (or through its own `head`, which then sets the vocabulary); a
+    chain stops once its estimated survival falls below `min_confidence`."""
 
     needs_features = True
     description = "drafter"  # how errors name it
 
-    def __init__(self, target: CausalLM, hidden_size: int, vocab_ids: torch.Tensor, min_confidence: float) -> None:
+    def __init__(self, target: CausalLM, hidden_size: int, vocab_ids: torch.Tensor | None, min_confidence: float,
+                 head: SubsetHead | None = None) -> None:
         if hidden_size != target.config.hidden_size:
             raise SpecdraftError(f"This {self.description} reads hidden states of size {hidden_size}; "
                                  f"{target.name}'s are {target.config.hidden_size}.")
-        self.vocab_head = target_subset_head(target, vocab_ids)
+        self.vocab_head = head if head is not None else target_subset_head(target, vocab_ids)
+        self.features_width = hidden_size  # how wide the states it is handed are (`checked`)
         self.dtype = self.vocab_head.inner.weight.dtype  # what features are cast to (kept when the head goes int4)
         self.min_confidence = min_confidence
+
+    def checked(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The states handed to `features` (# [n, features_width]), checked: an `eagle3` drafter alive on the same
+        target makes its passes return other states (`CausalLM.read_features_at`), which this drafter cannot read."""
+        if hidden.shape[0] and hidden.shape[-1] != self.features_width:
+            raise SpecdraftError(f"This {self.description} reads target states {self.features_width} wide and was "
+                                 f"handed {hidden.shape[-1]}: another drafter on the same target (eagle3) asked its "
+                                 "passes for other states. Run one kind of feature drafter per target.")
+        return hidden
 
     def sibling(self) -> "FeatureDrafter":
         """A drafter for another sequence (of a batch) over the same trained weights and vocabulary head: the
@@ -51,4 +63,5 @@ class FeatureDrafter(Drafter):
         Drafts only propose differently; the output stays exact, q being what they were drawn from."""
         if self.vocab_head.ids.device.type == "cpu" and int4_kernel_available():
             quantize_int4(module)
-            quantize_int4(self.vocab_head)
+            if not any(part is self.vocab_head for part in module.modules()):  # an EAGLE-3 head's is the module's
+                quantize_int4(self.vocab_head)

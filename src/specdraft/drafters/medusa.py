@@ -57,7 +57,7 @@ class MedusaDrafter(FeatureDrafter):
         self._feature = None
 
     def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
-        if hidden.shape[0]:
+        if self.checked(hidden).shape[0]:
             self._feature = hidden[-1]
 
     def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:

@@ -8,6 +8,7 @@ length (rollback after a rejected draft) or to an accepted tree path. No model-n
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +24,32 @@ from specdraft.models.kv_cache import growing_cache
 # Prompt tokens one prefill pass reads at most. A batch reads a joining prompt this much between its steps, so a
 # long prompt stalls the running answers for one chunk's time at a step, not for the whole prompt's.
 PREFILL_CHUNK = 128
+# Where a model keeps the feature layers its drafters asked for (`CausalLM.read_features_at`): an attribute of the
+# transformers model, so every `CausalLM` over the same weights (a batch's prompt reader too) returns the same states.
+FEATURE_CLAIMS = "_specdraft_feature_claims"
+
+
+class _FeatureClaims(weakref.WeakKeyDictionary):
+    """Drafter -> the layers it reads (held weakly). A copy or a pickle of the model starts with none: the claims
+    are of the live drafters over these very weights."""
+
+    def __copy__(self) -> "_FeatureClaims":
+        return _FeatureClaims()
+
+    def __deepcopy__(self, memo: dict) -> "_FeatureClaims":
+        return _FeatureClaims()
+
+    def __reduce__(self):
+        return _FeatureClaims, ()
 
 
 @dataclass
 class ForwardOutput:
-    """Logits of the positions asked for, and the final hidden states when asked."""
+    """Logits of the positions asked for, and the final hidden states when asked (or the states entering the
+    layers `CausalLM.feature_layers` names, side by side, where a drafter asked for those)."""
 
     logits: torch.Tensor  # [1, T', V] float32 (the model's values, e.g. its bf16 logits, widened exactly)
-    hidden_states: torch.Tensor | None = None  # [1, T'', hidden] (after the final norm)
+    hidden_states: torch.Tensor | None = None  # [1, T'', hidden] after the final norm, or [1, T'', n * hidden]
 
 
 def wants_static_cache(model: PreTrainedModel, static_cache: bool | None,
@@ -150,6 +169,43 @@ class CausalLM:
                 seen.add(p.data_ptr())
                 total += p.numel()
         return total + _packed_weights(self.model)
+
+    # ----- which hidden states a pass returns ----------------------------------------------------------------
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The layers whose input states a pass returns as its hidden states (`hidden_to_keep`), side by side
+        `[.., n * hidden]`: transformers' `hidden_states[i]` (0: the embeddings, i: decoder layer i - 1's output).
+        None: the final hidden states (after the norm), as every drafter but EAGLE-3 reads them."""
+        claims = getattr(self.model, FEATURE_CLAIMS, None)
+        live = list(claims.values()) if claims is not None else []  # a dead drafter's claim has gone
+        return live[-1] if live else None
+
+    def read_features_at(self, owner: object, layers: tuple[int, ...]) -> None:
+        """Make the passes of this model (every `CausalLM` over its weights) return the input states of `layers` as
+        their hidden states, for as long as `owner` (a drafter) lives: the claim is held weakly, and the last live
+        claim decides. The fused C decoder returns no intermediate layer, so such passes run through transformers'
+        layers (the same function; the default path is untouched while no drafter claims); a static (GPU) cache
+        returns none either and is refused."""
+        count = self.config.num_hidden_layers
+        if any(not 0 <= i < count for i in layers):
+            raise SpecdraftError(f"{self.name} has {count} layers: layer inputs 0 .. {count - 1}, not {list(layers)}.")
+        if self._static is not None:
+            raise SpecdraftError(f"{self.name} runs on a static (GPU) cache, whose passes return only the final "
+                                 "hidden states; a drafter that reads intermediate layers (eagle3) needs "
+                                 "SPECDRAFT_STATIC_CACHE=0.")
+        claims = getattr(self.model, FEATURE_CLAIMS, None)
+        if claims is None:
+            claims = _FeatureClaims()
+            self.model.__dict__[FEATURE_CLAIMS] = claims  # a plain attribute: no module, parameter or buffer
+        claims.pop(owner, None)  # to the end: the last claim decides
+        claims[owner] = tuple(layers)
+
+    def _kept_states(self, states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None,
+                     keep: int) -> torch.Tensor:
+        """The last `keep` rows `[1, keep, H or n * H]` of transformers' hidden states: the final ones, or those
+        entering `layers` side by side."""
+        chosen = states[-1] if layers is None else torch.cat([states[i] for i in layers], dim=-1)
+        return chosen[:, -keep:]
 
     # ----- the cache ---------------------------------------------------------------------
     def reset(self) -> None:
@@ -304,7 +360,11 @@ class CausalLM:
                 f"The sequence would reach {reach} tokens, past {self.name}'s context of "
                 f"{self.max_context}. Shorten the prompt or lower --max-new-tokens."
             )
+        layers = self.feature_layers if hidden_to_keep > 0 else None  # intermediate layers a drafter reads
         if self._static is not None:
+            if layers is not None:
+                raise SpecdraftError("A static (GPU) cache returns no intermediate layers "
+                                     "(set SPECDRAFT_STATIC_CACHE=0).")
             positions = None if offsets is None else offsets + self.cache_len  # None: consecutive
             return self._static_forward(tokens[0], positions, visible, logits_to_keep, hidden_to_keep)
         if offsets is None:
@@ -312,7 +372,8 @@ class CausalLM:
         mask = None if visible is None else self._attention_mask(length, visible)
         # Passes over a cache (and single tokens) may run fused: the same function, the layers in one C
         # call; prefills keep PyTorch's batched attention, as `attention.grouped_sdpa_forward` does.
-        fused = fused_decoder(self.model) if length <= FEW_QUERIES and (self.cache_len or length == 1) else None
+        fused = (fused_decoder(self.model) if length <= FEW_QUERIES and (self.cache_len or length == 1)
+                 and layers is None else None)
         if fused is not None:
             hidden = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
                                None if mask is None else mask.view(length, -1).float().contiguous())  # [1, T, H]
@@ -330,7 +391,7 @@ class CausalLM:
             output_hidden_states=hidden_to_keep > 0,
         )
         self.cache_len += length
-        hidden = out.hidden_states[-1][:, -hidden_to_keep:] if hidden_to_keep > 0 else None
+        hidden = self._kept_states(out.hidden_states, layers, hidden_to_keep) if hidden_to_keep > 0 else None
         return ForwardOutput(logits=out.logits.float(), hidden_states=hidden)
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor | None, visible: torch.Tensor | None,
@@ -349,7 +410,8 @@ class CausalLM:
         PREFILL_CHUNK tokens a pass, so a batch can read a joining prompt a chunk between its steps and hold
         the very states a request read alone holds."""
         if tokens.shape[1] == 0:
-            return tokens.new_zeros(0, self.config.hidden_size, dtype=self.dtype) if hidden else None
+            width = self.config.hidden_size * len(self.feature_layers or (None,))
+            return tokens.new_zeros(0, width, dtype=self.dtype) if hidden else None
         states = []
         for start in range(0, tokens.shape[1], PREFILL_CHUNK):
             chunk = tokens[:, start : start + PREFILL_CHUNK]

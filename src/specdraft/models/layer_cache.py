@@ -1,0 +1,68 @@
+"""The KV cache of a one-layer drafter (EAGLE-3): preallocated, position-indexed, cut back by moving a length.
+
+Rows `[0, length)` hold the keys and values of the pairs fed so far; a pass appends its rows after them and
+attends to the whole. Cutting back (`truncate`) moves the length, and rejected rows are simply overwritten by the
+next pass (gpt-fast's habit); `keep` gathers a tree pass's accepted rows in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerKVCache:
+    """Keys and values `[kv_heads, capacity, head_dim]` of one attention layer, grown on demand."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 0) -> None:
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.keys: torch.Tensor | None = None  # [kv, capacity, d]
+        self.values: torch.Tensor | None = None  # [kv, capacity, d]
+        self.length = 0
+        self._capacity = capacity
+
+    def fresh(self) -> "LayerKVCache":
+        """An empty cache of the same shape (one per sequence drafting)."""
+        return LayerKVCache(self.kv_heads, self.head_dim, self._capacity)
+
+    def reset(self, capacity: int = 0) -> None:
+        """Forget every row; the next pass allocates room for `capacity` positions at least."""
+        self.keys = self.values = None
+        self.length, self._capacity = 0, capacity
+
+    def truncate(self, length: int) -> None:
+        """Forget every row from `length` on."""
+        self.length = min(self.length, length)
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep rows `< start` and, after them, the rows fed at `start + r` for r in `rows` (increasing).
+
+        Example: start 10, rows [0, 2] after a pass that fed 10..13 -> rows 0..9, then those fed at 10 and 12.
+        """
+        if self.keys is not None and rows != list(range(len(rows))):
+            source = torch.tensor(rows, device=self.keys.device) + start  # [n]
+            self.keys[:, start:start + len(rows)] = self.keys[:, source]
+            self.values[:, start:start + len(rows)] = self.values[:, source]
+        self.truncate(start + len(rows))
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a pass's rows (keys, values: `[kv, T, d]`) after the cached ones; returns every row's keys and
+        values `[kv, length + T, d]` (views) and moves the length past them."""
+        start, count = self.length, keys.shape[1]
+        self._ensure(start + count, keys)
+        self.keys[:, start:start + count] = keys
+        self.values[:, start:start + count] = values
+        self.length = start + count
+        return self.keys[:, :self.length], self.values[:, :self.length]
+
+    def _ensure(self, length: int, like: torch.Tensor) -> None:
+        """Room for `length` rows, of `like`'s dtype and device, keeping the cached ones."""
+        held = 0 if self.keys is None else self.keys.shape[1]
+        if self.keys is not None and held >= length and self.keys.dtype == like.dtype:
+            return
+        capacity = max(length, self._capacity, 2 * held, 256)
+        shape = (self.kv_heads, capacity, self.head_dim)
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if self.keys is not None:
+            keys[:, :self.length] = self.keys[:, :self.length]
+            values[:, :self.length] = self.values[:, :self.length]
+        self.keys, self.values = keys, values
