@@ -1,6 +1,7 @@
 # Set-up and entry points. `make demo` and `make test` work on a fresh machine: they create
 # .venv, install the pinned CPU torch first (an unpinned one would pull a multi-GB CUDA
-# build), then this package with its bundled-model packages, then build the native kernels
+# build), then this package with its bundled-model packages and every extra (server, bench, loadtest, Ray
+# Serve, the tests'), then build the native kernels
 # this CPU runs (`specdraft kernels`), so no compile lands inside the first generation.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[models,dev,browser,ray]'
+	$(PY) -m pip install -q -e '.[models,server,bench,loadtest,ray,dev,browser]'
 	$(VENV)/bin/specdraft kernels
 	touch $@
 
@@ -35,19 +36,20 @@ test-quick: setup browser
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default
 
-# Optional: llama-cpp-python for the `llama-cpp` bench peer, built from source (about 5 minutes on 2
-# cores) with llama.cpp's native CPU detection (-DGGML_NATIVE=ON: every instruction set this CPU has).
-# AMX is turned off only where the CPU has it but the OS does not grant its tile state (a native build
-# would die with SIGILL at `tilezero` there): src/specdraft/bench/llama_cpp_build.py asks the kernel
-# (arch_prctl ARCH_REQ_XCOMP_PERM) and prints the CMake arguments. Not part of setup, so `make test`
-# and CI never build it. If an earlier build is installed, `$(PY) -m pip uninstall -y llama-cpp-python`
-# first (pip would call it already satisfied). --no-deps keeps pip from touching torch; diskcache is
-# its one requirement that setup lacks.
+# Optional: the llama.cpp peers of `specdraft bench` and `specdraft loadtest --peer llama-server`, from one
+# pinned source (llama-cpp-python's sdist, downloaded once; its vendor/llama.cpp): llama-cpp-python (the
+# `llama-cpp` method) and llama.cpp's `llama-server` and `llama-bench` (the `llama-server*` methods), built
+# natively (-DGGML_NATIVE=ON) under nice with 2 jobs (20-30 minutes on 2 cores). Each is run for a few tokens on
+# the bundled target before it is kept; where the CPU has AMX and the native build crashes (as on a 2-core Xeon
+# here: SIGILL or a segfault at the first generated token) it is built again with AMX off. The kept builds and
+# their flags are recorded in ~/.cache/specdraft/llama.cpp/peers.json (the bench's machine block reports them),
+# so a second `make peers` only checks, in seconds (`$(PY) -m specdraft.bench.peer_setup --force` builds and
+# checks again). See src/specdraft/bench/peer_setup.py and llama_cpp_build.py. Not part of setup, so `make test`
+# and CI never build it. diskcache is llama-cpp-python's one requirement that setup lacks (pip installs it with
+# --no-deps).
 peers: setup
 	$(PY) -m pip install -q diskcache
-	args="$$($(PY) src/specdraft/bench/llama_cpp_build.py)" && echo "CMAKE_ARGS=$$args" && \
-		CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$$args" $(PY) -m pip install --no-deps llama-cpp-python==0.3.36
-	$(PY) -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+	$(PY) -m specdraft.bench.peer_setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info

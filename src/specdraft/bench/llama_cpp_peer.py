@@ -71,15 +71,16 @@ def system_info() -> str | None:
     return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()
 
 
-def target_gguf(target_spec: str | None) -> Path:
-    """The GGUF file of the target (a bundled name or a .gguf path); a SpecdraftError for anything else."""
+def target_gguf(target_spec: str | None, method: str = PEER, role: str = "target") -> Path:
+    """The GGUF file of the target (or of the draft, `role="draft"`): a bundled name or a .gguf path; a
+    SpecdraftError naming `method` for anything else."""
     if target_spec is None:
-        raise SpecdraftError("Method llama-cpp needs to know the target's file; none was given.")
+        raise SpecdraftError(f"Method {method} needs to know the {role}'s file; none was given.")
     kind, path = resolve_model_path(target_spec)
     if kind != "gguf":
         raise SpecdraftError(
-            f"Method llama-cpp runs the target's GGUF file, but the target {target_spec!r} is a {kind} ({path}). "
-            "Give --target a .gguf file or a bundled model name, or leave llama-cpp out of --methods."
+            f"Method {method} runs the {role}'s GGUF file, but the {role} {target_spec!r} is a {kind} ({path}). "
+            f"Give --{role} a .gguf file or a bundled model name, or leave {method} out of --methods."
         )
     return path
 

@@ -4,7 +4,10 @@ At each concurrency C, for each method in turn, `requests` chat requests (defaul
 through the official `openai` client, streamed, greedy, prompts taken in turn from the prompt files. The methods
 alternate level by level, and `rounds` repeats the sweep with their order flipped, so the machine's drift weighs
 on them alike. Methods are what each request asks of the server: `ar` sends `speculative: {"drafter": "none"}`
-(plain decoding), `spec` nothing (the server's default speculation).
+(plain decoding), `spec` nothing (the server's default speculation). With `--peer llama-server` the methods
+`llama-server` and `llama-server-spec` join them: llama.cpp's server, plain and with its draft-model speculation,
+started by the run with as many slots as the level has clients (`bench.loadtest_peers`), under the same clients,
+prompts and budget, taking their turns among the methods at each level.
 
 Per request: time to first token (TTFT: from sending to the first chunk with text), time per output token after
 the first (TPOT: (end - first) / (tokens - 1)), and the gaps between chunks (ITL; a speculative step sends
@@ -28,16 +31,18 @@ and the levels does not move the ceiling.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from specdraft.analysis.charts import new_figure, note, save
+from specdraft.bench.loadtest_peers import Peer
 from specdraft.errors import SpecdraftError
 from specdraft.prompts import Prompt
 
@@ -60,6 +65,8 @@ class RequestResult:
     chunk_gaps: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    drafted: int | None = None  # a llama-server's own count (its last chunk's `timings`), where it speculated
+    accepted: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -163,12 +170,15 @@ def stream_one(client, model: str, method: str, concurrency: int, prompt: Prompt
     try:
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt.turns[0]}], max_tokens=max_tokens,
-            temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=METHOD_BODIES[method])
+            temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=METHOD_BODIES.get(method))
         pieces = []
         for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
                 result.tokens = chunk.usage.completion_tokens
+            timings = (getattr(chunk, "model_extra", None) or {}).get("timings") or {}
+            if "draft_n" in timings:
+                result.drafted, result.accepted = int(timings["draft_n"]), int(timings["draft_n_accepted"])
             if chunk.choices and chunk.choices[0].delta.content:
                 if result.ttft is None:
                     result.ttft = now - started
@@ -215,7 +225,16 @@ def summarize_level(results: Sequence[RequestResult], seconds: float, alone: dic
         "tpot": _percentiles([r.tpot for r in done if r.tpot is not None]),
         "itl": _percentiles([gap for r in done for gap in r.chunk_gaps]),
         "same_as_alone": (sum(alone[r.question_id] == r.text for r in compared) / len(compared)) if compared else None,
+        "acceptance_rate": _acceptance(done),
     }
+
+
+def _acceptance(results: Sequence[RequestResult]) -> float | None:
+    """Σ accepted / Σ drafted over the requests whose server counted its drafts (llama-server's timings); None
+    where none did or nothing was drafted."""
+    counted = [r for r in results if r.drafted is not None]
+    drafted = sum(r.drafted for r in counted)
+    return sum(r.accepted for r in counted) / drafted if drafted else None
 
 
 def summarize_rounds(rounds: Sequence[tuple[Sequence[RequestResult], float]], alone: dict[str, str],
@@ -261,16 +280,32 @@ def batching_ceilings(methods: dict, plain: str = "ar") -> dict[str, dict]:
     return ceilings
 
 
+@contextlib.contextmanager
+def _endpoint(method: str, concurrency: int, ours: tuple, peer: Peer | None, timeout: float) -> Iterator[tuple]:
+    """(client, model id, whether it is the specdraft server) for a level of `method`: the specdraft server's
+    (`ours`: its client and model), or a peer server with `concurrency` slots, started here and stopped after."""
+    if method in METHOD_BODIES:
+        yield (*ours, True)
+        return
+    if peer is None:
+        raise SpecdraftError(f"Method {method!r} is a peer's; give the peer (--peer llama-server).")
+    with peer.serving(method, concurrency) as url:
+        client = client_for(url, None, timeout)
+        yield client, served_model(client), False
+
+
 def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], levels: Sequence[int], out: Path,
                  max_tokens: int = 128, requests: int | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, rounds: int = 1, progress=None) -> dict:
+                 timeout: float = 600.0, rounds: int = 1, progress=None, peer: Peer | None = None) -> dict:
     """Drive the server at `url` at each concurrency of `levels` for each method; write OUT/ and return the summary.
 
     The methods take turns at each level (a level's methods run one after the other, before the next level), so
     the machine's drift over the run weighs on them alike; with `rounds` > 1 the whole sweep runs again, the
     methods' order flipped each round, and a level's figures pool its requests and seconds over the rounds.
     `requests` per level and round (None: 2 x the concurrency, at least one per prompt at concurrency 1);
-    `progress(text)`, if given, hears of each level as it starts."""
+    `progress(text)`, if given, hears of each level as it starts. Methods of `peer` (`bench.loadtest_peers`: the
+    llama-server ones) each get a server of their own with as many slots as the level has clients, started before
+    their turn and stopped after it."""
     if not prompts:
         raise SpecdraftError("No prompts to send; check --prompts and --categories.")
     if max_tokens < 1 or (requests is not None and requests < 1) or rounds < 1:
@@ -290,11 +325,15 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                     if progress is not None:
                         turn = f" (round {round_ + 1} of {rounds})" if rounds > 1 else ""
                         progress(f"{method}: {count} requests, {concurrency} at a time{turn}")
-                    prefixes_reset = reset_prefix_cache(url, api_key, timeout) or prefixes_reset
-                    before = pass_sums(url, api_key, timeout)
-                    results, seconds = run_level(client, model, method, concurrency, prompts, count, max_tokens)
-                    passes.setdefault((method, concurrency), []).append(
-                        passes_between(before, pass_sums(url, api_key, timeout)))
+                    with _endpoint(method, concurrency, (client, model), peer, timeout) as (level_client,
+                                                                                            level_model, ours):
+                        if ours:
+                            prefixes_reset = reset_prefix_cache(url, api_key, timeout) or prefixes_reset
+                            before = pass_sums(url, api_key, timeout)
+                        results, seconds = run_level(level_client, level_model, method, concurrency, prompts, count,
+                                                     max_tokens)
+                        passes.setdefault((method, concurrency), []).append(
+                            passes_between(before, pass_sums(url, api_key, timeout)) if ours else {})
                     for result in results:
                         records.write(json.dumps({**asdict(result), "round": round_, "tpot": result.tpot}) + "\n")
                     if method not in alone:
@@ -305,6 +344,11 @@ def run_loadtest(url: str, prompts: Sequence[Prompt], methods: Sequence[str], le
                      "methods": {method: {str(concurrency): summarize_rounds(rounds_run[(method, concurrency)],
                                                                            alone[method], passes[(method, concurrency)])
                                           for concurrency in sorted(levels)} for method in methods}}
+    if peer is not None:
+        from specdraft.bench.llama_server import build_info
+
+        summary["peers"] = {"server": build_info(), "threads": peer.threads, "context_per_slot": peer.context,
+                            "commands": {m: peer.command(m, max(levels)) for m in methods if m not in METHOD_BODIES}}
     summary["batching"] = batching_ceilings(summary["methods"])
     (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     plot_loadtest(summary, out)
@@ -346,8 +390,8 @@ def render_report(summary: dict) -> str:
              f"the methods take turns at each level{pooled}. Prefix cache: {summary.get('prefix_cache', 'none kept')}.",
              "",
              f"| method | clients | requests | errors | tokens/s | vs `{first}` | TTFT p50 / p95 (ms) "
-             "| TPOT p50 / p95 (ms) | ITL p50 / p95 (ms) | same as alone |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| TPOT p50 / p95 (ms) | ITL p50 / p95 (ms) | same as alone | α |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, levels in methods.items():
         for clients, f in levels.items():
             same = "-" if f["same_as_alone"] is None else f"{f['same_as_alone']:.0%}"
@@ -359,7 +403,16 @@ def render_report(summary: dict) -> str:
             ratio = "-" if not base or f["tokens_per_second"] is None else f"{f['tokens_per_second'] / base:.2f}x"
             lines.append(f"| `{method}` | {clients} | {f['requests']} | {f['errors']} | {rate} | {ratio} "
                          f"| {ms(f['ttft']['p50'])} / {ms(f['ttft']['p95'])} | {ms(f['tpot']['p50'])} / "
-                         f"{ms(f['tpot']['p95'])} | {ms(f['itl']['p50'])} / {ms(f['itl']['p95'])} | {same} |")
+                         f"{ms(f['tpot']['p95'])} | {ms(f['itl']['p50'])} / {ms(f['itl']['p95'])} | {same} "
+                         f"| {'-' if f.get('acceptance_rate') is None else format(f['acceptance_rate'], '.2f')} |")
+    peers = summary.get("peers")
+    if peers:
+        build = peers["server"].get("build")
+        built = f", build `{build}`" if build else ""
+        lines += ["", f"Peers: llama.cpp's llama-server ({peers['server']['binary']}{built}), a cold server per level "
+                  f"and method with as many slots as clients (`-np`), each slot {peers['context_per_slot']} tokens; "
+                  "at the most clients:", ""]
+        lines += [f"- `{method}`: `{command}`" for method, command in peers["commands"].items()]
     ceilings = summary.get("batching") or {}
     if ceilings:
         lines += ["", "Batching against the cost of the passes this run timed (`ar`'s: t(1) at one client, t(w) at "
@@ -373,6 +426,7 @@ def render_report(summary: dict) -> str:
                          f"{c['best_tokens_per_second']:.1f} (`{c['best_method']}`) | {c['share']:.1%} |")
     lines += ["", "TTFT: sending to the first streamed text; TPOT: time per output token after the first; ITL: gaps "
               "between streamed chunks (a speculative step sends several tokens at once); same as alone: share of "
-              "greedy answers equal to that prompt's answer at the lowest concurrency.", "",
+              "greedy answers equal to that prompt's answer at the lowest concurrency; α: accepted / drafted as a "
+              "llama-server counts them in each answer (the specdraft server's are in its /metrics).", "",
               f"![tokens per second]({THROUGHPUT_PLOT})", f"![latency]({LATENCY_PLOT})", ""]
     return "\n".join(lines)

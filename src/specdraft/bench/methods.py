@@ -14,6 +14,9 @@ see exactly the same input.
 | `hf-assisted`      | transformers assisted generation with the same draft model          |
 | `hf-prompt-lookup` | transformers prompt lookup decoding                                 |
 | `llama-cpp`        | llama.cpp (llama-cpp-python) plain decoding of the target's GGUF    |
+| `llama-server`     | llama.cpp's server, plain decoding of the target's GGUF             |
+| `llama-server-spec`| llama.cpp's server with its draft-model speculation (the run's draft GGUF; `draft-n-max`, `draft-n-min`) |
+| `llama-server-ngram` | llama.cpp's server with its n-gram speculation (`spec-type`, `ngram-TYPE-*`) |
 
 A prompt with a `schema` (`prompts`) is answered under that JSON schema by `ar` and `spec`, the only methods that
 follow one (`constraints`); `schema=0` runs them on the same prompts without it (`spec:schema=0`, the speed of the
@@ -32,19 +35,22 @@ reported (None).
 
 `llama-cpp` (see `bench.llama_cpp_peer`) needs a GGUF target and llama-cpp-python (`make
 peers`); it runs with its own numerics, so it is marked `own_numerics`: its greedy output is
-reported as agreement with `ar`, not judged for exactness.
+reported as agreement with `ar`, not judged for exactness. So are the `llama-server` methods (see
+`bench.llama_server_peer`: a llama-server started by the bench, its keys llama.cpp's `--spec-KEY` flags).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
-from specdraft.bench.runs import Models, RunOutput, RunParams
+from specdraft.bench import llama_server_peer
+from specdraft.bench.runs import Models, RunOutput, RunParams, cut_at_eos
 from specdraft.constraints import Constraint
 from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, drafter_parts, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
@@ -72,6 +78,7 @@ OPTION_TYPES: dict[str, Callable] = {"k": k_value, "temperature": float, "top-k"
 # Every registered drafter's options, read as their defaults' types (`ngram-max=3`, `draft-confidence=0.2`).
 DRAFTER_KEYS = tuple(sorted({key for info in DRAFTERS.values() for key in info.options}))
 OPTION_TYPES.update({key: type(option.default) for info in DRAFTERS.values() for key, option in info.options.items()})
+OPTION_TYPES.update(llama_server_peer.OPTION_TYPES)  # the llama-server peers' keys: llama.cpp's --spec-KEY flags
 SAMPLING_KEYS = ("temperature", "top-k", "top-p", "seed")
 
 
@@ -166,8 +173,9 @@ class MethodSpec:
             check_tree_options(budget, branch)
         except SpecdraftError as error:
             raise SpecdraftError(f"{error} (in method {self.label!r})") from None
+        peer_options = llama_server_peer.check_options(self.name, self.options, self.label)
         return RunParams(self.sampling(temperature, seed), max_new_tokens, k, quant, vocab, drafter,
-                         tuple(sorted(given.items())), budget, branch, self.other_draft)
+                         tuple(sorted(given.items())), budget, branch, self.other_draft, peer_options)
 
     def _check_oracle(self, drafter: str, temperature: float) -> None:
         """The oracle measures alone, greedy, and its label names the α it simulates (module doc)."""
@@ -240,14 +248,6 @@ def run_spec(models: Models, prompt_ids: list[int], params: RunParams,
         recorded = _run_ours(models, prompt_ids, params, drafter=False, constraint=constraint)
         drafter.record(prompt_ids + recorded.token_ids)
     return _run_ours(models, prompt_ids, params, drafter=True, constraint=constraint)
-
-
-def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
-    """The tokens up to and including the first EOS (as our loop emits them)."""
-    for i, token in enumerate(token_ids):
-        if token in eos_ids:
-            return token_ids[: i + 1]
-    return token_ids
 
 
 def hf_generate_kwargs(target: CausalLM, params: RunParams) -> dict:
@@ -367,6 +367,15 @@ METHODS: dict[str, MethodInfo] = {
                                    run_hf_prompt_lookup),
     "llama-cpp": MethodInfo("llama.cpp plain decoding of the target's GGUF file (needs `make peers`)", SAMPLING_KEYS,
                             False, run_llama_cpp, check=check_llama_cpp, own_numerics=True),
+    **{name: MethodInfo(description, SAMPLING_KEYS + llama_server_peer.KEYS[name], name == llama_server_peer.SPEC,
+                        functools.partial(llama_server_peer.run, name), check=llama_server_peer.check,
+                        own_numerics=True)
+       for name, description in (
+           (llama_server_peer.PLAIN, "llama.cpp's llama-server, plain decoding of the target's GGUF file"),
+           (llama_server_peer.SPEC, "llama-server with the draft's GGUF file (--spec-type draft-simple; "
+                                    "draft-n-max, draft-n-min)"),
+           (llama_server_peer.NGRAM, "llama-server with n-gram speculation (spec-type: ngram-simple, ngram-mod, "
+                                     "ngram-map-k)"))},
 }
 
 

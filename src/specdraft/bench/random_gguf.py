@@ -47,13 +47,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import glob
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -613,59 +610,13 @@ def file_reference(path: str | os.PathLike):
 
 
 # ----- llama-quantize and the real shapes -------------------------------------------------------
-SDIST_GLOBS = ("/tmp/peer/sdist/llama_cpp_python-*.tar.gz",)  # where `make peers` downloads the source
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"]
-
-
-def llama_cpp_dir() -> Path:
-    """Where llama.cpp's source and build live: the cache folder's `llama.cpp`."""
-    return cache_dir() / "llama.cpp"
-
-
-def _find_sdist() -> Path | None:
-    candidates = [os.environ.get("SPECDRAFT_LLAMA_CPP_SDIST", "")] + [p for g in SDIST_GLOBS for p in glob.glob(g)]
-    return next((Path(p) for p in candidates if p and Path(p).is_file()), None)
-
-
-def _extract_source(sdist: Path, target: Path) -> None:
-    """llama-cpp-python's sdist's `vendor/llama.cpp` as `target`."""
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    with tarfile.open(sdist) as archive:
-        members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name + "/"]
-        archive.extractall(staging, members=members, filter="data")
-    (root,) = staging.glob("*/vendor/llama.cpp")
-    root.rename(target)
-    shutil.rmtree(staging)
-
-
 def build_llama_quantize(jobs: int = 2) -> Path:
-    """`llama-quantize`, built once (nice 10, `jobs` jobs) from llama.cpp's source in llama-cpp-python's
-    sdist (`SPECDRAFT_LLAMA_CPP_SDIST`, or where `make peers` downloads it): native CPU flags with AMX
-    off (`bench.llama_cpp_build.NO_AMX`: a native AMX build crashes where the OS does not grant AMX, and
-    quantizing needs none). Kept under `llama_cpp_dir()`, so later calls return at once."""
-    from specdraft.bench.llama_cpp_build import NATIVE, NO_AMX
+    """`llama-quantize`, built once from llama.cpp's pinned source (`bench.llama_cpp_build`): the `no-amx` build
+    (native CPU flags with AMX off: quantizing needs none, and a native AMX build can crash). Later calls return
+    at once."""
+    from specdraft.bench.llama_cpp_build import BUILDS, build_tools
 
-    root = llama_cpp_dir()
-    binary = root / "build" / "bin" / "llama-quantize"
-    if binary.is_file():
-        return binary
-    if not (root / "source" / "CMakeLists.txt").is_file():
-        sdist = _find_sdist()
-        if sdist is None:
-            raise SpecdraftError("llama-quantize needs llama.cpp's source: set SPECDRAFT_LLAMA_CPP_SDIST to "
-                                 "llama-cpp-python's sdist (pip download --no-binary :all: --no-deps llama-cpp-python).")
-        root.mkdir(parents=True, exist_ok=True)
-        _extract_source(sdist, root / "source")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    steps = [["cmake", "-S", str(root / "source"), "-B", str(root / "build"), *generator, *CMAKE_FLAGS, *NATIVE, *NO_AMX],
-             ["cmake", "--build", str(root / "build"), "--target", "llama-quantize", "-j", str(jobs)]]
-    with open(root / "build.log", "a") as log:
-        for step in steps:
-            if subprocess.run(["nice", "-n", "10", *step], stdout=log, stderr=subprocess.STDOUT).returncode:
-                raise SpecdraftError(f"Building llama-quantize failed: see {root / 'build.log'}.")
-    return binary
+    return build_tools(["llama-quantize"], BUILDS["no-amx"], jobs) / "llama-quantize"
 
 
 def llama_quantize(source: str | os.PathLike, out: str | os.PathLike, quant: str, threads: int = 2) -> Path:

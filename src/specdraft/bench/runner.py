@@ -15,8 +15,9 @@ judge greedy divergences from ar with the near-tie rule (needs the target)
 write OUT/summary.json, the PNG plots and OUT/report.md; raise ExactnessError if a greedy output differs
 ```
 
-Methods with their own numerics (`MethodInfo.own_numerics`: the `llama-cpp` peer) are
-reported for agreement with `ar`, never as exactness mismatches (see `bench.summary`).
+Methods with their own numerics (`MethodInfo.own_numerics`: the `llama-cpp` and `llama-server` peers) are
+reported for agreement with `ar`, never as exactness mismatches (see `bench.summary`). What the peers started (the
+llama-server processes) is stopped when the run ends, however it ends (`Models.close_peers`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from specdraft.analysis.costs import DEFAULT_CONTEXT, DEFAULT_WIDTHS, measure_costs
+from specdraft.bench.llama_cpp_build import kept
 from specdraft.bench.methods import MethodSpec, parse_methods
 from specdraft.bench.runs import Models, RunOutput
 from specdraft.bench.plots import write_plots
@@ -103,9 +105,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(device: torch.device, llama_cpp: bool = False) -> dict:
+def machine_info(device: torch.device, llama_cpp: bool = False, llama_server: bool = False) -> dict:
     """What the numbers were measured on: the CPU, the libraries, our native kernels in use (`kernels`: their
-    level and tile kernel), and, where the llama-cpp peer ran (`llama_cpp`), the CPU features llama.cpp reports."""
+    level and tile kernel), where the llama-cpp peer ran (`llama_cpp`) the CPU features llama.cpp reports and the
+    build `make peers` kept, and where a llama-server peer ran (`llama_server`) its binary and build."""
     info = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
@@ -125,6 +128,11 @@ def machine_info(device: torch.device, llama_cpp: bool = False) -> dict:
         from specdraft.bench.llama_cpp_peer import system_info
 
         info["llama_cpp_system_info"] = system_info()
+        info["llama_cpp_build"] = kept().get("llama_cpp_python", {}).get("build")
+    if llama_server:
+        from specdraft.bench.llama_server import build_info
+
+        info["llama_server"] = build_info()
     return info
 
 
@@ -202,7 +210,7 @@ def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
     for name in sorted({spec.other_draft for spec in methods} - {""}):  # loaded now: a bad path fails before any run
         others[name] = load_model(name, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
         check_compatible(target, others[name])
-    return Models(target, draft, others, target_spec=config.target)
+    return Models(target, draft, others, target_spec=config.target, draft_spec=config.draft)
 
 
 SECOND_TURN = ":turn2"  # what a question's id gets for its second turn (records, report)
@@ -372,6 +380,7 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
     threads_before = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
+    models = None
     try:
         build_all()  # the native kernels, before anything is loaded or timed (a no-op once they are cached)
         models = _load_models(config, methods)
@@ -429,7 +438,8 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         records = [done[(p.question_id, s.label)] for p in asked for s in methods]
         near_ties, divergences = judge_divergences(records, reference, models.target, prompt_ids)
         summary = {
-            "machine": machine_info(models.target.device, llama_cpp=any(s.name == "llama-cpp" for s in methods)),
+            "machine": machine_info(models.target.device, llama_cpp=any(s.name == "llama-cpp" for s in methods),
+                                    llama_server=any(s.name.startswith("llama-server") for s in methods)),
             "costs": machine_costs(models),
             "settings": settings,
             "methods": summarize(records, reference, near_ties, [s.label for s in methods], own_numerics),
@@ -441,6 +451,8 @@ def run_bench(config: BenchConfig, console: Console | None = None) -> BenchResul
         (out / REPORT).write_text(render_report(summary, plots), encoding="utf-8")
         result = BenchResult(out, summary, records, find_mismatches(records, reference, near_ties, own_numerics))
     finally:
+        if models is not None:
+            models.close_peers()  # the llama-server processes end with the run, however it ends
         torch.set_num_threads(threads_before)
     if result.mismatches:
         raise ExactnessError(result.mismatches, result)

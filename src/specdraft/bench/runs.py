@@ -1,6 +1,7 @@
 """What a bench run holds and passes around: the loaded models, one generation's parameters and its output.
 
-Below `methods` (our loop and transformers') and `llama_cpp_peer`, which both run generations with them.
+Below `methods` (our loop and transformers'), `llama_cpp_peer` and `llama_server_peer`, which run generations with
+them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Models:
     policies: dict[tuple, AutoK] = field(default_factory=dict)  # `k=auto` policies, kept across prompts
     drafters: dict["RunParams", Drafter] = field(default_factory=dict)  # one per method: suffix memory spans prompts
     target_spec: str | None = None  # what the user named as the target (for peers that load its file)
+    draft_spec: str | None = None  # what the user named as the draft (for peers that load its file)
     peers: dict[str, object] = field(default_factory=dict)  # engines peers make once per run, by peer name
 
     def draft_as(self, quant: str, vocab: int | str = 0, name: str = "") -> CausalLM:
@@ -37,6 +39,14 @@ class Models:
             self.prepared[key] = prepare_draft(self.other_drafts[name] if name else self.draft, quant, copy=True,
                                                vocab=vocab)
         return self.prepared[key]
+
+    def close_peers(self) -> None:
+        """Stop what the peers started (a `close()` each: the llama-server processes) and forget every peer."""
+        peers, self.peers = list(self.peers.values()), {}
+        for peer in peers:
+            close = getattr(peer, "close", None)
+            if callable(close):
+                close()
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class RunParams:
     tree_budget: int = 0  # spec only: draft nodes per step (0 = chains)
     tree_branch: int = DEFAULT_TREE_BRANCH  # spec only: children per tree node
     draft: str = ""  # another draft model than the run's (a path or bundled name; "" = the run's)
+    peer_options: tuple[tuple[str, object], ...] = ()  # the llama-server peers only: their keys given
 
 
 @dataclass
@@ -74,3 +85,11 @@ class RunOutput:
     prefill_seconds: float | None = None  # time spent in the target's prompt pass (our loop only)
     forced_tokens: int | None = None  # tokens a constraint's grammar decided alone, without a pass (our loop only)
     mask_seconds: float | None = None  # time computing a constraint's masks (our loop only)
+
+
+def cut_at_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
+    """The tokens up to and including the first EOS (as our loop emits them)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: i + 1]
+    return token_ids

@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # a message's own [brackets] (pip install 'x[extra]') are no markup
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,7 @@ from specdraft.analysis.costs import DEFAULT_CONTEXT as COST_CONTEXT, DEFAULT_RE
 from specdraft.analysis.diagnose import DIAGNOSE_K
 from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH
 from specdraft.errors import SpecdraftError
+from specdraft.extras import require
 from specdraft.models import registry
 from specdraft.paths import cache_dir
 
@@ -40,7 +42,7 @@ class Method(str, Enum):
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -240,10 +242,11 @@ def bench(
                               "multi-turn ones (as `<id>:turn2`), continuing the chat from ar's first reply."),
     methods: str = typer.Option("ar,spec", "--methods",
                                 help="Comma list of NAME or NAME:key=value;key=value, NAME one of ar, spec, hf-ar, "
-                                     "hf-assisted, hf-prompt-lookup, llama-cpp (needs `make peers`); "
-                                     "keys: k, temperature, top-k, top-p, seed."),
+                                     "hf-assisted, hf-prompt-lookup, llama-cpp, llama-server, llama-server-spec, "
+                                     "llama-server-ngram (the llama ones need `make peers`); "
+                                     "keys: k, temperature, top-k, top-p, seed, ... (see bench/methods.py)."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target: bundled name, HF folder or .gguf file."),
-    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for spec and hf-assisted."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, help="Draft model for spec, hf-assisted and llama-server-spec."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, help="0 = greedy; for every method that does not set its own."),
     seed: int = typer.Option(0, help="Seed of every sampled run (unless a method sets its own)."),
@@ -252,7 +255,7 @@ def bench(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     threads: Optional[int] = typer.Option(None, "--threads",
-                                          help="torch threads, and llama-cpp's (default: torch's)."),
+                                          help="torch threads, and the llama.cpp peers' (default: torch's)."),
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
     repeats: int = typer.Option(1, "--repeats", help="Run each prompt and method N times, round robin, and keep the "
                                 "run of median time (for machines whose speed drifts)."),
@@ -262,6 +265,7 @@ def bench(
     from specdraft.bench import BenchConfig, ExactnessError, run_bench
 
     try:
+        require("bench", "specdraft bench", "matplotlib")  # its plots: refused before the runs, not after
         config = BenchConfig(
             out=out, methods=methods, target=target, draft=draft, prompts=prompts,
             categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
@@ -300,18 +304,35 @@ def loadtest(
                                     "pool its rounds (methods alternate level by level either way)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDRAFT_API_KEY", help="The server's key."),
     out: Path = typer.Option(Path("loadtest_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
+    peer: Optional[str] = typer.Option(
+        None, "--peer", help="llama-server: also load llama.cpp's server, plain and with its draft-model speculation "
+                             "(methods llama-server, llama-server-spec), started at each level with -np = clients "
+                             "(needs `make peers`)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, "--target",
+                               help="With --peer: the target the peer serves (a GGUF file or bundled name; the one "
+                                    "the specdraft server serves)."),
+    draft: str = typer.Option(registry.DEFAULT_DRAFT, "--draft", help="With --peer: the draft of llama-server-spec."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="With --peer: the peer's threads (default: every core; give the "
+                                               "specdraft server's)."),
 ) -> None:
     """Load a live server with concurrent streaming clients: aggregate tokens/s, TTFT and inter-token latency."""
+    import os
+
     from specdraft.bench.loadtest import parse_concurrency, parse_methods, run_loadtest
+    from specdraft.bench.loadtest_peers import make_peer, peer_methods
     from specdraft.prompts import load_prompt_files, select_prompts
 
     try:
+        require("loadtest", "specdraft loadtest", "openai", "matplotlib")
         chosen = select_prompts(load_prompt_files(prompts),
                                 [c.strip() for c in categories.split(",") if c.strip()] if categories else None,
                                 max_prompts)
-        summary = run_loadtest(url, chosen, parse_methods(methods), parse_concurrency(concurrency), out,
+        peer_servers = make_peer(peer, target, draft, threads or os.cpu_count() or 1)
+        summary = run_loadtest(url, chosen, parse_methods(methods) + list(peer_methods(peer)),
+                               parse_concurrency(concurrency), out,
                                max_tokens=max_tokens, requests=requests, api_key=api_key, rounds=rounds,
-                               progress=lambda text: err.print(text, highlight=False))
+                               progress=lambda text: err.print(text, highlight=False), peer=peer_servers)
     except SpecdraftError as error:
         _fail(str(error))
     table = Table(title="specdraft loadtest")
@@ -365,6 +386,8 @@ def theory(
     from specdraft.analysis.theory import parse_list, theory_grid
 
     try:
+        if out is not None:
+            require("bench", "specdraft theory --out", "matplotlib")
         alphas, ks = parse_list(alpha, float, "--alpha"), parse_list(k, int, "--k")
         grid = theory_grid(alphas, ks, c, slope)
     except SpecdraftError as error:
@@ -466,6 +489,8 @@ def diagnose(
         err.print(agreement_text(diagnosis.output.pieces, diagnosis.metrics.agreement), highlight=False)
 
     try:
+        if out is not None:
+            require("bench", "specdraft diagnose --out", "matplotlib")  # its chart: refused before the runs
         config = DiagnoseConfig(
             target=target, draft=draft, prompts=prompts,
             categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
