@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters import DRAFTERS, Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter, make_drafter
+from specdraft.drafters import (DRAFTERS, DFlashDrafter, Drafter, Eagle3Drafter, EagleDrafter, MedusaDrafter,
+                                MtpDrafter, make_drafter)
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.dflash_loading import build_dflash, from_published as dflash_from_published
 from specdraft.models.eagle import EagleConfig, EagleDrafterModel
 from specdraft.models.eagle3_loading import build_eagle3, from_published
 from specdraft.models.medusa import MedusaConfig, MedusaHeads
+from specdraft.models.mtp_loading import build_mtp, from_published as mtp_from_published
 
 OPTIONS = {"early-exit": {"exit-layer": 1}, "ngram+model": {"ngram-min": 3}}  # options that suit the tiny models
 COMPOSED = ["ngram+model"]  # compositions tested beside the registered drafters
@@ -50,7 +53,33 @@ def random_eagle3(target: CausalLM, min_confidence: float = 0.0) -> Eagle3Drafte
                          min_confidence)
 
 
-TRAINED = {"medusa": random_medusa, "eagle": random_eagle, "eagle3": random_eagle3}
+def random_mtp(target: CausalLM, min_confidence: float = 0.0) -> MtpDrafter:
+    """A random MTP layer in the DeepSeek-V3 layout (`mtp_checkpoints`) for the target's shape, read through the
+    loader's name and config mapping, scoring with the target's own LM head."""
+    from mtp_checkpoints import random_mtp_layer
+
+    config, prefix = target.config, f"model.layers.{target.config.num_hidden_layers}."
+    tensors = {name.removeprefix(prefix): value for name, value in random_mtp_layer(config, seed=14).items()}
+    mtp_config, ours = mtp_from_published(config.to_dict(), tensors, "random MTP layer")
+    model = build_mtp(mtp_config, ours, "random MTP layer", target.model.get_output_embeddings(), target.dtype,
+                      target.device)
+    return MtpDrafter(target, model, min_confidence)
+
+
+def random_dflash(target: CausalLM, min_confidence: float = 0.0) -> DFlashDrafter:
+    """A random one-layer DFlash draft in z-lab's format (`dflash_checkpoints`) reading the first layer's output of
+    the target, a block of 6 (5 draft rows), read through the loader's name and config mapping."""
+    from dflash_checkpoints import random_dflash as random_checkpoint
+
+    config, tensors = random_checkpoint(target.config, layers=1, heads=2, kv_heads=1, block_size=6,
+                                        target_layer_ids=[0], seed=15)
+    dflash_config, ours = dflash_from_published(config, tensors, "random DFlash draft")
+    return DFlashDrafter(target, build_dflash(dflash_config, ours, "random DFlash draft", target.dtype, target.device),
+                         min_confidence)
+
+
+TRAINED = {"medusa": random_medusa, "eagle": random_eagle, "eagle3": random_eagle3, "mtp": random_mtp,
+           "dflash": random_dflash}
 
 
 def registered() -> list[str]:

@@ -13,11 +13,13 @@ from typing import Any, Callable
 
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.composed import ComposedDrafter
+from specdraft.drafters.dflash import DFlashDrafter
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.drafters.eagle3 import Eagle3Drafter
 from specdraft.drafters.early_exit import EarlyExitDrafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.model import DEFAULT_CATCH_UP, DEFAULT_CONTEXT, DEFAULT_MIN_CONFIDENCE, ModelDrafter
+from specdraft.drafters.mtp import MtpDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.oracle import DEFAULT_ALPHA as ORACLE_ALPHA, DEFAULT_SEED as ORACLE_SEED, OracleDrafter
 from specdraft.drafters.suffix import (DEFAULT_MAX_REQUESTS, DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH,
@@ -137,11 +139,44 @@ def _build_eagle3(options: dict, target_model=None, shared=None, **_resources) -
     return _built_once("eagle3", options, shared, build)
 
 
+def _build_dflash(options: dict, target_model=None, shared=None, **_resources) -> Drafter:
+    def build():
+        from specdraft.models.dflash_loading import load_dflash
+
+        if target_model is None:
+            raise SpecdraftError("The 'dflash' drafter needs the target model its draft was trained for.")
+        if not options["trained"]:
+            raise SpecdraftError("The 'dflash' drafter runs a published DFlash draft: pass --trained PATH, its "
+                                 "checkpoint folder (config.json and model.safetensors).")
+        model = load_dflash(options["trained"], dtype=target_model.dtype, device=target_model.device)
+        return DFlashDrafter(target_model, model, options["draft-confidence"])
+    return _built_once("dflash", options, shared, build)
+
+
+def _build_mtp(options: dict, target_model=None, shared=None, **_resources) -> Drafter:
+    def build():
+        from pathlib import Path
+
+        from specdraft.models.mtp_loading import full_target_head, load_mtp
+
+        if target_model is None:
+            raise SpecdraftError("The 'mtp' drafter needs the target model whose MTP layer it runs.")
+        path = options["trained"] or target_model.name  # default: the target's own checkpoint folder
+        if not Path(path).is_dir() and not options["trained"]:
+            raise SpecdraftError(f"The 'mtp' drafter reads the MTP layer from the target's checkpoint folder; "
+                                 f"{target_model.name} is not one: pass --trained FOLDER.")
+        model = load_mtp(path, full_target_head(target_model), dtype=target_model.dtype, device=target_model.device)
+        return MtpDrafter(target_model, model, options["draft-confidence"])
+    return _built_once("mtp", options, shared, build)
+
+
 CONFIDENCE = Option(DEFAULT_MIN_CONFIDENCE, "stop a draft once the drafter's own estimate that the whole draft is "
                     "accepted falls below this (0 = always k)")
 TRAINED = Option("", "a trained drafter: for medusa and eagle a file from `specdraft train` (default: the one shipped "
                  "for the target); for eagle3 a published EAGLE-3 head, its checkpoint folder (SpecForge or "
-                 "speculators) or its llama.cpp GGUF (required)")
+                 "speculators) or its llama.cpp GGUF (required); for dflash a DFlash checkpoint folder (required); "
+                 "for mtp the checkpoint folder that carries the model's MTP layers (default: the target's own "
+                 "folder)")
 
 DRAFTERS: dict[str, DrafterInfo] = {
     "model": DrafterInfo("a smaller LM of the same vocabulary drafts token by token (its own KV cache)",
@@ -179,6 +214,13 @@ DRAFTERS: dict[str, DrafterInfo] = {
     "eagle3": DrafterInfo("a published EAGLE-3 head (SpecForge, speculators or its llama.cpp GGUF): fuses three of the "
                           "target's layers, drafts chains or trees over its draft vocabulary (--trained PATH)",
                           _build_eagle3, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
+    "dflash": DrafterInfo("a published DFlash block draft: one pass over the target's states proposes the whole "
+                          "chain (--trained FOLDER)", _build_dflash, False, {"trained": TRAINED,
+                                                                              "draft-confidence": CONFIDENCE}),
+    "mtp": DrafterInfo("the target's own multi-token-prediction (MTP / nextn) layer, chained: reads the target's final "
+                       "states, shares its embeddings and LM head (DeepSeek-V3 / GLM-4.5 layout; --trained FOLDER, "
+                       "default the target's own)", _build_mtp, False, {"trained": TRAINED,
+                                                                          "draft-confidence": CONFIDENCE}),
     "oracle": DrafterInfo("bench only: synthetic acceptance; proposes the target's own tokens from a recorded ar run "
                           "of the prompt, each wrong with probability 1 - oracle-alpha (`specdraft bench` records "
                           "them: spec:drafter=oracle;oracle-alpha=0.8)", _build_oracle, False, {
@@ -263,7 +305,7 @@ def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) 
     return composed
 
 
-__all__ = ["DRAFTERS", "ComposedDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo", "Eagle3Drafter",
-           "EagleDrafter", "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "Option", "OracleDrafter",
-           "SuffixDrafter", "check_drafter", "check_not_bench_only", "drafter_options", "make_drafter",
-           "needs_draft_model", "remembers_requests", "user_options"]
+__all__ = ["DRAFTERS", "ComposedDrafter", "DFlashDrafter", "Draft", "DraftContext", "Drafter", "DrafterInfo",
+           "Eagle3Drafter", "EagleDrafter", "EarlyExitDrafter", "MedusaDrafter", "ModelDrafter", "MtpDrafter",
+           "NgramDrafter", "Option", "OracleDrafter", "SuffixDrafter", "check_drafter", "check_not_bench_only",
+           "drafter_options", "make_drafter", "needs_draft_model", "remembers_requests", "user_options"]

@@ -13,23 +13,20 @@ verifier's min(1, p/q) and residual max(p - q, 0) stay exact: a target token the
 reached through the residual.
 
 After the verdict the layer's cache is cut back to the pairs built from the target's own features; the accepted
-tokens return as real pairs at the next catch-up.
+tokens return as real pairs at the next catch-up (`layer_head.LayerHeadDrafter`, shared with `mtp`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import Draft, DraftContext
-from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.layer_head import LayerHeadDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle3 import Eagle3Model
-from specdraft.sampling import sample
 
 
-class Eagle3Drafter(FeatureDrafter):
+class Eagle3Drafter(LayerHeadDrafter):
     """Draft with a published EAGLE-3 head for `target` (see the module doc)."""
 
     name = "eagle3"
@@ -55,80 +52,6 @@ class Eagle3Drafter(FeatureDrafter):
         target.read_features_at(self, self.layers)
 
     def sibling(self) -> "Eagle3Drafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending features its own
+        twin = super().sibling()  # its cache and pending features its own
         self.target.read_features_at(twin, self.layers)
         return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, num_aux * H_target]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
-            return None
-        return super().source(ctx, declined)
-
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [n] -> [n, H]
-        return self.model.embed(tokens, self.embed).to(self.dtype)
-
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext, k: int) -> Draft:
-        model, sequence = self.model, ctx.sequence
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError("eagle3 drafter: asked to propose with no new target features")
-        # Catch up: pairs (fc(f_t), x_{t+1}) for every feature that arrived since the last draft.
-        model.truncate(self._real)
-        fresh, self._pending = torch.cat(self._pending), []  # [n, num_aux * H_target]
-        start = self._real
-        tokens = sequence[start + 1:start + 1 + fresh.shape[0]]  # [n]
-        positions = torch.arange(start, start + fresh.shape[0], device=tokens.device)  # [n]
-        out = model(model.project(fresh.to(self.dtype)), self._embed(tokens), positions)[-1:]  # [1, H]
-        self._real = start + fresh.shape[0]
-        if ctx.tree_branch > 1:
-            return self._tree(ctx, k, out)
-        greedy = ctx.params.greedy
-        drafted, rows = [], []
-        survival = 1.0
-        depth = min(k, ctx.max_depth or k)
-        for i in range(depth):
-            logits = model.draft_logits(out)  # [1, V]: -inf off the draft vocabulary
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                logits = ctx.constrain(logits, [[int(t) for t in drafted]])
-            probs = head_distributions(logits, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            drafted.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:
-                    break
-            if i < depth - 1:
-                position = torch.full((1,), self._real + i, device=token.device)
-                out = model(model.fed_back(out), self._embed(token), position)  # [1, H]
-        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
-
-    def _tree(self, ctx: DraftContext, budget: int, root_out: torch.Tensor) -> Draft:
-        """A dynamic tree (see `dynamic_tree`): each level's nodes are fed, with what their parents' outputs feed
-        back, in one pass. # root_out: [1, H]"""
-        model = self.model
-        after: dict[int, torch.Tensor] = {}  # pool index -> what the next position reads after it  [H]
-        root = model.fed_back(root_out)[0]  # [H]
-        start = self._real  # position of the pairs of depth-1 tokens
-
-        def expand(frontier: list[int], block: torch.Tensor, depth: int, visible: torch.Tensor,
-                   parents: list[int]) -> torch.Tensor:
-            inputs = torch.stack([root if parents[node] < 0 else after[parents[node]] for node in frontier])  # [m, H]
-            positions = torch.full((len(frontier),), start + depth - 1, device=block.device)  # [m]
-            out = model(inputs, self._embed(block[0]), positions, visible=visible)  # [m, H]
-            after.update(zip(frontier, model.fed_back(out)))
-            return model.draft_logits(out)  # [m, V]
-
-        return grow_dynamic_tree(model.draft_logits(root_out), expand, ctx, budget, self.min_confidence).draft
-
-    def commit(self, prev_len: int, path: list[int]) -> None:
-        self.model.truncate(self._real)  # drafted rows go; the accepted tokens return as real pairs

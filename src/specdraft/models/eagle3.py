@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.draft_head import SubsetHead
-from specdraft.models.layer_cache import LayerKVCache
+from specdraft.models.layer_cache import LayerKVCache, cached_attention
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent frequencies: what a cached layer can use
 
@@ -201,13 +201,7 @@ class Eagle3Model(nn.Module):
         sin = (angles.sin() * self.attention_scaling).to(q.dtype)
         q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)  # [heads|kv, T, d]
         if use_cache:
-            start = self.cache.length
-            k, v = self.cache.append(k, v)  # [kv, start + T, d]
-            allowed = torch.ones(length, start + length, dtype=torch.bool, device=x.device)  # [T, start + T]
-            if visible is None:
-                visible = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-            allowed[:, start + length - visible.shape[1]:] = visible
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)  # [heads, T, d]
+            attended = cached_attention(self.cache, q, k, v, visible)  # [heads, T, d]
         else:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         r = residual + self.o_proj(attended.transpose(0, 1).reshape(length, -1))  # [T, H]

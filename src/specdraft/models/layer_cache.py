@@ -1,4 +1,4 @@
-"""The KV cache of a one-layer drafter (EAGLE-3): preallocated, position-indexed, cut back by moving a length.
+"""The KV cache of a one-layer drafter (EAGLE-3, MTP): preallocated, position-indexed, cut back by moving a length.
 
 Rows `[0, length)` hold the keys and values of the pairs fed so far; a pass appends its rows after them and
 attends to the whole. Cutting back (`truncate`) moves the length, and rejected rows are simply overwritten by the
@@ -8,6 +8,7 @@ next pass (gpt-fast's habit); `keep` gathers a tree pass's accepted rows in plac
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 class LayerKVCache:
@@ -66,3 +67,19 @@ class LayerKVCache:
             keys[:, :self.length] = self.keys[:, :self.length]
             values[:, :self.length] = self.values[:, :self.length]
         self.keys, self.values = keys, values
+
+
+def cached_attention(cache: LayerKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a pass's T rows after `cache`'s: their keys and values join the cache, and each query sees every
+    cached row and, among the pass's last S rows, those `visible` marks (None: causal). Returns `[heads, T, d]`.
+
+    q: [heads, T, d]; k, v: [kv, T, d] (rotated); visible: [T, S] bool, S >= T (a tree pass: its rows' ancestors).
+    """
+    length, start = q.shape[1], cache.length
+    k, v = cache.append(k, v)  # [kv, start + T, d]
+    allowed = torch.ones(length, start + length, dtype=torch.bool, device=q.device)  # [T, start + T]
+    if visible is None:
+        visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    allowed[:, start + length - visible.shape[1]:] = visible
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
