@@ -11,7 +11,7 @@ has. One of them can be unusable: a CPU with AMX (`amx_tile` in /proc/cpuinfo) r
 the kernel grants the process the tile state (Linux 5.16 and later, on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
 XFEATURE_XTILEDATA)). Where that request fails, a native build dies with SIGILL at its first `tilezero`; and
 where it succeeds, a native build can still crash (on a 2-core Xeon here: SIGILL in llama-bench, segfaults at the
-first generated token in issue 53). So there are two builds (`BUILDS`), each in its own folder under `llama_cpp_dir()`:
+first generated token on a 2-core Xeon with AMX). So there are two builds (`BUILDS`), each in its own folder under `llama_cpp_dir()`:
 
 | build    | CMake arguments            | folder        | used by                                          |
 | -------- | -------------------------- | ------------- | ------------------------------------------------ |

@@ -14,7 +14,7 @@ record: llama_cpp_dir()/peers.json (llama_cpp_build.keep): each part's build, CM
 
 A second `make peers` finds both parts recorded and in place and only checks that (`--force` runs it all again).
 The smoke runs are what a crash shows up in: on a 2-core Xeon whose OS grants AMX, llama.cpp's native build dies
-(llama-bench with SIGILL here; segfaults at the first generated token in issue 53, in the tools and in
+(llama-bench with SIGILL here; segfaults at the first generated token in an earlier build, in the tools and in
 llama-cpp-python alike), and the build without AMX runs.
 """
 

@@ -106,6 +106,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
     return x * cos + turned * sin
 
+def attention_and_mlp(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor,
+                      positions: torch.Tensor, use_cache: bool, visible: torch.Tensor | None) -> torch.Tensor:
+    """The rest of a one-layer head's decoder layer (EAGLE-3's, MTP's) from its projections q `[T, heads, d]`,
+    k `[T, kv, d]`, v `[kv, T, d]`: the optional q/k norms, rotary, attention (over `layer.cache` with `use_cache`,
+    else causal over the T rows), o, the residual, and the SwiGLU MLP with its own residual -> `[T, H]`."""
+    length = q.shape[0]
+    if layer.q_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    if layer._inv_freq.device != positions.device:
+        layer._inv_freq = layer._inv_freq.to(positions.device)
+    angles = positions.float().unsqueeze(-1) * layer._inv_freq  # [T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, d]
+    cos = (angles.cos() * layer.attention_scaling).to(q.dtype)
+    sin = (angles.sin() * layer.attention_scaling).to(q.dtype)
+    q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)  # [heads|kv, T, d]
+    if use_cache:
+        attended = cached_attention(layer.cache, q, k, v, visible)  # [heads, T, d]
+    else:
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    r = residual + layer.o_proj(attended.transpose(0, 1).reshape(length, -1))  # [T, H]
+    gated = layer.post_attention_layernorm(r)
+    return r + layer.down_proj(F.silu(layer.gate_proj(gated)) * layer.up_proj(gated))
+
+
 
 class Eagle3Model(nn.Module):
     """An EAGLE-3 head: `project` (fc over the target's aux states), one decoder layer over [embedding ; state]
@@ -191,22 +215,7 @@ class Eagle3Model(nn.Module):
         q = self.q_proj(x).view(length, config.num_heads, -1)  # [T, heads, d]
         k = self.k_proj(x).view(length, config.num_kv_heads, -1)  # [T, kv, d]
         v = self.v_proj(x).view(length, config.num_kv_heads, -1).transpose(0, 1)  # [kv, T, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        angles = positions.float().unsqueeze(-1) * self._inv_freq  # [T, d/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [T, d]
-        cos = (angles.cos() * self.attention_scaling).to(q.dtype)
-        sin = (angles.sin() * self.attention_scaling).to(q.dtype)
-        q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)  # [heads|kv, T, d]
-        if use_cache:
-            attended = cached_attention(self.cache, q, k, v, visible)  # [heads, T, d]
-        else:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        r = residual + self.o_proj(attended.transpose(0, 1).reshape(length, -1))  # [T, H]
-        gated = self.post_attention_layernorm(r)
-        return r + self.down_proj(F.silu(self.gate_proj(gated)) * self.up_proj(gated))
+        return attention_and_mlp(self, q, k, v, residual, positions, use_cache, visible)
 
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         """What `lm_head` reads of the layer's outputs `[T, H]`."""

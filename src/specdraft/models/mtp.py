@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specdraft.models.draft_head import SubsetHead
-from specdraft.models.eagle3 import rotary_frequencies, rotate
-from specdraft.models.layer_cache import LayerKVCache, cached_attention
+from specdraft.models.eagle3 import attention_and_mlp, rotary_frequencies
+from specdraft.models.layer_cache import LayerKVCache
 
 
 @dataclass(frozen=True)
@@ -133,22 +132,7 @@ class MtpModel(nn.Module):
         q = self.q_proj(normed).view(length, config.num_heads, -1)  # [T, heads, d]
         k = self.k_proj(normed).view(length, config.num_kv_heads, -1)  # [T, kv, d]
         v = self.v_proj(normed).view(length, config.num_kv_heads, -1).transpose(0, 1)  # [kv, T, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        angles = positions.float().unsqueeze(-1) * self._inv_freq  # [T, d/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [T, d]
-        cos = (angles.cos() * self.attention_scaling).to(q.dtype)
-        sin = (angles.sin() * self.attention_scaling).to(q.dtype)
-        q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)  # [heads|kv, T, d]
-        if use_cache:
-            attended = cached_attention(self.cache, q, k, v, visible)  # [heads, T, d]
-        else:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        r = x + self.o_proj(attended.transpose(0, 1).reshape(length, -1))  # [T, H]
-        gated = self.post_attention_layernorm(r)
-        return r + self.down_proj(F.silu(self.gate_proj(gated)) * self.up_proj(gated))
+        return attention_and_mlp(self, q, k, v, x, positions, use_cache, visible)
 
     def fed_back(self, out: torch.Tensor) -> torch.Tensor:
         """What the next draft position reads in h's place: the output itself. # [T, H]"""
