@@ -19,7 +19,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from functools import reduce
 
-from specdraft.engine import StepEvent
+from specdraft.run import StepEvent
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import openmp
 from specdraft.server.decoders import DecoderPool
