@@ -18,9 +18,9 @@ faults simply raise.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -77,15 +77,27 @@ class Faults(dict):
         super().__init__()
         self.strict = strict
 
-    @contextmanager
-    def own(self, seq: Seq) -> Iterator[None]:
+    def own(self, seq: Seq) -> AbstractContextManager:
         """Work that is `seq`'s alone: an error fails `seq` only, and the step goes on without it."""
-        try:
-            yield
-        except Exception as error:
-            if self.strict:
-                raise
-            self.setdefault(seq.ident, error)
+        return _RAISE if self.strict else _Own(self, seq)
+
+
+class _Own(AbstractContextManager):
+    """`Faults.own` of a batch: an exception is `seq`'s first error, and goes no further."""
+
+    __slots__ = ("faults", "seq")
+
+    def __init__(self, faults: Faults, seq: Seq) -> None:
+        self.faults, self.seq = faults, seq
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, Exception):
+            self.faults.setdefault(self.seq.ident, error)
+            return True
+        return False
+
+
+_RAISE = nullcontext()  # `Faults.own` of a single request: its errors raise
 
 
 @dataclass
