@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft.batch_engine import DEFAULT_PREFIX_CACHE_BYTES
 from specdraft.errors import SpecdraftError
-from specdraft.server.batch_worker import BatchWorker
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
 from specdraft.server.metrics import Metrics
@@ -158,20 +157,14 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     sample differently (the response reports it); with `settings.seed` they draw the same sequence every time."""
     seeds = random.SystemRandom() if settings.seed is None else random.Random(settings.seed)
     started = int(time.time())
-    batched = settings.max_batch > 1
     remember = settings.cross_request_memory != CrossRequestMemory.off
     prefix_cache_bytes = settings.prefix_cache_bytes if remember else 0
     pool.remember = remember
     keys = [key.encode() for key in settings.api_keys()]
     metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running,
-                      kv_cache=(lambda: (worker.batch.kv_reserved, worker.batch.kv_budget)) if batched else None)
-    if batched:
-        worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
-                             max_batch=settings.max_batch, kv_budget=settings.kv_budget,
-                             prefix_cache_bytes=prefix_cache_bytes)
-    else:
-        pool.keep_prefixes(prefix_cache_bytes)
-        worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
+                      kv_cache=lambda: (worker.batch.kv_reserved, worker.batch.kv_budget))
+    worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
+                    max_batch=settings.max_batch, kv_budget=settings.kv_budget, prefix_cache_bytes=prefix_cache_bytes)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -329,7 +322,7 @@ def create_app(pool: DecoderPool, settings: ServerSettings) -> FastAPI:
     async def reset_prefix_cache() -> dict:
         """Forget the prompts kept for their prefixes, so the next prompts are read whole (a benchmark's cold
         start); `cleared` is false where the server keeps none (not exact here, or --prefix-cache-mb 0)."""
-        prefixes = worker.batch.prefixes if batched else pool.prefixes
+        prefixes = worker.batch.prefixes
         if prefixes is not None:
             prefixes.clear()
         return {"cleared": prefixes is not None}
