@@ -14,6 +14,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.goodput import REALIZED_STEPS
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.packed_cache import PackedCache
+from specdraft.step import PLAIN, Plan
 
 PROMPTS = [[5, 17, 42, 8, 59, 3], [7, 7, 7, 1], [11, 12, 13, 14, 15, 11, 12, 13], [30], [2, 40, 2, 40, 2],
            [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 8]]
@@ -69,7 +70,7 @@ def test_trees_and_feature_drafters_in_a_batch_answer_as_alone(tiny_target, draf
     features run in the batch: every answer is its greedy answer alone."""
     from registered_drafters import random_eagle, random_medusa
 
-    import specdraft.batch_engine as batch_engine
+    import specdraft.step as step
 
     target = make_lm(tiny_target)
     expected = [alone(target, p, b) for p, b in zip(PROMPTS, BUDGETS)]
@@ -77,8 +78,8 @@ def test_trees_and_feature_drafters_in_a_batch_answer_as_alone(tiny_target, draf
     makers = {"ngram": NgramDrafter, "model": lambda: ModelDrafter(make_lm(drafts["close"], name="draft")),
               "eagle": lambda: random_eagle(batch.target), "medusa": lambda: random_medusa(batch.target)}
     batch.make_drafter = makers[drafter]
-    trees, verify = [], batch_engine.verify
-    monkeypatch.setattr(batch_engine, "verify", lambda draft, *rest: (trees.append(draft.layout is not None),
+    trees, verify = [], step.verify
+    monkeypatch.setattr(step, "verify", lambda draft, *rest: (trees.append(draft.layout is not None),
                                                                       verify(draft, *rest))[1])
     completions = batch.generate_all(requests())
     assert [c.token_ids for c in completions] == expected
@@ -232,13 +233,14 @@ STAT_SAMPLES = 1200  # sequences, 4 to a batch
 class MixedK(BatchedDecoder):
     """The batch's sequences draft 3, 0, 2 and 1 tokens in one pass (where their drafter has something)."""
 
-    def _plan(self, seq, ctx, limit, gated=False):  # the planted ks, whatever the realized rates say
+    @staticmethod
+    def _plan(seq, ctx, limit, rules):  # the planted ks, whatever the realized rates say
         source = seq.drafter.source(ctx) if seq.drafter is not None and limit > 0 else None
         k = min((3, 0, 2, 1)[seq.ident % 4], limit) if source is not None else 0
-        return (source, k, seq.drafter.unread(ctx)) if k else (None, 0, 0)
+        return Plan(source, k, seq.drafter.unread(ctx)) if k else PLAIN
 
     def _choose(self, stepping, plans):
-        return [k for _, k, _ in plans]
+        return [plan.k for plan in plans]
 
 
 def batched_pairs(target_model, make_drafter, decoder_class=MixedK, tree_budget=0):

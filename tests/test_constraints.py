@@ -24,7 +24,7 @@ from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.constraints import Constraint, GrammarState, start_grammar
 from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.model import ModelDrafter
-from specdraft.engine import FORCED
+from specdraft.run import FORCED
 from specdraft.errors import SpecdraftError
 from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM

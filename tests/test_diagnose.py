@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from conftest import perturbed, tiny_config, tiny_model
 from specdraft.analysis.diagnose import (MeasuredRun, compare_positions, diagnose_prompt, greedy_output,
                                          metric_params, overall, rolling_mean, teacher_force)
-from specdraft.engine import ACCEPTED, BONUS, RECOVERED, StepEvent
+from specdraft.run import ACCEPTED, BONUS, RECOVERED, StepEvent
 from specdraft.sampling import SamplingParams
 from specdraft.surfaces.cli import app
 

@@ -20,7 +20,7 @@ LAYERS = [
     {"models"},
     {"constraints"},
     {"exactness", "verify", "drafters"},
-    {"engine", "batch_engine", "prefix_cache"},
+    {"run", "step", "engine", "batch_engine", "prefix_cache"},
     {"analysis"},
     {"bench", "training"},
     {"server"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
 
 import httpx
 import openai
@@ -23,25 +22,19 @@ def live(tiny_model_dirs):
         yield server
 
 
-class SlowDecoder:
-    """A decoder that waits `delay` seconds after each step, or until `gate` opens before the first (test pacing)."""
+def slow_down(monkeypatch, app, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+    """Pace the engine: each step of its batch waits `delay` seconds after it, and each waits for `gate` first."""
+    batch = app.state.worker.batch
+    step = batch.step
 
-    def __init__(self, decoder, delay: float = 0.0, gate: threading.Event | None = None) -> None:
-        self.decoder, self.delay, self.gate = decoder, delay, gate
+    def paced():
+        if gate is not None:
+            gate.wait(20)
+        events = step()
+        time.sleep(delay)
+        return events
 
-    def stream(self, *args, **kwargs):
-        if self.gate is not None:
-            self.gate.wait(20)
-        with closing(self.decoder.stream(*args, **kwargs)) as events:
-            for event in events:
-                time.sleep(self.delay)
-                yield event
-
-
-def slow_down(monkeypatch, app, **pacing) -> None:
-    pool = app.state.worker.pool
-    build = pool.decoder
-    monkeypatch.setattr(pool, "decoder", lambda key: SlowDecoder(build(key), **pacing))
+    monkeypatch.setattr(batch, "step", paced)
 
 
 def metric(text: str, name: str) -> float:
@@ -207,7 +200,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dirs, monkeypatch):
 
 
 def test_disconnect_stops_generation(tiny_model_dirs, monkeypatch):
-    app = make_app(tiny_model_dirs, max_batch=1)  # paced: the single engine (a batch's disconnect: test_server_batching)
+    app = make_app(tiny_model_dirs, max_batch=1)  # paced, one at a time (a batch's disconnect: test_server_batching)
     slow_down(monkeypatch, app, delay=0.05)
     with Live(app) as server:
         body = {"model": MODEL, "prompt": "def add", "max_tokens": 100, "temperature": 0, "stream": True,
@@ -224,7 +217,7 @@ def test_disconnect_stops_generation(tiny_model_dirs, monkeypatch):
 
 
 def test_timeout_and_shutdown_cancel_cleanly(tiny_model_dirs, monkeypatch):
-    app = make_app(tiny_model_dirs, request_timeout=0.3, shutdown_grace=0.2, max_batch=1)  # paced: the single engine
+    app = make_app(tiny_model_dirs, request_timeout=0.3, shutdown_grace=0.2, max_batch=1)  # paced, one at a time
     slow_down(monkeypatch, app, delay=0.05)
     server = Live(app, grace=0.2).__enter__()
     client = server.client(max_retries=0)

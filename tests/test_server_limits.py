@@ -1,11 +1,8 @@
-"""Serving limits, seeds and tenants: a request's k is capped, the decoders kept are bounded, unseeded requests draw
+"""Serving limits, seeds and tenants: a request's k is capped, the memories kept are bounded, unseeded requests draw
 their seeds from the OS (and report them), and `cache_salt` / `--cross-request-memory` partition what the server
 remembers across requests."""
 
 from __future__ import annotations
-
-import gc
-import weakref
 
 import httpx
 import pytest
@@ -43,26 +40,27 @@ def test_a_fixed_k_past_the_servers_max_k_gets_400_naming_the_field_and_the_opti
         check_speculation("40", 0, 4, {})
 
 
-def test_the_decoder_pool_keeps_its_bound_frees_the_rest_and_loads_trained_weights_once(tiny_model_dirs, eagle_file,
-                                                                                        monkeypatch):
-    """50 requests with distinct k (one at a time: a decoder each) leave at most `max_decoders` decoders alive, and
-    the EAGLE weights are loaded once for all of them (each decoder re-read and re-packed them before)."""
+def test_the_trained_weights_load_once_and_the_memories_kept_are_bounded(tiny_model_dirs, eagle_file, monkeypatch):
+    """50 requests with distinct k (one at a time) load the EAGLE weights once for all of them (each decoder re-read
+    and re-packed them once); requests of ever new cache salts leave at most `max_memories` memories of earlier
+    requests (a `suffix` corpus each) kept."""
     import specdraft.drafters as drafters
 
     loads, load = [], drafters._trained
     monkeypatch.setattr(drafters, "_trained", lambda *args: loads.append(args[0]) or load(*args))
     app = make_app(tiny_model_dirs, drafter="eagle", trained=str(eagle_file), draft=None, max_batch=1, max_k=64)
-    pool = app.state.worker.pool
-    made, build = [], pool.decoder
-    monkeypatch.setattr(pool, "decoder", lambda key: made.append(weakref.ref(decoder := build(key))) or decoder)
     with Live(app) as server:
         for k in range(1, 51):
             answered = complete(server, {**SAMPLED, "n": 1, "max_tokens": 2, "speculative": {"k": k}})
             assert answered.status_code == 200 and answered.json()["usage"]["k"] == k
-    gc.collect()
-    assert len(made) == 50 and len(pool._decoders) == pool.max_decoders < 50
-    assert sum(ref() is not None for ref in made) == pool.max_decoders  # the others were freed
     assert loads == ["eagle"]
+    app = make_app(tiny_model_dirs, drafter="suffix", max_batch=1)
+    pool = app.state.worker.pool
+    with Live(app) as server:
+        for salt in range(pool.max_memories + 4):
+            assert complete(server, {**SAMPLED, "n": 1, "max_tokens": 2, "cache_salt": str(salt)}).status_code == 200
+    kept = [salt.rsplit(":", 1)[-1] for salt in pool.memories]  # the tenant's part (all share here), the salt
+    assert kept == [str(salt) for salt in range(4, pool.max_memories + 4)]  # the least recently used left
 
 
 def test_stop_strings_are_bounded_in_count_and_length(live_single):
@@ -137,30 +135,30 @@ def test_cache_salts_and_api_keys_partition_the_prefix_cache(tiny_model_dirs, me
 
 
 def suffix_corpora(pool) -> dict[str, int]:
-    """The earlier requests each `suffix` decoder remembers, by its cache salt."""
-    return {key.cache_salt: len(decoder.drafter.index.requests) for key, decoder in pool._decoders.items()}
+    """The earlier requests the `suffix` drafters remember, by cache salt."""
+    return {salt: len(memory["suffix"].requests) for salt, memory in pool.memories.items()}
 
 
 def test_the_suffix_drafters_memory_is_partitioned_by_salt_and_key_or_off(tiny_model_dirs, monkeypatch):
-    """One request at a time, the `suffix` decoder keeps its corpus across requests: one per cache salt (and with
-    `key`, per API key), none with `off`, where no prefix cache is kept either."""
+    """The `suffix` drafters keep one corpus across requests per cache salt (and with `key`, per API key), none with
+    `off`, where no prefix cache is kept either; one request at a time as in a batch."""
     body = {"model": MODEL, "prompt": "one two three four", "max_tokens": 4, "temperature": 0.0,
             "speculative": {"drafter": "suffix"}}
     corpora = {}
-    for memory in ("shared", "key", "off"):
-        app = make_app(tiny_model_dirs, max_batch=1, api_key="k1,k2", cross_request_memory=memory)
-        with Live(app) as server:
-            for salt, key in ((None, "k1"), (None, "k2"), ("a", "k1"), ("a", "k1")):
-                assert complete(server, {**body, **({"cache_salt": salt} if salt else {})}, key).status_code == 200
-        corpora[memory] = sorted(suffix_corpora(app.state.worker.pool).values())
-    assert corpora == {"shared": [2, 2], "key": [1, 1, 2], "off": [0]}
+    for max_batch in (1, 4):
+        for memory in ("shared", "key", "off"):
+            app = make_app(tiny_model_dirs, max_batch=max_batch, api_key="k1,k2", cross_request_memory=memory)
+            with Live(app) as server:
+                for salt, key in ((None, "k1"), (None, "k2"), ("a", "k1"), ("a", "k1")):
+                    assert complete(server, {**body, **({"cache_salt": salt} if salt else {})}, key).status_code == 200
+            corpora[memory] = sorted(suffix_corpora(app.state.worker.pool).values())
+        assert corpora == {"shared": [2, 2], "key": [1, 1, 2], "off": []}, max_batch
 
     monkeypatch.setattr(CausalLM, "reads_split_exactly", property(lambda self: True))  # where a cache would be kept
     for max_batch in (1, 2):
         for memory, kept in (("shared", True), ("off", False)):
             app = make_app(tiny_model_dirs, max_batch=max_batch, cross_request_memory=memory)
-            prefixes = app.state.worker.batch.prefixes if max_batch > 1 else app.state.worker.pool.prefixes
-            assert (prefixes is not None) == kept, (max_batch, memory)
+            assert (app.state.worker.batch.prefixes is not None) == kept, (max_batch, memory)
 
 
 def test_a_bad_memory_mode_or_an_empty_key_list_fails_before_loading(tiny_model_dirs):

@@ -198,6 +198,25 @@ def test_memory_of_an_earlier_request():
     assert remembering.propose(ctx_for(later_prompt), 3).tokens.tolist() == [12, 13, 14]
 
 
+def test_drafters_sharing_a_memory_remember_each_others_requests_while_they_run():
+    """Two drafters over one `SuffixMemory` (a server's sequences of one cache salt): a request that ends in one is
+    drawn from by the other, which was live meanwhile (its matches in the corpus are made again), and a request
+    evicted under it is matched no more."""
+    from specdraft.drafters.suffix import SuffixMemory
+
+    memory = SuffixMemory(max_requests=1)
+    first, second = SuffixDrafter(memory=memory), SuffixDrafter(memory=memory)
+    later = [1, 2, 9, 10, 11]
+    second.begin(torch.tensor(later))
+    assert second.source(ctx_for(later)) is None
+    first.begin(torch.tensor([5, 6, 7]))
+    first.end(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14]))
+    assert second.propose(ctx_for(later + [12]), 2).tokens.tolist() == [13, 14]
+    first.begin(torch.tensor([30, 31]))
+    first.end(torch.tensor([30, 31, 32, 33]))  # evicts the request drawn from
+    assert len(memory.requests) == 1 and second.source(ctx_for(later + [12, 13])) is None
+
+
 # -- the drafter interface -----------------------------------------------------------------------
 def test_drafter_follows_the_sequence_with_or_without_source():
     drafter = SuffixDrafter()

@@ -105,6 +105,23 @@ def test_draft_tree_is_a_chain_draft_when_the_parents_are_a_chain():
     assert tree.parents.tolist() == [-1, -1, 0] and tree.k == 3
 
 
+def test_a_chain_and_a_tree_answer_the_steps_questions_alike():
+    """What a step asks of a draft, chain or tree: the accepted path to its deepest node, whether the next token is a
+    bonus, how deep it goes, and how a pass attends to it (a chain: consecutive and causal, no tensors)."""
+    chain = Draft.chain(torch.tensor([5, 6, 7]))
+    assert chain.is_chain and chain.height == 3 and chain.path(-1) == [] and chain.path(1) == [0, 1]
+    assert [chain.is_bonus(node) for node in (-1, 1, 2)] == [False, False, True]
+    assert chain.block_attention(2) == (None, None) and chain.rows_ancestors() is None
+    tree = Draft.tree(torch.tensor([1, 2, 3, 4]), EXAMPLE_PARENTS)
+    assert not tree.is_chain and tree.height == 2 and tree.path(D) == [A, D] and tree.path(-1) == []
+    assert [tree.is_bonus(node) for node in (-1, A, B_, D)] == [False, False, True, True]
+    offsets, visible = tree.block_attention(2)
+    expected = tree.layout.block_attention(2)
+    assert torch.equal(offsets, expected[0]) and torch.equal(visible, expected[1])
+    assert torch.equal(tree.rows_ancestors(), tree.layout.rows_ancestors())
+    assert Draft.chain(torch.tensor([], dtype=torch.long)).is_bonus(-1)  # nothing drafted: the target's token
+
+
 def test_a_drafts_prefix_is_the_tree_of_its_first_tokens():
     """`prefix(n)`: tokens, parents, q rows and scores of the first n; a tree whose prefix is a chain becomes one."""
     tokens, q = torch.tensor([5, 6, 7, 8]), torch.eye(9)[[5, 6, 7, 8]]

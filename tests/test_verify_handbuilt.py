@@ -19,7 +19,7 @@ from specdraft.sampling import (
     seen_tokens_per_row,
     warp,
 )
-from specdraft.verify import residual_distribution, verify_greedy, verify_sampled
+from specdraft.verify import residual_distribution, verify_greedy, verify_greedy_chains, verify_sampled
 from seeded import gen
 
 V = 6
@@ -103,6 +103,19 @@ def test_greedy_batched_rows_with_different_outcomes():
     assert verdict.next_token.tolist() == [0, 5, 0, 4, 3]
     assert verdict.num_accepted.dtype == torch.int64
     assert verdict.next_token.dtype == torch.int64
+
+
+def test_greedy_chains_of_different_lengths_at_once_match_each_alone():
+    """A batch's greedy chains, ragged ([3], [0], [2], [1] tokens), in one verdict: each row is its chain's
+    `verify_greedy` alone, a short chain accepting at most its own tokens (its padding matches nothing)."""
+    chains = [([1, 2, 3], [1, 2, 3, 4]), ([], [5]), ([4, 4], [4, 4, 0]), ([2], [3, 2])]
+    drafts = [torch.tensor(tokens, dtype=torch.long) for tokens, _ in chains]
+    choices = [one_hot_logits(argmaxes).argmax(-1) for _, argmaxes in chains]
+    verdict = verify_greedy_chains(drafts, choices)
+    alone = [verify_greedy(d.unsqueeze(0), one_hot_logits(a).unsqueeze(0)) for d, (_, a) in zip(drafts, chains)]
+    assert verdict.num_accepted.tolist() == [int(v.num_accepted) for v in alone] == [3, 0, 2, 0]
+    assert verdict.next_token.tolist() == [int(v.next_token) for v in alone] == [4, 5, 0, 3]
+    assert verdict.deepest().tolist() == [2, -1, 1, -1]
 
 
 # ---------------------------------------------------------------------------------------------

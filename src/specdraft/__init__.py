@@ -2,7 +2,8 @@
 
 from specdraft.constraints import Constraint
 from specdraft.drafters import DRAFTERS, Draft, Drafter, ModelDrafter, make_drafter
-from specdraft.engine import Completion, SpeculativeDecoder, StepEvent
+from specdraft.engine import Completion, SpeculativeDecoder
+from specdraft.run import StepEvent
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.loading import check_compatible, load_model, prepare_draft

@@ -3,12 +3,13 @@
 ```
 add(request)        # queued to join: the next steps read its prompt a chunk at a time, then it steps
 while active:
-    ks      = choose_batch_k(...)            # 1. each sequence's k for the batch's goodput (0 = plain)
-    drafts  = [drafter_i.propose(ctx_i, k_i)] # 2. each sequence drafts with its own drafter
-    logits  = target.forward(concat [last_i, d_i1 .. d_ik_i])  # 3. one pass; a mask keeps sequences apart
-    verdict_i = verify(draft_i, rows_i)       # 4. per sequence, greedy or exact sampled, as alone
-                                              #    (greedy chains together: the rows' argmax in one host read)
-    keep the accepted rows (a tree: the accepted path) of each sequence; finished sequences leave
+    step.take_step(active sequences)         # the step a single request runs, over the packed cache:
+        plan      each sequence's k as alone, then the goodput rule for the batch (0 = plain)
+        propose   each sequence drafts with its own drafter (draft-model passes shared by depth)
+        score     target.forward(concat [last_i, d_i1 .. d_ik_i]): one pass; a mask keeps sequences apart
+        verify    each sequence as alone, every verdict read in one host sync
+        commit    keep the accepted rows (a tree: the accepted path) of each sequence
+        emit      each sequence's event; finished sequences leave
 ```
 
 The target's KV cache is packed: the committed tokens of every active sequence but its last, in the order
@@ -37,7 +38,7 @@ own cache, so the factory gives each a `CausalLM` of its own over the shared wei
 budget, stop strings, log-probabilities and acceptance estimates (an `AutoK`'s, carried over from the last
 sequence to leave as a single request's policy carries them from the last request); what passes and drafts cost
 belongs to the machine and is shared (`costs`: passes timed by their total width). Each step a sequence's own
-policy first picks its source and k as if it ran alone (`engine.choose_source`: probes included), then the
+policy first picks its source and k as if it ran alone (`step.choose_source`: probes included), then the
 goodput rule sets the k of those it chose to draft for the batch as a whole, so a batch of one steps as a single
 request does. At two sequences and more, a batch size where the steps that drafted have given fewer committed
 tokens per second than plain steps steps plain for a while (`goodput.RealizedGoodput`: the costs the rule does
@@ -46,7 +47,7 @@ not model, such as a draft's reads stalling every sequence, show there).
 Draft models are batched too: the sequences drafting with the same weights share one packed draft cache
 (`models.packed_cache`: each drafter's model becomes a view of it as its sequence joins), and the drafters' model
 passes (`Drafter.propose_steps`) run in lockstep, a depth's tokens of every sequence in one pass
-(`_propose_all`); a draft model's tree (`tree_budget`) runs its level passes alone, over its view of the packed
+(`step.propose`); a draft model's tree (`tree_budget`) runs its level passes alone, over its view of the packed
 cache (`PackedCache.run_tree`).
 
 Trees: with a `tree_budget` each sequence's k counts nodes, as a single request's does; a tree's block sits at its
@@ -59,7 +60,7 @@ step, the tokens its grammar alone decides are appended without a pass (`_force`
 
 Faults: what raises fails the sequences it concerns, and no other. A sequence's own work (its prompt's read and join,
 its drafter's calls, a draft pass of its own, its verification, commit and event) fails that sequence alone
-(`_own_work`); a draft pass several sequences share fails them all, and its packed cache drops what it wrote. A
+(`step.Faults`); a draft pass several sequences share fails them all, and its packed cache drops what it wrote. A
 failed target pass fails every sequence of the step, and the cache goes back to its rows before the pass, however
 far the pass got. A failed sequence leaves as a cancelled one does (its rows, its draft rows), emits nothing at that
 step, and goes to `take_failed()` with its error; the cache's length is `len(row_owner)` after any fault, and the
@@ -69,27 +70,24 @@ other sequences, stepping, joining or waiting, go on as if it had never been the
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from specdraft.constraints import Constraint, start_grammar
-from specdraft.drafters.base import Draft, DraftContext, Drafter
-from specdraft.engine import (DEFAULT_TREE_BRANCH, MAX_TOP_LOGPROBS, Completion, RunState, StepEvent, add_logprobs,
-                              check_tree_options, choose_source, sync_device)
+from specdraft.constraints import Constraint
+from specdraft.drafters.base import DraftContext, Drafter
+from specdraft.engine import DEFAULT_TREE_BRANCH, Completion, check_tree_options
 from specdraft.errors import SpecdraftError
 from specdraft.goodput import RealizedGoodput, choose_batch_k
 from specdraft.models.causal_lm import PREFILL_CHUNK, CausalLM
-from specdraft.models.graph_decoder import graphs_captured
-from specdraft.models.packed_cache import CacheView, PackedCache, packed_visibility
-from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, StepCosts
+from specdraft.models.packed_cache import PackedCache
+from specdraft.policy import MARGIN, MAX_AUTO_K, AutoK, FixedK, StepCosts
 from specdraft.prefix_cache import PrefixCache
-from specdraft.sampling import SamplingParams, target_rows
+from specdraft.run import RunState, StepEvent, check_request, start_run
+from specdraft.sampling import SamplingParams
 from specdraft.stats import GenerationStats
-from specdraft.text import IncrementalText
-from specdraft.verify import verify
+from specdraft.step import Faults, Plan, Rules, Seq, Stepped, force, plan_alone, take_step
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20  # rows of prompts read before (`prefix_cache`): 9,300 tokens of the 1.5B target
@@ -165,59 +163,14 @@ class BatchStep:
 
 
 @dataclass
-class _Sequence:
-    """An active sequence: its run state, drafter and acceptance estimates."""
-
-    ident: int
-    run: RunState
-    drafter: Drafter | None
-    policy: AutoK
-    k: int | None  # fixed, or None: chosen by the goodput rule
-    kv_bytes: int = 0  # the cache memory reserved for it (`BatchedDecoder.kv_need`)
-    unscored: int = 1  # tokens at its end no pass has read: the last committed one, and forced ones after it
-
-    @property
-    def reads_features(self) -> bool:
-        """Whether its drafter reads the target's final hidden states (`Drafter.features`)."""
-        return self.drafter is not None and self.drafter.needs_features
-
-
-@dataclass
 class _Joining:
     """A sequence whose prompt (but its last token) is being read, a chunk at a time, before it steps."""
 
-    sequence: _Sequence
+    sequence: Seq
     read: int = 0  # prompt tokens read so far (or taken from the prefix cache)
     looked_up: bool = False  # whether the prefix cache was asked for its prompt's beginning
     cache_salt: str = ""  # its prefix-cache partition (`BatchRequest.cache_salt`)
     features: list[torch.Tensor] = field(default_factory=list)  # each [chunk, H]: for a drafter that reads them
-
-
-@contextmanager
-def _own_work(seq: _Sequence, faults: dict[int, Exception]) -> Iterator[None]:
-    """Work that is `seq`'s alone (its drafter's calls, its verification, its event): an exception fails `seq` only,
-    its first going to `faults` under its id, and the batch goes on without it (module doc: faults)."""
-    try:
-        yield
-    except Exception as error:
-        faults.setdefault(seq.ident, error)
-
-
-@dataclass
-class _Verified:
-    """What a step's pass decided for one sequence, before it commits (`BatchedDecoder._verify_pass`)."""
-
-    seq: _Sequence
-    draft: Draft
-    plan: tuple[str | None, int, int]  # (source, k, unread) as its policy planned it
-    seconds: float  # its drafting's
-    num_accepted: int
-    next_token: int  # the recovered or bonus token
-    bonus: bool
-    path: list[int]  # the accepted draft nodes, root to leaf
-    accepted: list[int]  # their tokens
-    rows: torch.Tensor  # [k + 1, V]: the pass's logits after its last token, then after its draft's
-    kept: list[int]  # the rows of its block the cache keeps: its unscored ones (its last, forced ones), the path's
 
 
 class BatchedDecoder:
@@ -244,7 +197,7 @@ class BatchedDecoder:
         self.realized = RealizedGoodput()  # what drafting has actually given at each batch size
         # the last to leave: a joining sequence carries it over
         self._policy = AutoK(max_k=nodes, tree=bool(tree_budget), costs=self.costs)
-        self.active: list[_Sequence] = []
+        self.active: list[Seq] = []
         self.joining: list[_Joining] = []  # their prompts are read first come, first served, between steps
         self.failed: list[tuple[int, Exception]] = []  # sequences that failed, with why: the caller takes them
         self.row_owner: list[int] = []  # [cache_len]: the sequence each cache row belongs to
@@ -268,17 +221,11 @@ class BatchedDecoder:
         if self.size >= self.max_batch:
             raise NoRoom(f"The batch is full ({self.max_batch} sequences); wait for one to finish.")
         target, ids = self.target, [int(t) for t in request.prompt_ids]
-        if not ids or min(ids) < 0 or max(ids) >= target.vocab_size:
-            raise SpecdraftError(f"A prompt needs at least one token, each in [0, {target.vocab_size}).")
-        if request.max_new_tokens < 1:
-            raise SpecdraftError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}.")
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
-            raise SpecdraftError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}.")
-        if len(ids) >= target.max_context:
-            raise SpecdraftError(f"The prompt has {len(ids)} tokens, but {target.name} holds {target.max_context}.")
+        stops = check_request(target, ids, request.max_new_tokens, request.logprobs, request.stop)
         if request.k is not None and request.k < 1:
             raise SpecdraftError(f"k (draft tokens per step) must be >= 1 or None (auto), got {request.k}.")
-        grammar = start_grammar(request.constraint, target)
+        run = start_run(target, ids, request.sampling, request.max_new_tokens, stops, request.logprobs,
+                        request.constraint)
         maker = self.make_drafter if request.make_drafter == DEFAULT_DRAFTER else request.make_drafter
         drafter = maker() if maker is not None else None
         need = self.kv_need(len(ids), request.max_new_tokens, drafter)
@@ -294,18 +241,8 @@ class BatchedDecoder:
             self._pack_drafter(ident, drafter)
         if not self.size and target.cache_len != len(self.row_owner):  # someone else ran the target meanwhile
             target.reset()
-        device = target.device
-        sequence = torch.tensor(ids, dtype=torch.long, device=device)  # [L]
-        seen = None
-        if request.sampling.repetition_penalty != 1.0:
-            seen = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)
-            seen[sequence] = True
-        stats = GenerationStats()
-        stats.prompt_tokens = len(ids)
-        run = RunState(sequence, seen, request.sampling, request.sampling.make_generator(device),
-                       request.max_new_tokens, IncrementalText(target.tokenizer, [s for s in request.stop if s]),
-                       stats, time.perf_counter(), request.logprobs, grammar)
-        self.joining.append(_Joining(_Sequence(ident, run, drafter, self._policy.successor(), request.k, need),
+        fixed = FixedK(request.k, self.tree_budget) if request.k is not None else None
+        self.joining.append(_Joining(Seq(ident, run, drafter, self._policy.successor(), fixed, need),
                                      cache_salt=request.cache_salt))
         return ident
 
@@ -442,7 +379,7 @@ class BatchedDecoder:
         leaving = [entry.sequence for entry in joining] + [seq for seq in self.active if seq.ident in errors]
         self._leave(leaving, errors)
 
-    def _leave(self, leaving: list[_Sequence], errors: dict[int, Exception | None] | None = None) -> None:
+    def _leave(self, leaving: list[Seq], errors: dict[int, Exception | None] | None = None) -> None:
         """These sequences leave (out of `joining` already, or stepping): a stepping one's drafter ends, and their
         rows and draft rows go, in one pass over each cache. Those with an error in `errors` failed: they go to
         `failed` with it, as does one whose drafter's `end` raises (it has left all the same)."""
@@ -466,320 +403,93 @@ class BatchedDecoder:
 
     # ----- one step -----------------------------------------------------------------------------------
     def _force(self) -> list[tuple[int, StepEvent]]:
-        """Each active sequence under a constraint (without logprobs) appends the tokens its grammar alone decides
-        (`RunState.force`), to be read in its next block; a sequence they finish leaves. A sequence whose next token
-        sits at position 0 waits for its first pass (`_stepping`)."""
+        """Each active sequence appends the tokens its grammar alone decides (`step.force`), to be read in its next
+        block; a sequence they finish leaves. A sequence whose next token sits at position 0 waits for its first
+        pass (`_stepping`)."""
         events, finished = [], []
         for seq in self.active:
-            run = seq.run
-            if run.grammar is None or run.logprobs is not None or run.sequence.shape[0] == 1:
-                continue
-            forced = run.force(self.target.eos_token_ids, self.target.max_context)
-            if forced is None:
-                continue
-            seq.unscored += len(forced.token_ids)
-            events.append((seq.ident, forced))
-            if forced.finish_reason is not None:
-                finished.append(seq)
+            forced = force(seq, self.target) if seq.run.sequence.shape[0] > 1 else None
+            if forced is not None:
+                events.append((seq.ident, forced))
+                if forced.finish_reason is not None:
+                    finished.append(seq)
         self._leave(finished)
         return events
 
-    def _context(self, seq: _Sequence) -> tuple[DraftContext, int]:
-        """What the sequence's drafter may read this step, and the most draft tokens it may take (a tree: nodes):
-        within its budget, the context and max_k or the tree budget; a tree at most its fixed k or the policy's
-        depth deep."""
-        run = seq.run
-        room = max(0, self.target.max_context - run.sequence.shape[0] - 1)  # draft tokens the context holds
-        depth = min(run.max_new_tokens - len(run.generated) - 1, room)  # the deepest a draft may go and be emitted
-        if not self.tree_budget:
-            limit = max(0, min(depth, seq.k or self.max_k))
-            return DraftContext(run.sequence, run.params, run.generator, run.seen, max_depth=limit,
-                                grammar=run.grammar), limit
-        limit = min(self.tree_budget, room) if depth > 0 else 0
-        return DraftContext(run.sequence, run.params, run.generator, run.seen, tree_branch=self.tree_branch,
-                            max_depth=min(depth, seq.k or seq.policy.max_depth), grammar=run.grammar), limit
-
-    def _stepping(self) -> list[_Sequence]:
+    def _stepping(self) -> list[Seq]:
         """The sequences this step advances: all, but at most one whose next token sits at position 0 (a one-token
         prompt), and that one first: a sequence's first token runs on the 16-bit kernels where every other pass runs
         on int8 activations (`kernels.prompt_pass`), and a pass keeps only its leading rows so. The others wait."""
         first = [seq for seq in self.active if seq.run.sequence.shape[0] == 1]
         return first[:1] + [seq for seq in self.active if seq.run.sequence.shape[0] > 1]
 
-    def _plan(self, seq: _Sequence, ctx: DraftContext, limit: int, gated: bool = False) -> tuple[str | None, int, int]:
-        """(source, k, unread) for this sequence as if it ran alone: its policy's choice (a fixed k: the drafter's
-        first source, all of k); (None, 0, 0) = plain, as for every auto sequence while `gated` (drafting has given
-        less than plain steps at this batch size: `goodput.RealizedGoodput`; its policy is not asked)."""
-        if seq.drafter is None or limit <= 0 or (gated and seq.k is None):
-            return None, 0, 0
-        if seq.k is not None:
-            source = seq.drafter.source(ctx)
-            return (source, limit, seq.drafter.unread(ctx)) if source is not None else (None, 0, 0)
-        run = seq.run
-        source, k, unread = choose_source(seq.drafter, seq.policy, ctx, limit, run.max_new_tokens - len(run.generated),
-                                          len(run.generated))
-        if k > 0 and unread > 0 and len(self.active) > 1 and seq.policy.estimates(source).probing:
-            # A probe that must first catch up stalls the whole batch, where drafting pays least: it waits until
-            # the sequence runs alone (measured: batches of 4 at 0.95x plain batching with such probes).
-            seq.policy.estimates(source).probing = False
-            return None, 0, 0
-        return source, k, unread
+    @staticmethod
+    def _plan(seq: Seq, ctx: DraftContext, limit: int, rules: Rules) -> Plan:
+        """A sequence's plan as if it ran alone (`step.plan_alone`), which the goodput rule then caps (`_choose`)."""
+        return plan_alone(seq, ctx, limit, rules)
 
-    def _choose(self, stepping: list[_Sequence], plans: list[tuple[str | None, int, int]]) -> list[int]:
+    def _choose(self, stepping: list[Seq], plans: list[Plan]) -> list[int]:
         """Each sequence's k: the goodput rule over the sequences whose policy chose to draft (not a probe, not a
         fixed k), each at most the k it chose alone, the others' blocks priced in the pass as they are (module doc).
         The cap: the alone choice already weighed each token against the pass it widens, and beside other blocks
         a token costs no less where passes are bound by compute, while the estimate of a width not yet timed is
         optimistic (measured: a sequence whose policy chose 1 drafted 6 into a 9-token pass that cost 2.9x a
         3-token one)."""
-        ks = [k for _, k, _ in plans]
+        ks = [plan.k for plan in plans]
         if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft
             return ks
-        joint = [i for i, (seq, (source, k, _)) in enumerate(zip(stepping, plans))
-                 if k > 0 and seq.k is None and not seq.policy.estimates(source).probing]
+        joint = [i for i, (seq, plan) in enumerate(zip(stepping, plans))
+                 if plan.k > 0 and seq.fixed is None and not seq.policy.estimates(plan.source).probing]
         if not joint:
             return ks
         extra = sum(ks) + len(ks) - sum(ks[i] + 1 for i in joint)  # the others' blocks in the pass
         curves, beside = [], []
         for i in joint:  # at most the k it chose alone: beside other blocks a draft token costs no less
-            seq, (source, top, unread) = stepping[i], plans[i]
-            run, policy = seq.run, seq.policy
+            run, policy, plan = stepping[i].run, stepping[i].policy, plans[i]
             left = policy.expected_left(len(run.generated), run.max_new_tokens - len(run.generated))
-            curves.append(policy.expected_token_curve(top, source))
-            beside.append(policy.draft_cost_curve(top, source, unread, left, curves[-1]))
+            curves.append(policy.expected_token_curve(plan.k, plan.source))
+            beside.append(policy.draft_cost_curve(plan.k, plan.source, plan.unread, left, curves[-1]))
         chosen = choose_batch_k(curves, beside, lambda width: self.costs.verify_estimate(width + extra), margin=MARGIN)
         for i, k in zip(joint, chosen):
             ks[i] = k
         return ks
 
-    def _propose_all(self, stepping: list[_Sequence], contexts: list[DraftContext], ks: list[int],
-                     faults: dict[int, Exception]) -> tuple[list[Draft | None], list[float]]:
-        """Every sequence's draft of its k tokens (k = 0: none), and the seconds each took. The drafters' model passes
-        (`Drafter.propose_steps`) run in lockstep: the passes asked of one packed draft cache at a step go through it
-        together (`PackedCache.run`), the longest feed first so the fewest logits are computed, and each shares the
-        pass's time by its tokens; a first read (which must lead its pass: `kernels.prompt_pass`) runs alone. A
-        sequence whose drafter, or a pass of its own, raises has no draft (None) and goes to `faults`; a shared pass
-        that raises sends all its sequences there (its packed cache drops what it wrote)."""
-        drafts: list[Draft | None] = [None] * len(stepping)
-        seconds = [0.0] * len(stepping)
-        steps, asked = {}, {}
-
-        def advance(i: int, logits: torch.Tensor | None) -> None:  # send the logits on; the draft if it is done
-            began = time.perf_counter()
-            asked.pop(i, None)
-            with _own_work(stepping[i], faults):
-                try:
-                    asked[i] = next(steps[i]) if logits is None else steps[i].send(logits)
-                except StopIteration as done:
-                    drafts[i] = done.value
-            seconds[i] += time.perf_counter() - began
-
-        for i, (seq, ctx, k) in enumerate(zip(stepping, contexts, ks)):
-            if k > 0:
-                with _own_work(seq, faults):
-                    steps[i] = seq.drafter.propose_steps(ctx, k)
-                if i in steps:
-                    advance(i, None)
-            else:
-                drafts[i] = Draft.chain(ctx.sequence.new_empty(0))
-        while asked:
-            together: dict[int, list[int]] = {}
-            answers: dict[int, torch.Tensor] = {}
-            for i, request in asked.items():
-                if isinstance(request.model, CacheView) and not request.prompt:
-                    together.setdefault(id(request.model.packed), []).append(i)
-                    continue
-                began = time.perf_counter()
-                with _own_work(stepping[i], faults):
-                    answers[i] = request.model.forward(request.tokens, logits_to_keep=1,
-                                                       prompt=request.prompt).logits[0]  # [1, V]
-                seconds[i] += time.perf_counter() - began
-            for members in together.values():
-                members.sort(key=lambda i: -asked[i].tokens.shape[1])
-                packed = asked[members[0]].model.packed
-                began = time.perf_counter()
-                try:
-                    rows = packed.run([(asked[i].model.owner, asked[i].tokens[0]) for i in members])  # each [1, V]
-                except Exception as error:  # a pass of several sequences' drafts: each of them fails
-                    for i in members:
-                        faults.setdefault(stepping[i].ident, error)
-                    continue
-                spent, fed = time.perf_counter() - began, sum(asked[i].tokens.shape[1] for i in members)
-                for i, logits in zip(members, rows):
-                    answers[i] = logits
-                    seconds[i] += spent * asked[i].tokens.shape[1] / fed
-            for i in [i for i in asked if stepping[i].ident in faults]:
-                del asked[i]
-            for i, logits in answers.items():
-                advance(i, logits)
-        return drafts, seconds
-
-    @staticmethod
-    def _trimmed(seq: _Sequence, draft: Draft, source: str | None) -> Draft:
-        """The prefix of a scored draft (a tree, a `suffix` chain) worth verifying, by the sequence's own policy as
-        a single request trims it (a fixed k verifies all); under a constraint, without the point masses its grammar
-        forbids (as alone)."""
-        if draft.scores is not None and seq.k is None and draft.k:
-            draft = draft.prefix(seq.policy.trim(draft.scores, source, draft.must_keep))
-        return draft if seq.run.grammar is None else draft.allowed_by(seq.run.grammar)
-
     def step(self) -> list[tuple[int, StepEvent]]:
-        """Read joining prompts (a chunk's worth), then one step of every active sequence: (id, event) each; a
-        finished sequence's event has its finish_reason and the sequence has left. Sequences that failed, joining or
-        stepping, have no event at the step they fail and are in `take_failed()` (module doc: faults)."""
+        """Read joining prompts (a chunk's worth), then one step of every active sequence (`step.take_step`): (id,
+        event) each; a finished sequence's event has its finish_reason and the sequence has left. Sequences that
+        failed, joining or stepping, have no event at the step they fail and are in `take_failed()` (module doc:
+        faults)."""
         self.last_step = None  # set again below if a pass runs
         self._read_joining()
-        forced = self._force()  # 1. tokens the grammar alone decides
+        forced = self._force()  # 0. tokens the grammar alone decides
         if not self.active:
             return forced
-        target = self.target
-        stepping = self._stepping()
+        target, stepping = self.target, self._stepping()
         self.largest_batch = max(self.largest_batch, len(stepping))
-        t0, captures = time.perf_counter(), graphs_captured()
-        faults: dict[int, Exception] = {}  # the sequences whose own work failed this step: the first error of each
-        cached = target.cache_len
-        try:
-            verified, width, t1, pass_seconds = self._verify_pass(stepping, faults)  # 2.-4.
-        except Exception as error:  # the pass failed, and with it every sequence of the step
-            target.truncate(cached)  # the cache as before the pass, however far it got
-            del self.row_owner[cached:]
-            for seq in stepping:
-                faults.setdefault(seq.ident, error)
-            verified, width, t1, pass_seconds = [], 0, t0, 0.0
-        # a step that captured a CUDA graph paid once what no step pays again
-        timed = width > 0 and graphs_captured() == captures
-        if timed:
-            self.costs.time_pass(width, pass_seconds)
-        events, finished, eos_token_ids = [], [], target.eos_token_ids
-        for v in verified:  # 5. each sequence commits its verdict and emits it, as alone
-            seq, run, k, (source, _, read) = v.seq, v.seq.run, v.draft.k, v.plan
-            with _own_work(seq, faults):
-                prev_len = run.sequence.shape[0]
-                if k > 0:
-                    seq.drafter.commit(prev_len, v.path)
-                if seq.drafter is not None:  # the pass was timed above, by its total width
-                    seq.policy.observe(k, v.num_accepted, v.seconds, None, source if k > 0 else None, v.path, read,
-                                       v.draft.scores, timed=timed)
-                event = run.emit(k, v.accepted, v.next_token, v.bonus, eos_token_ids, target.max_context)
-                run.stats.record_step(k, event.accepted, source if k > 0 else None, v.path,
-                                      v.draft.layout.height if v.draft.layout is not None else k, v.seconds,
-                                      pass_seconds + (t1 - t0) / len(stepping))
-                run.stats.new_tokens, run.stats.wall_seconds = len(run.generated), time.perf_counter() - run.started
-                if run.logprobs is not None:  # the rows that decided the emitted tokens: the root's, then the path's
-                    decided = [row - seq.unscored + 1 for row in v.kept[seq.unscored - 1 :]]  # in `v.rows`
-                    add_logprobs(event, v.rows[decided[: len(event.token_ids)]], run.logprobs)
-                seq.unscored = 1  # the pass read everything but the token it emitted last
-                events.append((seq.ident, event))
-                if event.finish_reason is not None:
-                    finished.append(seq)
-        for packed in self._draft_caches.values():  # the rejected drafts' rows, in one pass a cache
-            packed.compact()
-        self._leave(finished)
-        self._remove(faults)
-        events = [(ident, event) for ident, event in forced + events if ident not in faults]
-        if width:
-            self.last_step = BatchStep(len(stepping), sum(v.draft.k for v in verified),
-                                       sum(len(event.token_ids) for _, event in events), time.perf_counter() - t0,
-                                       width, pass_seconds if timed else None)
-        if timed:
-            self.realized.record(len(stepping), self.last_step.drafted > 0, self.last_step.committed,
-                                 self.last_step.seconds)
-        return events
-
-    def _verify_pass(self, stepping: list[_Sequence],
-                     faults: dict[int, Exception]) -> tuple[list[_Verified], int, float, float]:
-        """Steps 2 to 4 for the sequences stepping: each drafts, one target pass scores every block, each is verified
-        as alone, and the cache keeps each one's last row and accepted path. A sequence whose own work raises goes
-        to `faults` and drops out (the cache keeps none of its rows of the pass); what serves them all (the pass,
-        the cache's keep) raises. Returns the verdicts, the pass's width (0: no pass ran, every sequence failed
-        first), when it began and its seconds (its verification's included)."""
-        target = self.target
+        t0, cached, faults = time.perf_counter(), target.cache_len, Faults()
         # where drafting has given less than plain steps at this batch size, the auto sequences step plain
         gated = len(stepping) > 1 and not self.realized.allows_drafting(len(stepping))
-        contexts, limits = zip(*(self._context(seq) for seq in stepping))
-        plans: list[tuple[str | None, int, int]] = [(None, 0, 0)] * len(stepping)
-        for i, (seq, ctx, limit) in enumerate(zip(stepping, contexts, limits)):
-            if not (seq.unscored > 1 and seq.reads_features):  # features of forced tokens come from a pass
-                with _own_work(seq, faults):
-                    plans[i] = self._plan(seq, ctx, limit, gated)
-        ks = self._choose(stepping, plans)
-        drafts, draft_seconds = self._propose_all(stepping, contexts, ks, faults)  # 2. draft passes shared by depth
-        for i, (seq, draft, (source, _, _)) in enumerate(zip(stepping, drafts, plans)):
-            if draft is not None:
-                with _own_work(seq, faults):
-                    drafts[i] = self._trimmed(seq, draft, source)
-        well = [i for i, seq in enumerate(stepping) if seq.ident not in faults]  # those still in the step
-        stepping, plans, drafts, draft_seconds = ([column[i] for i in well]
-                                                  for column in (stepping, plans, drafts, draft_seconds))
-        if not stepping:
-            return [], 0, time.perf_counter(), 0.0
-        # 3. one target pass over [last, d1 .. dk] of every sequence (forced tokens after its last), each at its own
-        # positions (a tree: by depth)
-        blocks = [torch.cat([seq.run.sequence[-seq.unscored:], draft.tokens]) for seq, draft in zip(stepping, drafts)]
-        owners = [seq.ident for seq, block in zip(stepping, blocks) for _ in range(block.shape[0])]
-        which = [i for i, block in enumerate(blocks) for _ in range(block.shape[0])]
-        trees = [draft.layout.block_attention(seq.unscored) if draft.layout is not None else None
-                 for seq, draft in zip(stepping, drafts)]
-        positions = torch.cat([seq.run.sequence.shape[0] - seq.unscored + (
-            tree[0] if tree is not None else torch.arange(block.shape[0], device=block.device))
-            for seq, block, tree in zip(stepping, blocks, trees)])  # [T]
-        tokens = torch.cat(blocks)  # [T]
-        cached, device = target.cache_len, target.device
-        sync_device(device)
-        t1 = time.perf_counter()
-        visible = packed_visibility(self.row_owner, owners, which, device)  # [T, cached + T]
-        start = 0
-        for block, tree in zip(blocks, trees):  # a tree's tokens see the root and their own ancestors in its block
-            if tree is not None:
-                visible[start : start + block.shape[0], cached + start : cached + start + block.shape[0]] = tree[1]
-            start += block.shape[0]
-        features = any(seq.reads_features for seq in stepping)
-        # how far the furthest token reaches: a sequence's length plus its draft's depth (its last token, and any
-        # forced ones, are already counted in its length)
-        reach = max(seq.run.sequence.shape[0] + (draft.layout.height if draft.layout is not None else draft.k)
-                    for seq, draft in zip(stepping, drafts))
-        scored = target.forward(tokens.unsqueeze(0), tokens.shape[0], hidden_to_keep=tokens.shape[0] if features else 0,
-                                offsets=positions - cached, visible=visible, reach=reach)
-        logits = scored.logits[0]  # [T, V]
-        # Greedy chains (no penalty, no constraint) are verified together: the argmax of every row and every fed token
-        # come to the host in one read, the step's one sync for them (on a GPU each sequence's own read cost a round
-        # trip); the others are verified one by one, each as alone (`verify`).
-        together = [seq.run.params.greedy and seq.run.seen is None and seq.run.grammar is None and draft.layout is None
-                    for seq, draft in zip(stepping, drafts)]
-        to_host = torch.cat([logits.argmax(-1), tokens]) if any(together) else tokens
-        host = to_host.tolist()
-        choice, fed = host[: -tokens.shape[0]], host[-tokens.shape[0] :]  # [T] argmax per row (if read), [T] tokens
-        verified, kept_rows, start = [], [], 0
-        for seq, draft, block, plain, plan, seconds in zip(stepping, drafts, blocks, together, plans, draft_seconds):
-            width, tree, run, unscored = block.shape[0], draft.layout, seq.run, seq.unscored
-            with _own_work(seq, faults):  # 4. verify each sequence as alone
-                rows = logits[start + unscored - 1 : start + width]  # [k + 1, V]: after its last, then the draft
-                if plain:  # the longest draft prefix equal to the rows' argmax, then the argmax (`verify_greedy`)
-                    targets = choice[start + unscored - 1 : start + width]
-                    drafted = fed[start + unscored : start + width]
-                    num_accepted = next((i for i, (d, t) in enumerate(zip(drafted, targets)) if d != t), len(drafted))
-                    next_token, deepest = targets[num_accepted], num_accepted - 1
-                else:
-                    p_target = target_rows(run.masked(rows, draft), run.params, run.seen, block[unscored - 1 :],
-                                           None if tree is None else tree.rows_ancestors())  # [k + 1, V]
-                    verdict = verify(draft, p_target, None if run.params.greedy else run.generator)
-                    num_accepted, next_token, deepest = torch.cat([verdict.num_accepted[:1], verdict.next_token[:1],
-                                                                   verdict.deepest()[:1]]).tolist()
-                path = tree.path(deepest) if tree is not None else list(range(num_accepted))
-                bonus = tree.is_leaf(deepest) if tree is not None else num_accepted == draft.k
-                # in the block: its unscored rows (its last, and forced ones) and the path's
-                kept = list(range(unscored)) + [unscored + node for node in path]
-                in_pass = [start + row for row in kept]
-                if seq.reads_features:  # the kept rows' states, before commit
-                    seq.drafter.features(scored.hidden_states[0][in_pass])
-                kept_rows += in_pass
-                verified.append(_Verified(seq, draft, plan, seconds, num_accepted, next_token, bonus, path,
-                                          [fed[start + unscored + node] for node in path], rows, kept))
-            start += width
-        pass_seconds = time.perf_counter() - t1
-        target.keep(cached, kept_rows)  # the cache keeps each sequence's last and accepted rows
-        self.row_owner += [v.seq.ident for v in verified for _ in v.kept]
-        return verified, tokens.shape[0], t1, pass_seconds
+        rules = Rules(self.tree_budget, self.tree_branch, lockstep=True, costs=self.costs, gated=gated,
+                      crowded=len(self.active) > 1, plan=self._plan, choose=self._choose)
+        try:
+            done = take_step(target, stepping, rules, faults, self.row_owner)  # 1.-6.
+        except Exception as error:  # what serves them all failed (the pass, the cache's keep): every sequence fails
+            target.truncate(cached)  # the cache as before the pass, however far it got
+            del self.row_owner[cached:]
+            faults.update((seq.ident, error) for seq in stepping if seq.ident not in faults)
+            done = Stepped([])
+        for packed in self._draft_caches.values():  # the rejected drafts' rows, in one pass a cache
+            packed.compact()
+        ending = {ident for ident, event in done.events if event.finish_reason is not None}
+        self._leave([seq for seq in stepping if seq.ident in ending and seq.ident not in faults])
+        self._remove(faults)
+        events = [(ident, event) for ident, event in forced + done.events if ident not in faults]
+        if done.width:
+            self.last_step = BatchStep(len(stepping), done.drafted, sum(len(event.token_ids) for _, event in events),
+                                       time.perf_counter() - t0, done.width, done.pass_seconds if done.timed else None)
+            if done.timed:
+                self.realized.record(len(stepping), done.drafted > 0, self.last_step.committed, self.last_step.seconds)
+        return events
 
     def stats(self, ident: int) -> GenerationStats | None:
         """The statistics of sequence `ident`, stepping or joining (None once it has left)."""

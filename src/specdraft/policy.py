@@ -318,7 +318,7 @@ class AutoK:
                  costs: StepCosts | None = None) -> None:
         self.max_k = max_k  # a tree: the node budget
         self.tree = tree
-        self.max_depth = MAX_AUTO_K
+        self.max_depth = MAX_AUTO_K if tree else max_k  # the deepest draft: a chain's k, a tree's depth
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.decay, self.smoothing = decay, smoothing
         self.probe_every, self.max_probe_every = probe_every, max_probe_every

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from specdraft.sampling import sample
 from specdraft.tree import TreeLayout
@@ -53,7 +54,7 @@ def verify(draft: "Draft", p_target: torch.Tensor, generator: torch.Generator | 
     token, then one per draft token; greedy: logits do). `generator` None: greedy. A chain is the tree whose
     parents are i - 1, verified by its own faster path. Returns a verdict over one row."""
     tokens = draft.tokens  # [k]
-    if draft.layout is not None:
+    if not draft.is_chain:
         return verify_tree(tokens, draft.layout, p_target, draft.q_draft, generator)
     if generator is None:
         return verify_greedy(tokens.unsqueeze(0), p_target.unsqueeze(0))
@@ -85,7 +86,27 @@ def verify_greedy(
     p_target: torch.Tensor,  # [B, k + 1, V] (or logits: only the argmax is used)
 ) -> Verdict:
     """Accept the longest draft prefix equal to the target's argmax; then its argmax comes next."""
-    target_choice = p_target.argmax(-1)  # [B, k + 1]
+    return greedy_verdict(draft_tokens, p_target.argmax(-1))
+
+
+def verify_greedy_chains(
+    drafts: list[torch.Tensor],  # B chains, each [k_b]
+    choices: list[torch.Tensor],  # each [k_b + 1]: the target's argmax after the last committed token, then each draft's
+) -> Verdict:
+    """`verify_greedy` of B chains of any lengths at once (a batch's sequences), a verdict of B rows to read in one
+    host sync. Padded to the longest: [a1, a2] and [b1] -> [[a1, a2], [b1, -1]]; -1 matches no argmax, so chain b
+    accepts at most its own k_b, and its next token is read from its own rows."""
+    if len(drafts) == 1:
+        return greedy_verdict(drafts[0].unsqueeze(0), choices[0].unsqueeze(0))
+    tokens = pad_sequence(drafts, batch_first=True, padding_value=-1)  # [B, K]
+    return greedy_verdict(tokens, pad_sequence(choices, batch_first=True))  # choices: [B, K + 1]
+
+
+def greedy_verdict(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target_choice: torch.Tensor,  # [B, k + 1] the target's argmax after the last committed token, then each draft's
+) -> Verdict:
+    """The greedy verdict from the target's choices: the longest draft prefix equal to them, then its choice."""
     k = draft_tokens.shape[1]
     matches = (draft_tokens == target_choice[:, :k]).long()  # [B, k]
     num_accepted = matches.cumprod(-1).sum(-1)  # [B]

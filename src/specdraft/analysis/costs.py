@@ -28,9 +28,9 @@ from typing import Iterator, Mapping, Sequence
 import torch
 
 from specdraft.analysis.theory import expected_speedup, expected_tau
-from specdraft.engine import sync_device
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.run import sync_device
 
 DEFAULT_WIDTHS = tuple(range(1, 9))
 DEFAULT_CONTEXT = 300  # cached tokens before each timed pass (a prompt and some output)

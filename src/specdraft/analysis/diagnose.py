@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafters import ModelDrafter
-from specdraft.engine import RECOVERED, SpeculativeDecoder, StepEvent
+from specdraft.engine import SpeculativeDecoder
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
+from specdraft.run import RECOVERED, StepEvent
 from specdraft.sampling import SamplingParams, warp
 
 DIAGNOSE_JSON, AGREEMENT_PNG = "diagnose.json", "agreement.png"

@@ -60,10 +60,11 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import ModelDrafter, make_drafter
 from specdraft.drafters.oracle import OracleDrafter
-from specdraft.engine import SpeculativeDecoder, sync_device
+from specdraft.engine import SpeculativeDecoder
 from specdraft.exactness import exact_two_tokens
 from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft.models.causal_lm import CausalLM
+from specdraft.run import sync_device
 from specdraft.sampling import SamplingParams
 
 ALPHAS = (0.6, 0.8, 0.95)

@@ -55,12 +55,13 @@ from specdraft.constraints import Constraint
 from specdraft.drafters import DEFAULT_DRAFTER, DRAFTERS, check_drafter, drafter_parts, make_drafter, needs_draft_model
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.oracle import OracleDrafter
-from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, build_decoder, check_tree_options, sync_device
+from specdraft.engine import DEFAULT_K, DEFAULT_TREE_BRANCH, build_decoder, check_tree_options
 from specdraft.policy import AUTO, make_policy
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import draft_vocab_value
 from specdraft.models.loading import DRAFT_QUANTS
+from specdraft.run import sync_device
 from specdraft.sampling import SamplingParams
 
 PROMPT_LOOKUP_K = 10  # transformers' usual prompt_lookup_num_tokens

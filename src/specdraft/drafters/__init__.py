@@ -23,7 +23,7 @@ from specdraft.drafters.mtp import MtpDrafter
 from specdraft.drafters.ngram import DEFAULT_MAX_N, DEFAULT_MIN_N, NgramDrafter
 from specdraft.drafters.oracle import DEFAULT_ALPHA as ORACLE_ALPHA, DEFAULT_SEED as ORACLE_SEED, OracleDrafter
 from specdraft.drafters.suffix import (DEFAULT_MAX_REQUESTS, DEFAULT_MAX_SPEC_FACTOR, DEFAULT_MIN_MATCH,
-                                       DEFAULT_MIN_SCORE, SuffixDrafter)
+                                       DEFAULT_MIN_SCORE, SuffixDrafter, SuffixMemory)
 from specdraft.errors import SpecdraftError
 
 
@@ -74,9 +74,11 @@ def _build_ngram(options: dict, **_resources) -> Drafter:
     return NgramDrafter(max_n=options["ngram-max"], min_n=options["ngram-min"])
 
 
-def _build_suffix(options: dict, remember: bool = True, **_resources) -> Drafter:
+def _build_suffix(options: dict, remember: bool = True, memory: dict | None = None, **_resources) -> Drafter:
+    shared = memory.setdefault("suffix", SuffixMemory()) if memory is not None and remember else None
     return SuffixDrafter(min_match=options["suffix-min-match"], min_score=options["suffix-min-score"],
-                         max_spec_factor=options["suffix-factor"], max_requests=DEFAULT_MAX_REQUESTS if remember else 0)
+                         max_spec_factor=options["suffix-factor"], max_requests=DEFAULT_MAX_REQUESTS if remember else 0,
+                         memory=shared)
 
 
 def _build_oracle(options: dict, **_resources) -> Drafter:
@@ -294,9 +296,10 @@ def check_drafter(name: str, options: dict[str, Any] | None = None) -> dict[str,
 
 def make_drafter(name: str, options: dict[str, Any] | None = None, **resources) -> Drafter:
     """Build drafter `name` (parts joined by `+`) with `options` over the defaults, from the given
-    resources (`draft_model=`, `target_model=`, `shared=`: a dict passed with every build of a batch's sequences or
-    a server's decoders, in which trained drafters keep the weights they load once for all, and `remember=False`:
-    a drafter that learns from earlier requests remembers none)."""
+    resources (`draft_model=`, `target_model=`, `shared=`: a dict passed with every build of a batch's sequences,
+    in which trained drafters keep the weights they load once for all; `memory=`: a dict in which a drafter that
+    learns from earlier requests keeps what it learns, shared by every drafter built with it (a server's sequences
+    of one cache salt); `remember=False`: such a drafter remembers none)."""
     filled = check_drafter(name, options)
     drafters = [DRAFTERS[part].build(filled, **resources) for part in drafter_parts(name)]
     composed = drafters[-1]

@@ -66,6 +66,35 @@ class Draft:
         parents = torch.arange(-1, tokens.shape[0] - 1, device=tokens.device)
         return Draft(tokens=tokens, parents=parents, q_draft=q_draft, scores=scores, drawn=drawn)
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every token's parent is the one before it (no `layout`)."""
+        return self.layout is None
+
+    @property
+    def height(self) -> int:
+        """How deep the draft goes: a chain's k, a tree's deepest token's depth."""
+        return self.k if self.layout is None else self.layout.height
+
+    def path(self, deepest: int) -> list[int]:
+        """The tokens from the root's child down to `deepest` (-1, the root: none); a chain's first deepest + 1."""
+        return list(range(deepest + 1)) if self.layout is None else self.layout.path(deepest)
+
+    def is_bonus(self, deepest: int) -> bool:
+        """Whether the target's token after an accepted path ending at `deepest` is a bonus (nothing below was
+        drafted) rather than a recovery."""
+        return deepest == self.k - 1 if self.layout is None else self.layout.is_leaf(deepest)
+
+    def block_attention(self, prefix: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Offsets [T] and visibility [T, T] of a pass over `prefix` committed tokens then the draft
+        (`TreeLayout.block_attention`); (None, None) for a chain: consecutive and causal."""
+        return (None, None) if self.layout is None else self.layout.block_attention(prefix)
+
+    def rows_ancestors(self) -> torch.Tensor | None:
+        """[k + 1, k + 1] bool: the tokens each verification row's prefix holds (`TreeLayout.rows_ancestors`);
+        None for a chain (row i holds the first i)."""
+        return None if self.layout is None else self.layout.rows_ancestors()
+
     def prefix(self, n: int) -> "Draft":
         """The draft's first `n` tokens (a tree stays a tree: tokens are in topological order, so every kept
         token's parent is kept); token indices, and so paths, are unchanged."""

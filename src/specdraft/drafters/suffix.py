@@ -256,28 +256,91 @@ class _StoredRequest:
     last_stamp: int
 
 
-class SuffixIndex:
-    """The current request's trie and a bounded corpus of earlier requests (module doc).
-
-    `start_request(prompt)`, `extend(new_tokens)` as the sequence grows, `propose(...)` any
-    time, `finish_request(sequence)` to move the request into the corpus.
-    """
+class SuffixMemory:
+    """Earlier requests (prompt + output) in one counted trie, the corpus: at most `max_requests` of them and at most
+    `max_nodes` nodes, the least recently used evicted whole (module doc). A drafter's own, or shared by the
+    drafters of a server's sequences of one cache salt, which each match the current request against it;
+    `version` counts its changes, so a request matching against it knows to match again."""
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, max_requests: int = DEFAULT_MAX_REQUESTS,
                  max_nodes: int = DEFAULT_MAX_NODES) -> None:
         self.max_depth, self.max_requests, self.max_nodes = max_depth, max_requests, max_nodes
         self.corpus = SuffixTrie(max_depth)
         self.requests: OrderedDict[int, _StoredRequest] = OrderedDict()  # least recently used first
+        self.version = 0
         self._next_id = 0
         self._first_stamps: list[int] = []  # of the stored requests, ascending (they are inserted in order)
         self._stamp_owners: list[int] = []  # request id for each entry of _first_stamps
+
+    def store(self, sequence: list[int]) -> int | None:
+        """Store `sequence` (a request's prompt + output), evicting least recently used requests beyond
+        `max_requests` / `max_nodes`. Returns the new request's id (None: nothing stored)."""
+        # A request alone never outgrows the node budget: N tokens make at most N * max_depth nodes.
+        stored = sequence[-(self.max_nodes // self.max_depth):] if self.max_nodes >= self.max_depth else []
+        if self.max_requests == 0 or len(stored) < 2:
+            return None
+        first_stamp = self.corpus.clock + 1
+        self.corpus.insert(stored)
+        self.version += 1
+        request_id = self._next_id
+        self._next_id += 1
+        self.requests[request_id] = _StoredRequest(stored, first_stamp, self.corpus.clock)
+        self._first_stamps.append(first_stamp)
+        self._stamp_owners.append(request_id)
+        while len(self.requests) > self.max_requests or self.corpus.num_nodes > self.max_nodes:
+            self.evict(next(iter(self.requests)))
+        return request_id if request_id in self.requests else None
+
+    def touch(self, request_id: int) -> None:
+        """Mark a stored request as just used (it is evicted last)."""
+        if request_id in self.requests:
+            self.requests.move_to_end(request_id)
+
+    def evict(self, request_id: int) -> None:
+        """Forget a stored request: its windows leave the corpus counts."""
+        stored = self.requests.pop(request_id)
+        self.corpus.remove(stored.tokens)
+        self.version += 1
+        i = self._stamp_owners.index(request_id)
+        del self._first_stamps[i], self._stamp_owners[i]
+
+    def owner(self, stamp: int) -> int | None:
+        """The stored request whose insertion last passed through a node with this stamp (None: it
+        has been evicted since, and the node survives through other requests)."""
+        i = bisect_right(self._first_stamps, stamp) - 1
+        if i < 0:
+            return None
+        request_id = self._stamp_owners[i]
+        return request_id if stamp <= self.requests[request_id].last_stamp else None
+
+
+class SuffixIndex:
+    """The current request's trie, matched with a `SuffixMemory` of earlier requests (module doc).
+
+    `start_request(prompt)`, `extend(new_tokens)` as the sequence grows, `propose(...)` any
+    time, `finish_request(sequence)` to move the request into the memory (its own, or `memory` shared).
+    """
+
+    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, max_requests: int = DEFAULT_MAX_REQUESTS,
+                 max_nodes: int = DEFAULT_MAX_NODES, memory: SuffixMemory | None = None) -> None:
+        self.memory = memory if memory is not None else SuffixMemory(max_depth, max_requests, max_nodes)
+        self.max_depth = self.memory.max_depth
         self._reset_current()
+
+    @property
+    def corpus(self) -> SuffixTrie:
+        return self.memory.corpus
+
+    @property
+    def requests(self) -> OrderedDict[int, _StoredRequest]:
+        return self.memory.requests
 
     def _reset_current(self) -> None:
         self.tokens: list[int] = []  # the current request: prompt + committed tokens
         self.current = SuffixTrie(self.max_depth)
         self._open = [self.current.root]  # current-trie nodes of the last j tokens, j = 0 .. max_depth - 1
         self._corpus_matches = [self.corpus.root]  # corpus nodes of the last j tokens, j = 0 .. longest
+        self._version = self.memory.version  # of the memory those matches were made in
 
     # -- the current request -------------------------------------------------------------------
     def start_request(self, prompt: list[int]) -> None:
@@ -292,6 +355,9 @@ class SuffixIndex:
         for token in new_tokens:
             open_nodes = trie.append(open_nodes, token)
         self._open = open_nodes
+        if self._version != self.memory.version:  # another request changed the shared memory
+            self._rematch_corpus()
+            return
         if len(new_tokens) >= self.max_depth - 1:  # only the last max_depth - 1 tokens can match
             self._corpus_matches = [self.corpus.root]
             new_tokens = new_tokens[-(self.max_depth - 1):]
@@ -312,15 +378,22 @@ class SuffixIndex:
     def _rematch_corpus(self) -> None:
         """Recompute the corpus matches after the corpus changed under a live request."""
         self._corpus_matches = [self.corpus.root]
+        self._version = self.memory.version
         for token in self.tokens[-(self.max_depth - 1):]:
             self._match_corpus(token)
+
+    def _matched(self) -> list[_Node]:
+        """The corpus matches of the current tail, made again if the memory changed since."""
+        if self._version != self.memory.version:
+            self._rematch_corpus()
+        return self._corpus_matches
 
     def match_lengths(self) -> tuple[int, int]:
         """Longest tail of the current sequence that occurred before with a continuation, in the
         current request and in the corpus (0: none)."""
         def longest(nodes: list[_Node]) -> int:
             return max((j for j in range(1, len(nodes)) if nodes[j].total), default=0)
-        return longest(self._open), longest(self._corpus_matches)
+        return longest(self._open), longest(self._matched())
 
     # -- proposing -----------------------------------------------------------------------------
     def propose(self, limit: int, min_match: int = DEFAULT_MIN_MATCH, min_score: float = DEFAULT_MIN_SCORE,
@@ -328,7 +401,7 @@ class SuffixIndex:
         """The highest-scoring walk of at most `limit` tokens over every match length and both tries."""
         best = NO_PROPOSAL
         best_node: _Node | None = None
-        for trie, matches in ((self.current, self._open), (self.corpus, self._corpus_matches)):
+        for trie, matches in ((self.current, self._open), (self.corpus, self._matched())):
             found = False
             for length in range(len(matches) - 1, min_match - 1, -1):  # longest first: it wins ties
                 cap = min(limit, int(max_spec_factor * length + 1e-9), self.max_depth - length)
@@ -341,7 +414,7 @@ class SuffixIndex:
                 if sum(scores) > best.score:
                     best, best_node, found = SuffixProposal(tokens, scores, length), last, True
             if found and trie is self.corpus:
-                best.request_id = self._owner(best_node.stamp)
+                best.request_id = self.memory.owner(best_node.stamp)
         return best
 
     def propose_tree(self, limit: int, branch: int, depth: int | None = None, min_match: int = DEFAULT_MIN_MATCH,
@@ -351,7 +424,7 @@ class SuffixIndex:
         levels (None: no cap beyond the match's) over every match length and both tries (module doc)."""
         best = NO_PROPOSAL
         best_stamp = 0
-        for trie, matches in ((self.current, self._open), (self.corpus, self._corpus_matches)):
+        for trie, matches in ((self.current, self._open), (self.corpus, self._matched())):
             found = False
             for length in range(len(matches) - 1, min_match - 1, -1):  # longest first: it wins ties
                 levels = min(int(max_spec_factor * length + 1e-9), self.max_depth - length)
@@ -367,51 +440,25 @@ class SuffixIndex:
                 if sum(scores) > best.score:
                     best, best_stamp, found = SuffixProposal(tokens, scores, length, parents=parents), stamp, True
             if found and trie is self.corpus:
-                best.request_id = self._owner(best_stamp)
+                best.request_id = self.memory.owner(best_stamp)
         return best
 
-    def _owner(self, stamp: int) -> int | None:
-        """The stored request whose insertion last passed through a node with this stamp (None: it
-        has been evicted since, and the node survives through other requests)."""
-        i = bisect_right(self._first_stamps, stamp) - 1
-        if i < 0:
-            return None
-        request_id = self._stamp_owners[i]
-        return request_id if stamp <= self.requests[request_id].last_stamp else None
-
-    # -- the corpus ----------------------------------------------------------------------------
+    # -- the memory ----------------------------------------------------------------------------
     def finish_request(self, sequence: list[int]) -> int | None:
-        """Drop the current request and store `sequence` (its prompt + output) in the corpus, evicting
-        least recently used requests beyond `max_requests` / `max_nodes`. Returns the new request's id
-        (None: nothing stored)."""
+        """Drop the current request and store `sequence` (its prompt + output) in the memory (`SuffixMemory.store`).
+        Returns the new request's id (None: nothing stored)."""
         self._reset_current()
-        # A request alone never outgrows the node budget: N tokens make at most N * max_depth nodes.
-        stored = sequence[-(self.max_nodes // self.max_depth):] if self.max_nodes >= self.max_depth else []
-        if self.max_requests == 0 or len(stored) < 2:
-            return None
-        first_stamp = self.corpus.clock + 1
-        self.corpus.insert(stored)
-        request_id = self._next_id
-        self._next_id += 1
-        self.requests[request_id] = _StoredRequest(stored, first_stamp, self.corpus.clock)
-        self._first_stamps.append(first_stamp)
-        self._stamp_owners.append(request_id)
-        while len(self.requests) > self.max_requests or self.corpus.num_nodes > self.max_nodes:
-            self.evict(next(iter(self.requests)))
+        request_id = self.memory.store(sequence)
         self._rematch_corpus()
-        return request_id if request_id in self.requests else None
+        return request_id
 
     def touch(self, request_id: int) -> None:
         """Mark a stored request as just used (it is evicted last)."""
-        if request_id in self.requests:
-            self.requests.move_to_end(request_id)
+        self.memory.touch(request_id)
 
     def evict(self, request_id: int) -> None:
         """Forget a stored request: its windows leave the corpus counts."""
-        stored = self.requests.pop(request_id)
-        self.corpus.remove(stored.tokens)
-        i = self._stamp_owners.index(request_id)
-        del self._first_stamps[i], self._stamp_owners[i]
+        self.memory.evict(request_id)
         self._rematch_corpus()
 
 
@@ -428,7 +475,8 @@ class SuffixDrafter(Drafter):
     """SuffixDecoding: draft what followed the tail before, in this request or an earlier one (module doc).
 
     The index persists across requests: the same drafter used for many prompts remembers the
-    earlier ones (up to `max_requests` / `max_nodes`, least recently used evicted first).
+    earlier ones (up to `max_requests` / `max_nodes`, least recently used evicted first); drafters given one
+    `memory` (a server's sequences of one cache salt) remember those of all of them, its bounds theirs.
     `max_spec_factor` caps a draft at that many tokens per matched token: a 2-token match drafts
     at most 3, a match of 6 up to 9 (short matches are weak evidence, long ones strong). On word
     tokens of stdlib source (fresh and near-repeated requests, perfect-target simulation) 1.5 gave
@@ -444,7 +492,8 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, min_match: int = DEFAULT_MIN_MATCH,
                  min_score: float = DEFAULT_MIN_SCORE, max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR,
-                 max_requests: int = DEFAULT_MAX_REQUESTS, max_nodes: int = DEFAULT_MAX_NODES) -> None:
+                 max_requests: int = DEFAULT_MAX_REQUESTS, max_nodes: int = DEFAULT_MAX_NODES,
+                 memory: SuffixMemory | None = None) -> None:
         _check(_is_int(max_depth) and 2 <= max_depth <= 1024,
                f"suffix max depth must be an integer in [2, 1024], got {max_depth!r}.")
         _check(_is_int(min_match) and 1 <= min_match < max_depth,
@@ -460,7 +509,7 @@ class SuffixDrafter(Drafter):
         _check(_is_int(max_nodes) and max_nodes >= 0,
                f"suffix max nodes must be an integer >= 0, got {max_nodes!r}.")
         self.min_match, self.min_score, self.max_spec_factor = min_match, float(min_score), float(max_spec_factor)
-        self.index = SuffixIndex(max_depth, max_requests, max_nodes)
+        self.index = SuffixIndex(max_depth, max_requests, max_nodes, memory)
         self._in_request = False
         self._limit = FIRST_LIMIT  # the k of the last `propose`: what `source` prepares a proposal for
         self._cached = NO_PROPOSAL  # the proposal for a sequence of length _cached_len, made with _cached_limit

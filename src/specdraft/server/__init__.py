@@ -2,11 +2,11 @@
 
 app.py (the route handlers, auth, the playground, and `create_app` wiring them), settings.py
 (`ServerSettings`; who shares cross-request memory), middleware.py (request counts, the body limit), schemas.py (request
-bodies), prepare.py (a request checked and turned into token ids and sampling), decoders.py (one
-decoder per drafter, k and memory partition, built on demand, the least recently used dropped
-past a bound), worker.py (the bounded queue and the one engine thread), responses.py (OpenAI
-response bodies and stream chunks), metrics.py (Prometheus text), errors.py (OpenAI-style error
-JSON).
+bodies), prepare.py (a request checked and turned into token ids and sampling), decoders.py (the
+speculation a request may ask for, and the drafters its sequences get, with the memory of earlier
+requests of its cache salt), worker.py (the bounded queue and the one engine thread, batching
+continuously), responses.py (OpenAI response bodies and stream chunks), metrics.py (Prometheus
+text), errors.py (OpenAI-style error JSON).
 """
 
 from specdraft.extras import require

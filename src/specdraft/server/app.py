@@ -23,7 +23,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdraft.server.batch_worker import BatchWorker
 from specdraft.server.decoders import DecoderPool
 from specdraft.server.errors import ApiError
 from specdraft.server.metrics import Metrics
@@ -241,7 +240,7 @@ async def reset_prefix_cache(request: Request) -> dict:
     """Forget the prompts kept for their prefixes, so the next prompts are read whole (a benchmark's cold
     start); `cleared` is false where the server keeps none (not exact here, or --prefix-cache-mb 0)."""
     worker = request.app.state.worker
-    prefixes = worker.batch.prefixes if isinstance(worker, BatchWorker) else worker.pool.prefixes
+    prefixes = worker.batch.prefixes
     if prefixes is not None:
         prefixes.clear()
     return {"cleared": prefixes is not None}
@@ -268,20 +267,14 @@ async def lifespan(app: FastAPI):
 # --- wiring ---------------------------------------------------------------------------------------------------------
 
 def _engine(pool: DecoderPool, settings: ServerSettings) -> tuple[Worker, Metrics]:
-    """The worker that runs `pool`'s decoders (batching where `settings.max_batch` > 1) and the metrics that watch
-    it."""
-    batched = settings.max_batch > 1
+    """The worker that runs `pool`'s requests (batching up to `settings.max_batch` sequences) and the metrics that
+    watch it."""
     prefix_cache_bytes = settings.prefix_cache_bytes if settings.remembers else 0
     pool.remember = settings.remembers
     metrics = Metrics(queue_depth=lambda: worker.queue_depth, in_flight=lambda: worker.running,
-                      kv_cache=(lambda: (worker.batch.kv_reserved, worker.batch.kv_budget)) if batched else None)
-    if batched:
-        worker = BatchWorker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
-                             max_batch=settings.max_batch, kv_budget=settings.kv_budget,
-                             prefix_cache_bytes=prefix_cache_bytes)
-    else:
-        pool.keep_prefixes(prefix_cache_bytes)
-        worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout)
+                      kv_cache=lambda: (worker.batch.kv_reserved, worker.batch.kv_budget))
+    worker = Worker(pool, metrics, max_queue=settings.max_queue, timeout=settings.request_timeout,
+                    max_batch=settings.max_batch, kv_budget=settings.kv_budget, prefix_cache_bytes=prefix_cache_bytes)
     return worker, metrics
 
 

@@ -12,7 +12,7 @@ from jinja2.exceptions import TemplateError
 
 from specdraft.constraints import Constraint
 from specdraft.constraints.grammar_state import check_constraint
-from specdraft.engine import MAX_TOP_LOGPROBS
+from specdraft.run import MAX_TOP_LOGPROBS
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
 from specdraft.server.decoders import DecoderKey, DecoderPool

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 
-from specdraft.engine import StepEvent
+from specdraft.run import StepEvent
 from specdraft.server.prepare import Generation
 from specdraft.server.worker import Step
 from specdraft.stats import GenerationStats

@@ -56,7 +56,7 @@ def serve(
              "drafter, chains and trees). 1: one request at a time."),
     kv_budget_mb: Optional[float] = typer.Option(
         None, "--kv-budget-mb", min=0.0,
-        help="With --max-batch > 1: MiB of KV cache the batch's sequences may reserve together (each its prompt + "
+        help="MiB of KV cache the batch's sequences may reserve together (each its prompt + "
              "max_tokens); a request that does not fit waits, one that never fits gets 400. Default: half the "
              "memory free once the models are loaded; 0: no limit."),
     prefix_cache_mb: float = typer.Option(
@@ -110,9 +110,9 @@ def serve(
 
     settings = app.state.settings
     err.print(f"serving {settings.served_model} on http://{host}:{port} (playground at /)", highlight=False)
-    if settings.max_batch > 1:
-        room = "no KV budget" if settings.kv_budget is None else f"a KV budget of {megabytes(settings.kv_budget)}"
-        err.print(f"batching up to {settings.max_batch} sequences, {room}", highlight=False)
+    batching = f"batching up to {settings.max_batch} sequences" if settings.max_batch > 1 else "one request at a time"
+    room = "no KV budget" if settings.kv_budget is None else f"a KV budget of {megabytes(settings.kv_budget)}"
+    err.print(f"{batching}, {room}", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_grace)
 
 
