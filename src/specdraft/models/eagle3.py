@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -106,11 +107,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
     return x * cos + turned * sin
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) rotated -> [heads, T, d]
+
+
 def attention_and_mlp(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor,
-                      positions: torch.Tensor, use_cache: bool, visible: torch.Tensor | None) -> torch.Tensor:
+                      positions: torch.Tensor, use_cache: bool, visible: torch.Tensor | None,
+                      attend: Attend | None = None) -> torch.Tensor:
     """The rest of a one-layer head's decoder layer (EAGLE-3's, MTP's) from its projections q `[T, heads, d]`,
     k `[T, kv, d]`, v `[kv, T, d]`: the optional q/k norms, rotary, attention (over `layer.cache` with `use_cache`,
-    else causal over the T rows), o, the residual, and the SwiGLU MLP with its own residual -> `[T, H]`."""
+    else causal over the T rows; `attend` where given: q `[heads, T, d]` and k `[kv, T, d]` rotated, v
+    `[kv, T, d]`, to whatever it keeps, as training's unrolled steps do), o, the residual, and the SwiGLU MLP with its own
+    residual -> `[T, H]`."""
     length = q.shape[0]
     if layer.q_norm is not None:
         q, k = layer.q_norm(q), layer.k_norm(k)
@@ -121,7 +128,9 @@ def attention_and_mlp(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
     cos = (angles.cos() * layer.attention_scaling).to(q.dtype)
     sin = (angles.sin() * layer.attention_scaling).to(q.dtype)
     q, k = rotate(q.transpose(0, 1), cos, sin), rotate(k.transpose(0, 1), cos, sin)  # [heads|kv, T, d]
-    if use_cache:
+    if attend is not None:
+        attended = attend(q, k, v)  # [heads, T, d]
+    elif use_cache:
         attended = cached_attention(layer.cache, q, k, v, visible)  # [heads, T, d]
     else:
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -205,9 +214,10 @@ class Eagle3Model(nn.Module):
         positions: torch.Tensor,  # [T] rotary positions
         visible: torch.Tensor | None = None,  # [T, S] bool over the last S keys, S >= T (tree); None = causal
         use_cache: bool = True,
+        attend: Attend | None = None,  # how the rows attend, in place of the cache or the causal rows (training)
     ) -> torch.Tensor:
         """The layer's outputs h `[T, H]` (before `norm`). With `use_cache` the new keys join the cache and the
-        queries see it whole; without, the T rows form the whole (causal) sequence."""
+        queries see it whole; without, the T rows form the whole (causal) sequence; `attend` decides itself."""
         config, length = self.config, hidden.shape[0]
         normed = self.hidden_norm(hidden)
         residual = normed if config.norm_before_residual else hidden
@@ -215,7 +225,7 @@ class Eagle3Model(nn.Module):
         q = self.q_proj(x).view(length, config.num_heads, -1)  # [T, heads, d]
         k = self.k_proj(x).view(length, config.num_kv_heads, -1)  # [T, kv, d]
         v = self.v_proj(x).view(length, config.num_kv_heads, -1).transpose(0, 1)  # [kv, T, d]
-        return attention_and_mlp(self, q, k, v, residual, positions, use_cache, visible)
+        return attention_and_mlp(self, q, k, v, residual, positions, use_cache, visible, attend)
 
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         """What `lm_head` reads of the layer's outputs `[T, H]`."""

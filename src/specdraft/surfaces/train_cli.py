@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 
-train_app = typer.Typer(no_args_is_help=True, help="Train drafters for a target: data, medusa, eagle, distill.")
+train_app = typer.Typer(no_args_is_help=True, help="Train drafters for a target: data, medusa, eagle, eagle3, distill.")
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -128,15 +128,16 @@ def _run_training(kind: str, data: List[Path], out: Path, target: str, device: s
 
     from specdraft.models.loading import load_model
     from specdraft.training.data import SelfDistillData
-    from specdraft.training.drafters import train_eagle, train_medusa
+    from specdraft.training.drafters import train_eagle, train_eagle3, train_medusa
 
     if threads:
         torch.set_num_threads(threads)
+    trainer = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[kind]
     try:
+        fit["config"].check()  # a wrong option fails before the model loads
         dataset = SelfDistillData(*data)
         lm = load_model(target, device=device)
-        (train_medusa if kind == "medusa" else train_eagle)(lm, dataset, out, log=lambda line: err.print(line, highlight=False),
-                                                            **fit)
+        trainer(lm, dataset, out, log=lambda line: err.print(line, highlight=False), **fit)
     except SpecdraftError as error:
         _fail(str(error))
 
@@ -188,6 +189,32 @@ def eagle(
     config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
     _run_training("eagle", data, out, target, device, threads, config=config, width=width,
                   intermediate_size=intermediate, vocab=vocab, init=init)
+
+
+@train_app.command("eagle3")
+def eagle3(
+    data: List[Path] = _DATA,
+    out: Path = typer.Option(..., "--out", help="The folder to write, in SpecForge's format (config.json, "
+                             "model.safetensors); its checkpoint OUT.checkpoint.pt beside it resumes."),
+    target: str = _TARGET,
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", help="The layer's MLP width (default: the "
+                                               "target's, as SpecForge makes it)."),
+    vocab: int = typer.Option(32000, "--vocab", help="Draft vocabulary: the data's commonest tokens (and the "
+                              "special ones), as d2t/t2d."),
+    ttt_length: int = typer.Option(7, "--ttt-length", help="Steps of the training-time test: the head's own "
+                                   "outputs fed back this many times."),
+    with_embeddings: bool = typer.Option(False, "--with-embeddings", help="Also write a copy of the target's "
+                                         "embeddings (embed_tokens.weight) into the folder."),
+    steps: int = _STEPS, learning_rate: float = typer.Option(1e-4, "--learning-rate", help="Peak learning rate "
+                                                             "(warm-up, then cosine to a tenth)."),
+    batch_tokens: int = _BATCH, eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES,
+    seed: int = typer.Option(0, help="Seed."), device: str = _DEVICE, threads: Optional[int] = _THREADS,
+) -> None:
+    """An EAGLE-3 head (SpecForge's recipe): fc over three target layers, one decoder layer, a reduced vocabulary;
+    loads with --drafter eagle3 --trained OUT. Run it again to go on from its checkpoint."""
+    config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
+    _run_training("eagle3", data, out, target, device, threads, config=config, intermediate_size=intermediate,
+                  vocab=vocab, ttt_length=ttt_length, with_embeddings=with_embeddings)
 
 
 @train_app.command("distill")

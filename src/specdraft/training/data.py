@@ -23,6 +23,10 @@ documentation) instead of the target's continuations. Nothing is generated, so a
 teacher-forced position, not a decoding step: several times more data per hour on the CPU, at the
 price of text the target did not write (its features and distributions are still the target's).
 Its sequences have `prompt_length` 0: every position is a training position.
+
+EAGLE-3 reads only the tokens of either kind of data: the states of the three target layers it fuses and the
+target's logits over its draft vocabulary come from a teacher-forced pass as it trains (`target_layer_states`),
+so data built for the other drafters serves it unchanged and nothing 3 x hidden wide is stored.
 """
 
 from __future__ import annotations
@@ -186,6 +190,26 @@ def target_features(target: CausalLM, tokens: list[int], top_k: int, chunk: int 
         top_ids.append(indices)
         top_logprobs.append(values)
     return hidden.to(torch.bfloat16).cpu(), torch.cat(top_ids).cpu(), torch.cat(top_logprobs).cpu()
+
+
+@torch.no_grad()  # not inference mode: the states feed a head being trained
+def target_layer_states(target: CausalLM, tokens: torch.Tensor, ids: torch.Tensor, chunk: int = 128):
+    """One teacher-forced prompt pass over `tokens` `[T]`, `chunk` tokens a pass, returning at every position the
+    states `target.feature_layers` names side by side `[T, n * H]` (a drafter must claim them with
+    `read_features_at`), the logits of the tokens `ids` `[T, len(ids)]` float32, and the target's most likely next
+    token over its whole vocabulary `[T]`. What EAGLE-3 learns from, computed as it trains (nothing is stored)."""
+    target.reset()
+    states, logits, top = [], [], []
+    try:
+        for start in range(0, tokens.shape[0], chunk):
+            piece = tokens[start:start + chunk].to(target.device).unsqueeze(0)  # [1, c]
+            out = target.forward(piece, logits_to_keep=piece.shape[1], hidden_to_keep=piece.shape[1], prompt=True)
+            states.append(out.hidden_states[0])  # [c, n * H]
+            logits.append(out.logits[0][:, ids])  # [c, N]
+            top.append(out.logits[0].argmax(-1))  # [c]
+    finally:
+        target.reset()
+    return torch.cat(states), torch.cat(logits), torch.cat(top)
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:

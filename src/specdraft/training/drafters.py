@@ -1,4 +1,8 @@
-"""Train a Medusa or EAGLE drafter for a target from its self-distillation data, and write it out."""
+"""Train a Medusa, EAGLE or EAGLE-3 drafter for a target from its self-distillation data, and write it out.
+
+Medusa and EAGLE go to our own safetensors file (`models.trained`); EAGLE-3 to a SpecForge checkpoint folder
+(`models.eagle3_saving`), which `--drafter eagle3 --trained DIR` loads as it loads a published head.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +16,19 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import SubsetHead, common_token_ids, target_subset_head
 from specdraft.models.eagle import EagleConfig, EagleDrafterModel
+from specdraft.models.eagle3 import Eagle3Config, Eagle3Model
+from specdraft.models.eagle3_saving import save_specforge_folder
 from specdraft.models.medusa import MedusaConfig, MedusaHeads
 from specdraft.models.trained import load_trained, save_trained
 from specdraft.training.data import SelfDistillData
 from specdraft.training.loop import TrainConfig, train
-from specdraft.training.objectives import EagleObjective, MedusaObjective
+from specdraft.training.objectives import Eagle3Objective, EagleObjective, MedusaObjective
 
 DEFAULT_DRAFT_VOCAB = 32768  # tokens a trained drafter's head scores (the data's, then the commonest ids)
+EAGLE3_DRAFT_VOCAB = 32000  # SpecForge's default draft_vocab_size
+EAGLE3_TTT_LENGTH = 7  # SpecForge's default unrolled steps
+EAGLE3_INIT_STD = 0.02  # transformers' initializer_range: every matrix starts N(0, 0.02), norms at one
+TRAINING_SUMMARY = "specdraft-training.json"  # beside config.json in the folder: how the head was made
 
 
 def drafter_vocab_head(target: CausalLM, data: SelfDistillData, keep: int) -> SubsetHead:
@@ -96,3 +106,57 @@ def train_eagle(target: CausalLM, data: SelfDistillData, out: str | Path, config
         vocab_head = drafter_vocab_head(target, data, vocab)
     objective = EagleObjective(model, vocab_head, target.model.get_input_embeddings())
     return _fit("eagle", model, objective, target, data, Path(out), config, log, init)
+
+
+def fresh_eagle3_head(target: CausalLM, vocab_head: SubsetHead, intermediate_size: int | None,
+                      generator: torch.Generator) -> Eagle3Model:
+    """An EAGLE-3 head shaped as SpecForge shapes one for `target` (one decoder layer of the target's width, heads,
+    norm epsilon and rotary; the default layers (2, L // 2, L - 3)), drawn from `generator`, its LM head over
+    `vocab_head`'s tokens starting from the target's own rows (its output plays the target's final state's part)."""
+    c = target.config
+    heads = c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None)
+                or {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", None) or 10000.0)})
+    config = Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, num_heads=heads,
+                          num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                          head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                          intermediate_size=intermediate_size or c.intermediate_size,
+                          draft_vocab_size=len(vocab_head.ids), vocab_size=target.vocab_size,
+                          rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_parameters=rope, source="specforge")
+    if config.intermediate_size < 1:
+        raise SpecdraftError(f"--intermediate must be >= 1, got {config.intermediate_size}.")
+    model = Eagle3Model(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * EAGLE3_INIT_STD)
+        model.lm_head.inner.weight.copy_(vocab_head.inner.weight.float().cpu())
+        model.lm_head.ids.copy_(vocab_head.ids.cpu())
+    return model.to(target.device).train().requires_grad_(True)
+
+
+def train_eagle3(target: CausalLM, data: SelfDistillData, out: str | Path, config: TrainConfig,
+                 intermediate_size: int | None = None, vocab: int = EAGLE3_DRAFT_VOCAB,
+                 ttt_length: int = EAGLE3_TTT_LENGTH, with_embeddings: bool = False,
+                 log: Callable[[str], None] = print) -> Path:
+    """Train an EAGLE-3 head on `data` (SpecForge's training-time test over `ttt_length` steps, a draft vocabulary
+    of the data's `vocab` commonest tokens) and write it to the folder `out` in SpecForge's format. Its
+    checkpoint `out.checkpoint.pt` beside the folder is rewritten as it trains, and a later run with the same
+    settings goes on from it. `with_embeddings`: ship a copy of the target's embeddings in the folder (for runtimes
+    that want them there; ours and vLLM take the target's)."""
+    if ttt_length < 1:
+        raise SpecdraftError(f"--ttt-length must be >= 1, got {ttt_length}.")
+    out = Path(out)
+    vocab_head = drafter_vocab_head(target, data, vocab)
+    model = fresh_eagle3_head(target, vocab_head, intermediate_size, torch.Generator().manual_seed(config.seed))
+    objective = Eagle3Objective(model, target, ttt_length)
+    summary = train(objective, data, out.with_name(out.name + ".checkpoint.pt"), config, log)
+    summary.update(data=str(data.folder), target=target.name, ttt_length=ttt_length)
+    embeddings = None
+    if with_embeddings:
+        with torch.no_grad():  # through the module: a packed table too
+            embeddings = target.model.get_input_embeddings()(torch.arange(target.vocab_size, device=target.device))
+    save_specforge_folder(model, out, target.config.num_hidden_layers, target.max_context, embeddings,
+                          {TRAINING_SUMMARY: summary})
+    log(f"wrote {out} (SpecForge format; --drafter eagle3 --trained {out})")
+    return out

@@ -7,6 +7,12 @@ regress the next feature (smooth L1) and to match the target's next-token distri
 through the head (cross-entropy against the target's softmax, weight `classification_weight`),
 with noise on its input features so that it can read its own predictions when drafting.
 Held-out accuracy is measured on the continuations the target wrote (not on prompt text).
+
+EAGLE-3 (`Eagle3Objective`, SpecForge's training-time test) unrolls its head `ttt_length` steps: step 0 reads the
+pairs (fc(target layers at t), x_{t+1}); step j feeds each row's own output of step j - 1 back with the next
+token x_{t+1+j}, as drafting does, and every step is scored against the target's next-token distribution
+renormalised over the draft vocabulary (cross-entropy, step j weighted 0.8**j; positions whose target top token
+is outside the draft vocabulary do not count).
 """
 
 from __future__ import annotations
@@ -14,14 +20,17 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import SubsetHead
 from specdraft.models.eagle import EagleDrafterModel
+from specdraft.models.eagle3 import Eagle3Model
 from specdraft.models.medusa import MedusaHeads
-from specdraft.training.data import DistillSequence
+from specdraft.training.data import DistillSequence, target_layer_states
 
 # Positions of one sequence scored per loss call (a random subset; keeps the logits' memory bounded).
 SCORED_POSITIONS = 256
 IGNORE = -100
+UNROLLED_STEP_WEIGHT = 0.8  # step j of EAGLE-3's unrolling weighs 0.8**j (SpecForge's ploss_weight)
 
 
 def _sub_index(head: SubsetHead) -> torch.Tensor:
@@ -139,6 +148,99 @@ class EagleObjective:
             right += int((guess == truth).sum())
             seen += rows.numel()
         return {"top1": right / seen if seen else 0.0}
+
+
+class UnrolledAttention:
+    """The attention of EAGLE-3's unrolled training steps, called once per step with that step's rows.
+
+    Row t of step 0 is the pair built from the target's states at t; row t of step j >= 1 is the j-th pair fed
+    back after it (position t + j). Each sees the step-0 rows 0 .. t (causal) and its own rows of steps 1 .. j,
+    which is what the layer's cache holds when it drafts j tokens after the target's pair t (SpecForge's
+    training-time test mask). Step j has fewer rows than step 0 (the last rows have no token to read): row t of
+    every step is row t of the first.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []  # per step [kv, rows, d], rotated
+        self.values: list[torch.Tensor] = []  # per step [kv, rows, d]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q `[heads, n, d]`, k and v `[kv, n, d]` of this step -> `[heads, n, d]`."""
+        self.keys.append(k)
+        self.values.append(v)
+        heads, rows, dim = q.shape
+        group = heads // k.shape[0]  # query heads per key head, as SDPA's enable_gqa pairs them
+        first_keys = self.keys[0].repeat_interleave(group, 0)  # [heads, n0, d]
+        first_values = self.values[0].repeat_interleave(group, 0)
+        width = first_keys.shape[1]
+        scores = q @ first_keys.transpose(1, 2) * dim ** -0.5  # [heads, n, n0]
+        causal = torch.ones(rows, width, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        own = [(q * key[:, :rows].repeat_interleave(group, 0)).sum(-1, keepdim=True) * dim ** -0.5
+               for key in self.keys[1:]]  # [heads, n, 1] each: the row's own pair of steps 1 .. j
+        weights = torch.cat([scores, *own], dim=-1).float().softmax(-1).to(q.dtype)  # [heads, n, n0 + j]
+        attended = weights[..., :width] @ first_values  # [heads, n, d]
+        for step, value in enumerate(self.values[1:]):
+            attended = attended + weights[..., width + step:width + step + 1] * value[:, :rows].repeat_interleave(group, 0)
+        return attended
+
+
+class Eagle3Objective:
+    """EAGLE-3's training-time test (see the module doc) for `model` on `target`'s states, `ttt_length` steps,
+    computed in the target's dtype (autocast to bf16 for a bf16 target; float32 throughout for a float32 one)."""
+
+    def __init__(self, model: Eagle3Model, target: CausalLM, ttt_length: int = 7) -> None:
+        self.module, self.target, self.ttt_length = model, target, ttt_length
+        self.device = target.device
+        self.embed = target.model.get_input_embeddings()
+        target.read_features_at(self, model.config.resolved_aux_layers(target.config.num_hidden_layers))
+
+    def _unroll(self, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per step j, rows t = 0 .. T - 2 - j: (the head's logits over its vocabulary `[n, N]`, the target's
+        distribution over it `[n, N]`, whether the target's top token is in it `[n]`). # tokens: [T]"""
+        model, rows = self.module, tokens.shape[0] - 1
+        ids = model.lm_head.ids
+        features, target_logits, target_top = target_layer_states(self.target, tokens, ids)  # [T, 3H], [T, N], [T]
+        in_vocab = torch.zeros(self.target.vocab_size, dtype=torch.bool, device=self.device)
+        in_vocab[ids] = True
+        target_probs = target_logits[1:].softmax(-1)  # [T - 1, N]: after pair t, the token x_{t+2}
+        counted = in_vocab[target_top[1:]]  # [T - 1]
+        with torch.no_grad():
+            embeds = model.embed(tokens[1:].to(self.device), self.embed).float()  # [T - 1, H]: x_{t+1}
+        attention, steps = UnrolledAttention(), []
+        with torch.autocast(self.device.type, dtype=self.target.dtype, enabled=self.target.dtype != torch.float32):
+            hidden = model.project(features[:rows].float())  # [T - 1, H]
+            for step in range(min(self.ttt_length, rows)):
+                count = rows - step  # row t reads x_{t+1+step} and learns the target's next token after it
+                positions = torch.arange(count, device=self.device) + step
+                out = model(hidden, embeds[step:step + count], positions, use_cache=False, attend=attention)
+                logits = model.lm_head.scores(model.head_input(out))  # [count, N]
+                steps.append((logits.float(), target_probs[step:step + count], counted[step:step + count]))
+                hidden = model.fed_back(out)[:count - 1]  # what the next step's rows read
+        return steps
+
+    def loss(self, sequence: DistillSequence, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        count = sequence.tokens.shape[0] - 1
+        if count < 1:
+            return torch.zeros(()), 0
+        total = torch.zeros((), device=self.device)
+        for step, (logits, target_probs, counted) in enumerate(self._unroll(sequence.tokens)):
+            cross_entropy = -(target_probs * logits.log_softmax(-1)).sum(-1)  # [n]
+            total = total + UNROLLED_STEP_WEIGHT ** step * (cross_entropy * counted).sum()
+        return total, count
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[DistillSequence]) -> dict[str, float]:
+        """`top1@j`: how often the head's top token at unrolled step j is the target's (over the rows past the
+        prompt: the chains drafted inside the target's continuation)."""
+        right, seen = torch.zeros(self.ttt_length), torch.zeros(self.ttt_length)
+        for sequence in sequences:
+            start = max(0, sequence.prompt_length - 1)
+            for step, (logits, target_probs, counted) in enumerate(self._unroll(sequence.tokens)):
+                agree = (logits.argmax(-1) == target_probs.argmax(-1)) & counted
+                right[step] += float(agree[start:].sum())
+                seen[step] += max(0, agree.shape[0] - start)
+        return {f"top1@{j + 1}": float(right[j] / seen[j]) if seen[j] else 0.0 for j in range(self.ttt_length)}
 
 
 class DistillObjective:
