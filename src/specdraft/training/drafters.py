@@ -114,6 +114,9 @@ def fresh_eagle3_head(target: CausalLM, vocab_head: SubsetHead, intermediate_siz
     norm epsilon and rotary; the default layers (2, L // 2, L - 3)), drawn from `generator`, its LM head over
     `vocab_head`'s tokens starting from the target's own rows (its output plays the target's final state's part)."""
     c = target.config
+    if c.num_hidden_layers < 3:
+        raise SpecdraftError(f"EAGLE-3 fuses the states entering target layers 2, L // 2 and L - 3 (SpecForge's "
+                             f"choice); {target.name} has {c.num_hidden_layers} layers, too few.")
     heads = c.num_attention_heads
     rope = dict(getattr(c, "rope_parameters", None)
                 or {"rope_type": "default", "rope_theta": float(getattr(c, "rope_theta", None) or 10000.0)})
