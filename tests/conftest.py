@@ -115,6 +115,19 @@ def tiny_config(vocab_size: int = 64, layers: int = 2, max_positions: int = 256,
     )
 
 
+# Lines of code and prose the training tests build prompts and text data from ({i}: a number that varies them).
+TRAINING_LINES = ["def add{i}(a, b):\n    return a + b", "for i in range({i}):\n    print(i * i)",
+                  "The quick brown fox {i} jumps over the lazy dog."]
+
+
+def tiny_chat_target(layers: int = 2) -> CausalLM:
+    """A tiny random target named `tiny` with the chat tokenizer, its end-of-turn token as end of sequence."""
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = tiny_model(tiny_config(vocab_size=len(tokenizer), layers=layers, eos=eos, max_positions=256), seed=1)
+    return CausalLM(model, tokenizer, name="tiny")
+
+
 def tiny_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float().eval()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_tokenizer, tiny_config, tiny_model
+from conftest import TRAINING_LINES, tiny_chat_target
 from eagle3_checkpoints import random_head
 from specdraft import SpeculativeDecoder
 from specdraft.drafters import make_drafter
@@ -25,17 +25,13 @@ from specdraft.training.drafters import TRAINING_SUMMARY, drafter_vocab_head, fr
 from specdraft.training.loop import TrainConfig, split
 from specdraft.training.objectives import Eagle3Objective
 
-LINES = ["def add{i}(a, b):\n    return a + b", "for i in range({i}):\n    print(i * i)",
-         "The quick brown fox {i} jumps over the lazy dog."]
 QUICK = TrainConfig(steps=20, learning_rate=1e-2, batch_tokens=128, warmup_steps=2, eval_every=10, checkpoint_every=10)
 
 
 @pytest.fixture(scope="module")
 def target() -> CausalLM:
-    tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model = tiny_model(tiny_config(vocab_size=len(tokenizer), layers=8, eos=eos, max_positions=256), seed=1)
-    return CausalLM(model, tokenizer, name="tiny")
+    """Eight layers: EAGLE-3 reads the states entering layers 2, 4 and 5."""
+    return tiny_chat_target(layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +39,7 @@ def data(target, tmp_path_factory) -> SelfDistillData:
     """45 pieces of 32 tokens of plain text (two held out)."""
     folder = tmp_path_factory.mktemp("texts")
     for i in range(5):
-        (folder / f"m{i}.py").write_text("\n".join(LINES[j % 3].format(i=i * 10 + j) for j in range(12)))
+        (folder / f"m{i}.py").write_text("\n".join(TRAINING_LINES[j % 3].format(i=i * 10 + j) for j in range(12)))
     return build_text_dataset(target, [folder], tmp_path_factory.mktemp("data") / "d", max_tokens=10_000,
                               chunk_tokens=32, per_shard=8, top_k=2)
 
@@ -185,7 +181,7 @@ def test_the_command_trains_and_generate_reads_its_folder(target, tiny_model_dir
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(4):
-        (texts / f"m{i}.py").write_text("\n".join(LINES[j % 3].format(i=i * 10 + j) for j in range(12)))
+        (texts / f"m{i}.py").write_text("\n".join(TRAINING_LINES[j % 3].format(i=i * 10 + j) for j in range(12)))
     runner = CliRunner()
 
     def run(*args):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_tokenizer, tiny_config, tiny_model
+from conftest import TRAINING_LINES, tiny_chat_target, tiny_config, tiny_model
 from specdraft import SpeculativeDecoder
 from specdraft.drafters import make_drafter
 from specdraft.errors import SpecdraftError
@@ -24,23 +24,18 @@ from specdraft.training.drafters import drafter_vocab_head, train_eagle, train_m
 from specdraft.training.loop import TrainConfig, split
 from specdraft.training.objectives import DistillObjective, EagleObjective, MedusaObjective
 
-PROMPT_TEMPLATES = ["def add{i}(a, b):\n    return a + b", "for i in range({i}):\n    print(i * i)",
-                    "The quick brown fox {i} jumps over the lazy dog."]
 QUICK = TrainConfig(steps=30, learning_rate=2e-2, batch_tokens=128, warmup_steps=3, eval_every=15, checkpoint_every=15)
 
 
 @pytest.fixture(scope="module")
 def target() -> CausalLM:
-    tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return CausalLM(tiny_model(tiny_config(vocab_size=len(tokenizer), eos=eos, max_positions=256), seed=1),
-                    tokenizer, name="tiny")
+    return tiny_chat_target()
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
-    lines = [{"question_id": i, "category": f"c{i % 3}", "turns": [PROMPT_TEMPLATES[i % 3].format(i=i)]}
+    lines = [{"question_id": i, "category": f"c{i % 3}", "turns": [TRAINING_LINES[i % 3].format(i=i)]}
              for i in range(66)]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return path
@@ -97,7 +92,7 @@ def texts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("texts")
     (folder / "lib").mkdir()
     for i in range(5):
-        (folder / "lib" / f"m{i}.py").write_text("\n".join(PROMPT_TEMPLATES[j % 3].format(i=i * 10 + j)
+        (folder / "lib" / f"m{i}.py").write_text("\n".join(TRAINING_LINES[j % 3].format(i=i * 10 + j)
                                                             for j in range(12)))
     (folder / "README.md").write_text(" ".join(f"The quick brown fox {i} jumps." for i in range(60)))
     (folder / "image.png").write_bytes(b"\x89PNG not text")
@@ -330,7 +325,7 @@ def test_distillation_moves_a_draft_towards_the_target(target, data, tmp_path):
         tiny_config(vocab_size=len(tokenizer), eos=target.config.eos_token_id, max_positions=256),
         seed=7).model.layers[1].mlp.up_proj.weight)
     spec = SpeculativeDecoder(target, make_drafter("model", draft_model=distilled), k=3)
-    prompt = PROMPT_TEMPLATES[1].format(i=0)
+    prompt = TRAINING_LINES[1].format(i=0)
     assert spec.generate(prompt, max_new_tokens=24).token_ids == SpeculativeDecoder(target).generate(
         prompt, max_new_tokens=24).token_ids
     with pytest.raises(SpecdraftError, match="--layers must be between 1 and"):
