@@ -107,6 +107,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
     return x * cos + turned * sin
 
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) rotated -> [heads, T, d]
 
 
@@ -115,9 +116,9 @@ def attention_and_mlp(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
                       attend: Attend | None = None) -> torch.Tensor:
     """The rest of a one-layer head's decoder layer (EAGLE-3's, MTP's) from its projections q `[T, heads, d]`,
     k `[T, kv, d]`, v `[kv, T, d]`: the optional q/k norms, rotary, attention (over `layer.cache` with `use_cache`,
-    else causal over the T rows; `attend` where given: q `[heads, T, d]` and k `[kv, T, d]` rotated, v
-    `[kv, T, d]`, to whatever it keeps, as training's unrolled steps do), o, the residual, and the SwiGLU MLP with its own
-    residual -> `[T, H]`."""
+    else causal over the T rows; `attend` where given: q `[heads, T, d]` and k `[kv, T, d]` rotated, v `[kv, T, d]`,
+    to whatever it keeps, as training's unrolled steps do), o, the residual, and the SwiGLU MLP with its own residual
+    -> `[T, H]`."""
     length = q.shape[0]
     if layer.q_norm is not None:
         q, k = layer.q_norm(q), layer.k_norm(k)

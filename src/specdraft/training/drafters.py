@@ -146,7 +146,7 @@ def train_eagle3(target: CausalLM, data: SelfDistillData, out: str | Path, confi
     of the data's `vocab` commonest tokens) and write it to the folder `out` in SpecForge's format. Its
     checkpoint `out.checkpoint.pt` beside the folder is rewritten as it trains, and a later run with the same
     settings goes on from it. `with_embeddings`: ship a copy of the target's embeddings in the folder (for runtimes
-    that want them there; ours and vLLM take the target's)."""
+    that want them there; our loader takes the target's where the folder has none)."""
     if ttt_length < 1:
         raise SpecdraftError(f"--ttt-length must be >= 1, got {ttt_length}.")
     out = Path(out)
