@@ -13,7 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 
-train_app = typer.Typer(no_args_is_help=True, help="Train drafters for a target: data, medusa, eagle, eagle3, distill.")
+train_app = typer.Typer(no_args_is_help=True,
+                        help="Train drafters for a target: data, medusa, eagle, eagle3, distill.")
 err = Console(stderr=True, soft_wrap=True)
 
 

@@ -181,7 +181,8 @@ class UnrolledAttention:
         weights = torch.cat([scores, *own], dim=-1).float().softmax(-1).to(q.dtype)  # [heads, n, n0 + j]
         attended = weights[..., :width] @ first_values  # [heads, n, d]
         for step, value in enumerate(self.values[1:]):
-            attended = attended + weights[..., width + step:width + step + 1] * value[:, :rows].repeat_interleave(group, 0)
+            own_value = value[:, :rows].repeat_interleave(group, 0)  # [heads, n, d]
+            attended = attended + weights[..., width + step:width + step + 1] * own_value
         return attended
 
 
