@@ -333,11 +333,12 @@ def test_greedy_spec_equals_ar(targets, tmp_path, name, tree):
             assert any(k > depth for s in stats for k, depth in zip(s.k_per_step, s.depth_per_step))
 
 
-def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
+def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path, monkeypatch):
     """A Q4_K_M GGUF target on the CPU kernels, whose few-token passes run fused in one C call: with an eagle3 drafter
-    its verification passes return three layers through transformers' layers instead, and the output is still `ar`'s
-    (which runs fused)."""
+    its verification passes stay fused and hand over the three layers the C stack copies out on its way, and the
+    output is still `ar`'s."""
     from specdraft.bench.random_gguf import default_tokenizer, tiny_config as family_config, write_random_gguf
+    from specdraft.models.fused_decoder import FusedDecoder, fused_decoder
     from specdraft.models.loading import load_model
 
     if default_tokenizer() is None:
@@ -350,12 +351,18 @@ def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
                        layer_type="qwen3", seed=2)
     folder = str(save_folder(head, tmp_path / "head"))
     expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=16).token_ids for p in PROMPTS[::2]]
+    if fused_decoder(target.model) is None:
+        pytest.skip("the fused decoder does not run here")
+    asked = []  # the feature layers of each fused pass
+    run = FusedDecoder.run
+    monkeypatch.setattr(FusedDecoder, "run", lambda self, *args: asked.append(args[-1]) or run(self, *args))
     for tree in (0, 6):
         drafter = make_drafter("eagle3", {"trained": folder, "draft-confidence": 0.0}, target_model=target)
         spec = SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3)
         outs = [spec.generate(p, max_new_tokens=16) for p in PROMPTS[::2]]
         assert [out.token_ids for out in outs] == expected, tree
         assert sum(out.stats.drafted for out in outs) > 0
+    assert asked.count((1, 2, 3)) >= sum(len(p) > 1 for p in PROMPTS[::2]) * 2  # verifications ran fused
 
 
 @pytest.mark.parametrize("tree", [0, 5])

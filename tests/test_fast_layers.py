@@ -38,14 +38,14 @@ GEMMA3 = dict(sliding_window=4, layer_types=["sliding_attention", "full_attentio
 
 
 def int4_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCausalLM:
-    """A 2-layer model of a stacked family (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's)
+    """A 2-layer model (unless `overrides` say otherwise) of a stacked family (hidden 64: the tile kernels' smallest; heads of 32: the C rotary's)
     with every linear re-quantized to 4 bits (Qwen2's q, k, v biases random; every norm random around its identity:
     Gemma's 1 + w too)."""
     config = STACKED_FAMILIES[family](
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False, **{"sliding_window": None, **(GEMMA3 if family == "gemma3" else {}),
-                                                         **overrides})
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=False, **{"num_hidden_layers": 2, "sliding_window": None,
+                                      **(GEMMA3 if family == "gemma3" else {}), **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).bfloat16().eval()
     with torch.no_grad():
@@ -245,7 +245,9 @@ def pass_sequence(model: Qwen2ForCausalLM, tree: bool = True) -> list[torch.Tens
     lm.truncate(lm.cache_len - 4)  # a rejected draft
     if tree:  # a root's two children, and a grandchild of the first (depths 1, 1, 2)
         visible = torch.tensor([[True, False, False], [False, True, False], [True, False, True]])
-        out.append(lm.forward(tokens(3), logits_to_keep=3, offsets=torch.tensor([0, 0, 1]), visible=visible).logits)
+        step = lm.forward(tokens(3), logits_to_keep=3, hidden_to_keep=3, offsets=torch.tensor([0, 0, 1]),
+                          visible=visible)
+        out += [step.logits, step.hidden_states]
         lm.keep(lm.cache_len - 3, [0, 2])  # the accepted path
     out.append(lm.forward(tokens(2), logits_to_keep=2).logits)
     return out
@@ -332,6 +334,64 @@ def test_fused_sliding_window_layers_match_past_their_window(family, kernel, dec
     want = pass_sequence(model, tree=False)
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert not torch.equal(got[-1], unwindowed[-1])
+
+
+BUILDS = {  # each kernel build of the fused stack: (SPECDRAFT_ISA, SPECDRAFT_TILE_DOTS, SPECDRAFT_AVX_VNNI, the
+    # 4-bit run kind it takes)
+    "amx": ("amx", "int16", None, decoder_layers.INT4_AMX),
+    "avx512-int16": ("avx512", "int16", None, decoder_layers.INT4),
+    "avx512-bf16": ("avx512", "bf16", None, decoder_layers.INT4),
+    "avx2": ("avx2", None, "0", decoder_layers.INT4),
+    "avx2-avx_vnni": ("avx2", None, "1", decoder_layers.INT4),
+}
+
+
+@pytest.fixture(params=list(BUILDS))
+def forced_build(request, monkeypatch) -> int:
+    """Each build of the fused stack this CPU runs, forced by the `SPECDRAFT_*` variables (AVX-512 + AMX tiles,
+    AVX-512 in both dot flavours, AVX2 with and without AVX-VNNI); the 4-bit run kind its layers take."""
+    level, dots, vnni, kind = BUILDS[request.param]
+    if not isa.CPU_FLAGS[level] <= isa.cpu_flags() or (vnni == "1" and not isa.AVX_VNNI_CPU_FLAGS <= isa.cpu_flags()):
+        pytest.skip(f"this CPU does not run the {request.param} kernels")
+    monkeypatch.setenv(numerics.ISA_VARIABLE, level)
+    for variable, value in ((numerics.TILE_DOTS_VARIABLE, dots), (numerics.AVX_VNNI_VARIABLE, vnni)):
+        if value is not None:
+            monkeypatch.setenv(variable, value)
+    if level == "amx" and not tiles.AMX.available():
+        pytest.skip("the OS does not grant AMX's tile state here")
+    if decoder_layers.level() != ("avx512" if level == "amx" else level):
+        pytest.skip(f"the {request.param} decoder does not build here")
+    return kind
+
+
+class _Reader:
+    """Stands for a drafter that claims feature layers (`CausalLM.read_features_at` holds its owner weakly)."""
+
+
+@tiles_run
+@fused_run
+@pytest.mark.parametrize("build, layers", [(lambda: int4_model(num_hidden_layers=3), (2, 0, 1)),
+                                           (mixed_model, (1, 1, 0))], ids=["int4", "q4_k_m-mix"])
+def test_fused_layers_hand_out_the_feature_layers_a_drafter_reads(build, layers, forced_build, monkeypatch):
+    """While a drafter claims layers (EAGLE-3's low, middle, high: here out of order and one twice), the few-token
+    passes stay on the fused stack, which copies out the rows entering those layers: the same bits as
+    transformers' `hidden_states[i]` on the unfused path, for chain, wide (18 tokens) and tree passes (and the same
+    logits), on every kernel build."""
+    model = build()
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None and fused.table[0].qkv.run[0].kind == forced_build
+    reader = _Reader()
+    CausalLM(model).read_features_at(reader, layers)
+    asked = []
+    run = type(fused).run
+    monkeypatch.setattr(type(fused), "run", lambda self, *args: asked.append(args[-1]) or run(self, *args))
+    got = pass_sequence(model)
+    assert [feature_layers for feature_layers in asked if feature_layers is not None] == [layers] * 5
+    assert all(state.shape[-1] == 3 * model.config.hidden_size for state in got[2:11:2])
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    want = pass_sequence(model)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
 @tiles_run

@@ -37,7 +37,9 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
     "act_mul_bf16": [_POINTER] * 3 + [_SIZE] * 2,  # gate|up, table, out, rows, inter
     "use_exp": [_POINTER],  # the address of PyTorch's vector exp
     "use_int8_activations": [_SIZE],
-    "decoder_layers_forward": [_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [_FLOAT] * 2 + [_SIZE] * 2 + [_POINTER] * 2,
+    "decoder_layers_forward": [_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [_FLOAT] * 2 + [_SIZE] * 2 + [_POINTER] * 2
+    + [_POINTER, _SIZE, _POINTER],  # layers, count, hidden, tokens, sizes, eps, scaling, cache_len, norm_gains,
+    #                                 activation, mask, feature layers, their count, features
 }
 AMX_SLOTS = {  # the AVX-512 library's build with AMX adds these (and `amx_tiles_init`, which returns 0 when granted)
     "int4_amx_matmul": SLOTS["int4_matmul"],

@@ -124,8 +124,10 @@ def int8_projections(chosen: str | None = None) -> bool:
 
 def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int, int, int, int], eps: float,
                scaling: float, cache_len: int, norm_gains: bool, activation: torch.Tensor | None,
-               mask: torch.Tensor | None) -> None:
-    """Run `hidden` `[T, H]` bf16 (contiguous) through `layers` in place.
+               mask: torch.Tensor | None, feature_layers: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run `hidden` `[T, H]` bf16 (contiguous) through `layers` in place; with `feature_layers` `[n]` int64 (indices
+    into `layers`), return the rows entering each of them side by side `[T, n * H]` bf16 (transformers'
+    `hidden_states[i]`, copied out on the way at the cost of a row copy), else None.
 
     sizes: (hidden, heads, kv_heads, head_dim, intermediate); norm_gains: every norm is Gemma's (its entries float32
     gains), else Llama's (bf16 weights); activation: None for SiLU, else an `activation_table`; mask
@@ -133,9 +135,14 @@ def run_layers(layers: ctypes.Array, hidden: torch.Tensor, sizes: tuple[int, int
     `capacity` in its entry) must have room for cache_len + T tokens, and its `cos` and `sin` `[T, head_dim]` bf16
     hold its rotary table for the pass. Inside a pass context, projections run as `int8_projections()` says.
     """
+    count = 0 if feature_layers is None else feature_layers.numel()
+    features = hidden.new_empty((hidden.shape[0], count * sizes[0])) if count else None  # [T, n * H]
     library = _library()
     library.use_int8_activations(int8_projections(level()))
     library.decoder_layers_forward(ctypes.addressof(layers), len(layers), hidden.data_ptr(), hidden.shape[0],
                                    *sizes, eps, scaling, cache_len, int(norm_gains),
                                    0 if activation is None else activation.data_ptr(),
-                                   0 if mask is None else mask.data_ptr())
+                                   0 if mask is None else mask.data_ptr(),
+                                   0 if features is None else feature_layers.data_ptr(), count,
+                                   0 if features is None else features.data_ptr())
+    return features

@@ -183,9 +183,8 @@ class CausalLM:
     def read_features_at(self, owner: object, layers: tuple[int, ...]) -> None:
         """Make the passes of this model (every `CausalLM` over its weights) return the input states of `layers` as
         their hidden states, for as long as `owner` (a drafter) lives: the claim is held weakly, and the last live
-        claim decides. The fused C decoder returns no intermediate layer, so such passes run through transformers'
-        layers (the same function; the default path is untouched while no drafter claims); a static (GPU) cache
-        returns none either and is refused."""
+        claim decides. Passes on the fused C decoder copy those rows out on its way (`FusedDecoder.run`), the others
+        read transformers' `hidden_states` (the same bits); a static (GPU) cache returns none and is refused."""
         count = self.config.num_hidden_layers
         if any(not 0 <= i < count for i in layers):
             raise SpecdraftError(f"{self.name} has {count} layers: layer inputs 0 .. {count - 1}, not {list(layers)}.")
@@ -372,15 +371,16 @@ class CausalLM:
         mask = None if visible is None else self._attention_mask(length, visible)
         # Passes over a cache (and single tokens) may run fused: the same function, the layers in one C
         # call; prefills keep PyTorch's batched attention, as `attention.grouped_sdpa_forward` does.
-        fused = (fused_decoder(self.model) if length <= FEW_QUERIES and (self.cache_len or length == 1)
-                 and layers is None else None)
+        fused = fused_decoder(self.model) if length <= FEW_QUERIES and (self.cache_len or length == 1) else None
         if fused is not None:
-            hidden = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
-                               None if mask is None else mask.view(length, -1).float().contiguous())  # [1, T, H]
+            hidden, features = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
+                                         None if mask is None else mask.view(length, -1).float().contiguous(),
+                                         layers)  # [1, T, H], and [1, T, n * H] where a drafter asked for layers
             self.cache_len += length
             logits = fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
+            kept = hidden if features is None else features
             return ForwardOutput(logits=logits.float(),
-                                 hidden_states=hidden[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)
+                                 hidden_states=kept[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)
         out = self.model(
             input_ids=tokens,
             position_ids=(offsets + self.cache_len).unsqueeze(0),

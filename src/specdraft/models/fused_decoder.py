@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdraft.errors import SpecdraftError
 from specdraft.kernels import decoder_layers, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, stacked_architecture
@@ -104,13 +105,24 @@ class FusedDecoder:
             for name, (runs, bias), in_features in zip(("qkv", "o", "gate_up", "down"), projections, inputs):
                 _describe(getattr(entry, name), runs, bias, in_features)
                 self._alive.append(bias)
+        self._feature_index: tuple[tuple[int, ...], torch.Tensor] | None = None  # layers asked last, as [n] int64
+
+    def _feature_tensor(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """`layers` as the `[n]` int64 index the C stack reads, made once for each set a drafter asks for."""
+        if self._feature_index is None or self._feature_index[0] != layers:
+            if any(not 0 <= i < len(self.table) for i in layers):
+                raise SpecdraftError(f"These fused layers are {len(self.table)}: their inputs are 0 .. "
+                                     f"{len(self.table) - 1}, not {list(layers)}.")
+            self._feature_index = layers, torch.tensor(layers, dtype=torch.int64)
+        return self._feature_index[1]
 
     @torch.inference_mode()
-    def run(self, cache, cache_len: int, tokens: torch.Tensor, positions: torch.Tensor,
-            mask: torch.Tensor | None) -> torch.Tensor:
+    def run(self, cache, cache_len: int, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+            feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final-normed hidden states `[1, T, H]` of `tokens` `[1, T]` at `positions` `[1, T]`, their keys and
         values appended to `cache` (which holds `cache_len` tokens); `mask` `[T, cache_len + T]` additive float32,
-        or None for a causal pass."""
+        or None for a causal pass. With `feature_layers`, also the states entering those layers side by side
+        `[1, T, n * H]` (transformers' `hidden_states[i]`; the stack copies them out on its way), else None."""
         length = tokens.shape[1]
         hidden = self.embed(tokens)[0].contiguous()  # [T, H] bf16
         rotary = {}  # layer type (None: every layer) -> (cos, sin) [T, d] each
@@ -124,11 +136,12 @@ class FusedDecoder:
             entry.keys, entry.values = layer.key_buffer.data_ptr(), layer.value_buffer.data_ptr()
             entry.capacity = layer.key_buffer.shape[-2]
             entry.cos, entry.sin = rotary[kind][0].data_ptr(), rotary[kind][1].data_ptr()
-        decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len, self.norm_gains,
-                                  self.activation, mask)
+        index = None if feature_layers is None else self._feature_tensor(feature_layers)  # [n] int64
+        features = decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
+                                             self.norm_gains, self.activation, mask, index)  # [T, n * H] or None
         for layer in cache.layers:
             layer.advance(cache_len + length)
-        return self.norm(hidden).unsqueeze(0)  # [1, T, H]
+        return self.norm(hidden).unsqueeze(0), None if features is None else features.unsqueeze(0)  # [1, T, H]
 
 
 def _head_norms_fit(attention: StackedAttention, layer: nn.Module) -> bool:

@@ -3,7 +3,8 @@
  * (over a sliding window on Gemma's sliding layers) -> o -> (norm: Gemma's sandwich) -> residual -> norm ->
  * stacked gate|up -> activation·up -> down -> (norm: Gemma's sandwich) -> residual (see `avx512/decoder_ops.h` for why
  * and what each rounds). Norms are Llama's (`rms_norm_bf16`, bf16 weights) or, where `norm_gains`, Gemma's
- * (`rms_norm_gain_bf16`, float32 gains 1 + w).
+ * (`rms_norm_gain_bf16`, float32 gains 1 + w). On the way the stack copies out the rows entering the layers a caller
+ * names (`keep_features`: an EAGLE-3 head's low, middle and high layers), so such a drafter keeps the fused path.
  *
  * The including file provides, for its instruction set: the tile kernels `int4_chunk` and `q6_chunk` (and
  * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rms_norm_gain_bf16`, `rotary_bf16`, `attend_heads`
@@ -141,12 +142,26 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
         for (int64_t t = 0; t < tokens; t++) add_bias(y + t * out, p->bias, out);
 }
 
+/* Where `layer` is one of the `feature_count` indices of `feature_layers`, the rows of `hidden` [tokens][hidden_size]
+ * as they enter it (transformers' hidden_states[layer]) into its column block of `features`
+ * [tokens][feature_count * hidden_size] bf16: what an EAGLE-3 head reads of the pass. */
+static void keep_features(const uint16_t *hidden, int64_t layer, const int64_t *feature_layers, int64_t feature_count,
+                          uint16_t *features, int64_t tokens, int64_t hidden_size) {
+    for (int64_t i = 0; i < feature_count; i++)
+        if (feature_layers[i] == layer)
+            for (int64_t t = 0; t < tokens; t++)
+                memcpy(features + (t * feature_count + i) * hidden_size, hidden + t * hidden_size,
+                       sizeof(uint16_t) * hidden_size);
+}
+
 /* Run `hidden` [tokens][hidden_size] bf16 through `count` layers in place. `activation`: NULL for SiLU, else the table
- * of another activation (`act_mul_bf16`). */
+ * of another activation (`act_mul_bf16`). `feature_layers` [feature_count] (0 of them: none): layers whose input rows
+ * are copied into `features` on the way (`keep_features`). */
 void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden, int64_t tokens,
                             int64_t hidden_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
                             int64_t intermediate, float eps, float scaling, int64_t cache_len, int64_t norm_gains,
-                            const uint16_t *activation, const float *mask) {
+                            const uint16_t *activation, const float *mask, const int64_t *feature_layers,
+                            int64_t feature_count, uint16_t *features) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const int64_t total = cache_len + tokens;
     const HeadChunks chunks = head_chunks(heads / kv_heads);
@@ -159,6 +174,7 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
     float *projected = malloc(sizeof(float) * tokens * (widest > hidden_size ? widest : hidden_size));
     for (int64_t l = 0; l < count; l++) {
         const Layer *layer = &layers[l];
+        keep_features(hidden, l, feature_layers, feature_count, features, tokens, hidden_size);
         norm_rows(hidden, layer->input_norm, normed, tokens, hidden_size, eps, norm_gains);
         project(&layer->qkv, normed, projected, tokens, hidden_size, qkv_size);
         to_bf16(projected, qkv, tokens * qkv_size);
