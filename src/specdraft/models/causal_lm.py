@@ -378,7 +378,7 @@ class CausalLM:
             hidden = fused.run(self._cache, self.cache_len, tokens, (offsets + self.cache_len).unsqueeze(0),
                                None if mask is None else mask.view(length, -1).float().contiguous())  # [1, T, H]
             self.cache_len += length
-            logits = fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
+            logits = fused.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
             return ForwardOutput(logits=logits.float(),
                                  hidden_states=hidden[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)
         out = self.model(
