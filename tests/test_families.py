@@ -198,13 +198,17 @@ LONG_FACTORS = [1.0 + 0.5 * i for i in range(HALF)]
 SHORT_FACTORS = [1.0 + 0.25 * (i % 5) for i in range(HALF)]
 
 
+def longrope_config():
+    """A tiny Phi config with LongRoPE factors for a pretraining length of 256 and a context of 4,096."""
+    return tiny_config("phi3", max_position_embeddings=4096, original_max_position_embeddings=256,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": LONG_FACTORS,
+                                        "short_factor": SHORT_FACTORS, "original_max_position_embeddings": 256})
+
+
 @pytest.fixture(scope="module")
 def longrope_file(tmp_path_factory):
-    """A tiny Phi file with LongRoPE factors for a pretraining length of 256 and a context of 4,096."""
-    config = tiny_config("phi3", max_position_embeddings=4096, original_max_position_embeddings=256,
-                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": LONG_FACTORS,
-                                          "short_factor": SHORT_FACTORS, "original_max_position_embeddings": 256})
-    return write_random_gguf(config, tmp_path_factory.mktemp("longrope") / "longrope.gguf", "Q8_0", seed=3)
+    """`longrope_config` written as llama.cpp would (no tokenizer)."""
+    return write_random_gguf(longrope_config(), tmp_path_factory.mktemp("longrope") / "longrope.gguf", "Q8_0", seed=3)
 
 
 def test_longrope_files_run_with_their_factors(longrope_file, tmp_path):
@@ -286,8 +290,10 @@ def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(lon
     assert assert_agrees(got, want, tie=0.2) >= 100
     assert ((got[:, :200] - want[:, :200]).norm() / want[:, :200].norm()).item() < 0.05  # under 256: long too
 
+    draft = build_native_model(longrope_file, gguf_config(longrope_file), torch.bfloat16)
+    hold_context(draft, 1024)  # the same weights at the same positions (its whole prompt read): its drafts agree
     plain = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(reference), min_confidence=0.0), k=3)
+    spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(draft), min_confidence=0.0, context=0, catch_up=0), k=3)
     prompt = ids[0, :236].tolist()
     want_ids = plain.generate(prompt, max_new_tokens=40)  # positions 236 .. 275: across 256
     got_ids = spec.generate(prompt, max_new_tokens=40)
@@ -302,10 +308,7 @@ def test_the_loading_line_names_the_longrope_factors(tmp_path, capsys):
 
     if default_tokenizer() is None:
         pytest.skip("the bundled Qwen2.5-Coder GGUF is not in the cache folder")
-    config = tiny_config("phi3", max_position_embeddings=4096, original_max_position_embeddings=256,
-                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": LONG_FACTORS,
-                                          "short_factor": SHORT_FACTORS, "original_max_position_embeddings": 256})
-    path = write_random_gguf(config, tmp_path / "longrope.gguf", "Q8_0", default_tokenizer(), seed=3)
+    path = write_random_gguf(longrope_config(), tmp_path / "longrope.gguf", "Q8_0", default_tokenizer(), seed=3)
     assert load_model(str(path), max_context=1024).max_context == 1024
     assert "context 1024: LongRoPE long factors at every position" in capsys.readouterr().err
     assert load_model(str(path)).max_context == 256

@@ -30,7 +30,7 @@ def longrope_lengths(config) -> tuple[int, int] | None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") != "longrope":
         return None
-    original = int(rope["original_max_position_embeddings"])
+    original = int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
     factor = rope.get("factor")
     return original, round(factor * original) if factor else int(config.max_position_embeddings)
 
