@@ -152,3 +152,32 @@ def test_few_query_attention_takes_the_kernel_for_bf16_batches_of_one():
                        cache_attention.attend(query, key, value, None, 0.125))
     batch = [torch.cat([s, s]) for s in (query, key, value)]  # batch 2: PyTorch's path
     assert not cache_attention.supports(*batch)
+
+
+@pytest.mark.parametrize("level", ["torch", "avx2", "avx512"])
+@pytest.mark.parametrize("mask_form", ["none", "additive"])
+def test_soft_capped_scores_match_the_definition(level, mask_form, monkeypatch):
+    """Gemma 2's soft-capped scores, `cap · tanh(q kᵀ · scaling / cap)` before the mask, on each level's attention
+    (`SPECDRAFT_ISA`: PyTorch's, the AVX2 and the AVX-512 kernels); the cap is small enough to change the output."""
+    from specdraft.kernels import isa, numerics
+
+    if not isa.CPU_FLAGS[level] <= isa.cpu_flags():
+        pytest.skip(f"this CPU has no {level}")
+    monkeypatch.setenv(numerics.ISA_VARIABLE, level)
+    length, keys, dim, cap = 5, 77, 64, 2.0
+    query, key, value = random_states(length, keys, dim, seed=3)  # scores of about ±1 at scaling 1 / 8
+    allowed = torch.ones(length, keys, dtype=torch.bool)
+    mask = None
+    if mask_form == "additive":  # a tree pass's: some keys hidden
+        allowed = torch.rand(length, keys, generator=torch.Generator().manual_seed(4)) < 0.7
+        mask = torch.zeros(1, 1, length, keys, dtype=torch.bfloat16).masked_fill(
+            ~allowed, torch.finfo(torch.bfloat16).min)
+    assert cache_attention.supports(query, key, value) == (level != "torch")
+    out = few_query_attention(query, key, value, mask, dim ** -0.5, softcap=cap)  # [1, T, heads, d]
+    groups = query.shape[1] // key.shape[1]
+    scores = query.double() @ key.double().repeat_interleave(groups, dim=1).transpose(-1, -2) * dim ** -0.5
+    capped = (cap * torch.tanh(scores / cap)).masked_fill(~allowed, float("-inf"))  # [1, heads, T, S]
+    want = (capped.softmax(-1) @ value.double().repeat_interleave(groups, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+    uncapped = few_query_attention(query, key, value, mask, dim ** -0.5)
+    assert (uncapped.double() - want).abs().max() > 0.05

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 from transformers.activations import GELUTanh
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config)
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
@@ -31,10 +31,14 @@ tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8)
 
 
 STACKED_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
-                    "phi3": Phi3Config, "gemma3": Gemma3TextConfig}  # the families whose layers stack
+                    "phi3": Phi3Config, "gemma3": Gemma3TextConfig, "gemma2": Gemma2Config}  # the families whose layers stack
 # (`models/architectures.py`); Gemma 3: a sliding layer of a 4-token window (shorter than every pass sequence here)
 # and a full one, each with its rotary base, and its query scale
 GEMMA3 = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
+# Gemma 2: Gemma 3's layers without norms over q's and k's heads, with soft-caps small enough to bite on scores and
+# logits this small
+GEMMA2 = {**GEMMA3, "attn_logit_softcapping": 0.01, "final_logit_softcapping": 0.05}
+FAMILY_OVERRIDES = {"gemma3": GEMMA3, "gemma2": GEMMA2}
 
 
 def int4_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCausalLM:
@@ -45,7 +49,7 @@ def int4_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCau
         vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
         head_dim=32, max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None,
         tie_word_embeddings=False, **{"num_hidden_layers": 2, "sliding_window": None,
-                                      **(GEMMA3 if family == "gemma3" else {}), **overrides})
+                                      **FAMILY_OVERRIDES.get(family, {}), **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).bfloat16().eval()
     with torch.no_grad():
@@ -57,7 +61,7 @@ def int4_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCau
                 if norm is not None:
                     norm.weight.normal_(1, 0.3)
         for name, weight in model.named_parameters():
-            if family == "gemma3" and name.endswith("norm.weight"):  # w of Gemma's 1 + w
+            if family.startswith("gemma") and name.endswith("norm.weight"):  # w of Gemma's 1 + w
                 weight.normal_(0, 0.3)
     quantize_int4(model)
     return model
@@ -294,12 +298,13 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decode
 
 @tiles_run
 @fused_run
-@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "gemma3", "gemma2"])
 def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build, monkeypatch):
     """Llama and Mistral (no biases), Phi-3 (q|k|v and gate|up stored stacked), Qwen3 (norms over each head of
-    q and k) and Gemma 3 (its norms, sandwich norms, GELU, query scale, a rotary table per layer type; its window
-    here wider than the sequence, so that the tree pass runs) run on the fused stack."""
-    model = int4_model(family=family, **({"sliding_window": 64} if family == "gemma3" else {}))
+    q and k), Gemma 3 (its norms, sandwich norms, GELU, query scale, a rotary table per layer type; its window
+    here wider than the sequence, so that the tree pass runs) and Gemma 2 (the same layers without head norms, one
+    rotary table, soft-capped scores and logits) run on the fused stack."""
+    model = int4_model(family=family, **({"sliding_window": 64} if family.startswith("gemma") else {}))
     fast_decoder_layers(model)
     assert fused_decoder(model) is not None
     got = pass_sequence(model)
@@ -396,13 +401,27 @@ def test_fused_layers_hand_out_the_feature_layers_a_drafter_reads(build, layers,
 
 @tiles_run
 @fused_run
-def test_fused_decoder_leaves_out_what_it_does_not_compute():
-    """Soft-capped logits (Gemma 2's head) stay on the stacked layers; soft-capped attention scores (Gemma 2's) on
-    transformers' own."""
-    capped_head = int4_model(family="gemma3", final_logit_softcapping=30.0)
-    assert fast_decoder_layers(capped_head) == 2 and fused_decoder(capped_head) is None
-    capped_scores = int4_model(family="gemma3", attn_logit_softcapping=50.0)
-    assert fast_decoder_layers(capped_scores) == 0
+@pytest.mark.parametrize("kernel", [None, tiles.AVX512], ids=["fastest", "avx512"])
+def test_fused_soft_caps_are_computed(kernel, decoder_build, monkeypatch):
+    """Gemma 2's soft-caps run fused (its attention's in C, its logits' after the head), bit for bit as on the
+    PyTorch path (`test_fused_layers_run_each_stacked_family_bit_for_bit`); without either cap the fused logits
+    differ (each is what they compute)."""
+    if kernel is not None:
+        if decoder_build != "avx512":
+            pytest.skip("AVX-512 tiles run under the AVX-512 decoder only")
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
+    model = int4_model(family="gemma2", sliding_window=64)
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None and (fused.softcap, fused.final_softcap) == (0.01, 0.05)
+    got = pass_sequence(model)
+    for cap in ("softcap", "final_softcap"):
+        kept = getattr(fused, cap)
+        setattr(fused, cap, None)
+        assert not torch.equal(pass_sequence(model)[-1], got[-1]), cap
+        setattr(fused, cap, kept)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
 
 
 @tiles_run

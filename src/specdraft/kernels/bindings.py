@@ -31,15 +31,15 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
     "rms_norm_bf16": [_POINTER] * 3 + [_SIZE] * 2 + [_FLOAT],  # x, weight, y, rows, dim, eps
     "rms_norm_gain_bf16": [_POINTER] * 3 + [_SIZE] * 2 + [_FLOAT],  # x, gain, y, rows, dim, eps
     "rotary_bf16": [_POINTER] + [_SIZE] * 4 + [_POINTER] * 2,  # rows, tokens, row stride, heads, dim, cos, sin
-    "few_query_attention_bf16": [_POINTER] * 5 + [_SIZE] * 6 + [_FLOAT],  # q, k, v, mask, out, heads, kv heads, T, S,
-    #                                                                       dim, head stride, scaling
+    "few_query_attention_bf16": [_POINTER] * 5 + [_SIZE] * 6 + [_FLOAT] * 2,  # q, k, v, mask, out, heads, kv heads,
+    #                                                                           T, S, dim, head stride, scaling, softcap
     "silu_mul_bf16": [_POINTER] * 2 + [_SIZE] * 2,  # gate|up, out, rows, inter
     "act_mul_bf16": [_POINTER] * 3 + [_SIZE] * 2,  # gate|up, table, out, rows, inter
     "use_exp": [_POINTER],  # the address of PyTorch's vector exp
     "use_int8_activations": [_SIZE],
-    "decoder_layers_forward": [_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [_FLOAT] * 2 + [_SIZE] * 2 + [_POINTER] * 2
-    + [_POINTER, _SIZE, _POINTER],  # layers, count, hidden, tokens, sizes, eps, scaling, cache_len, norm_gains,
-    #                                 activation, mask, feature layers, their count, features
+    "decoder_layers_forward": [_POINTER, _SIZE, _POINTER] + [_SIZE] * 6 + [_FLOAT] * 3 + [_SIZE] * 2 + [_POINTER] * 2
+    + [_POINTER, _SIZE, _POINTER],  # layers, count, hidden, tokens, sizes, eps, scaling, softcap, cache_len,
+    #                                 norm_gains, activation, mask, feature layers, their count, features
 }
 AMX_SLOTS = {  # the AVX-512 library's build with AMX adds these (and `amx_tiles_init`, which returns 0 when granted)
     "int4_amx_matmul": SLOTS["int4_matmul"],

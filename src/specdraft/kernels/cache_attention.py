@@ -45,8 +45,10 @@ def attend(
     value: torch.Tensor,  # [1, kv_heads, S, d] bf16
     attention_mask: torch.Tensor | None,  # [1, 1, T, S] bool (True = attend) or additive; None = all visible
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [1, T, heads, d] bf16
-    """softmax(q kᵀ · scaling + mask) v for each query head and token (`supports` must hold)."""
+    """softmax(cap(q kᵀ · scaling) + mask) v for each query head and token (`supports` must hold), where cap(s) is
+    `softcap · tanh(s / softcap)` (Gemma 2's soft-capped scores), or s itself where `softcap` is None."""
     _, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     key, value = _rows_contiguous(key), _rows_contiguous(value)
@@ -63,6 +65,6 @@ def attend(
     out = torch.empty((1, length, heads, dim), dtype=torch.bfloat16)
     _library().few_query_attention_bf16(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), 0 if mask is None else mask.data_ptr(), out.data_ptr(),
-        heads, kv_heads, length, keys, dim, key.stride(1), scaling,
+        heads, kv_heads, length, keys, dim, key.stride(1), scaling, softcap or 0.0,
     )
     return out

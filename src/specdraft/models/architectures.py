@@ -12,9 +12,10 @@ the stacked and fused layer paths (`fast_layers`, `fused_decoder`). A family is 
 - `scaled_embedding`: the embedding is multiplied by sqrt(hidden) (Gemma);
 - `layer_shape`: `"pre-norm"` where a layer is norm -> attention -> residual -> norm -> gated MLP -> residual
   (Llama, Mistral, Qwen2, Qwen3, Phi-3); `"sandwich"` where the attention's and the MLP's outputs are normed too,
-  before their residual adds (Gemma 3); both run on the stacked layers, and on the fused C stack where nothing else
-  differs (`fused_decoder`); None: transformers' own layers (Gemma 2, whose attention soft-caps its scores);
-  `LAYER_NORMS` names each shape's norms;
+  before their residual adds (Gemma 2, Gemma 3); both run on the stacked layers, and on the fused C stack where
+  nothing else differs (`fused_decoder`); None: transformers' own layers; `LAYER_NORMS` names each shape's norms.
+  Soft-caps are the config's (`attn_logit_softcapping` on the attention's scores, `final_logit_softcapping` on the
+  logits: Gemma 2), computed by every path;
 - `rms_norm`: `"llama"`, RMSNorm `w · bf16(x / rms(x))`; `"gemma"`, `bf16(x / rms(x) · (1 + w))` with both products
   in float32 (the 1 is `norm_offset`);
 - `qk_norm`: an RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3);
@@ -87,7 +88,7 @@ ARCHITECTURES = (
                  scaled_embedding=True, layer_shape="sandwich", rms_norm="gemma", qk_norm=True,
                  rotary_per_layer_type=True),
     Architecture("gemma2", ("gemma2",), _ATTENTION | _MLP | _SANDWICH_NORMS, norm_offset=1.0,
-                 scaled_embedding=True, layer_shape=None, rms_norm="gemma"),
+                 scaled_embedding=True, layer_shape="sandwich", rms_norm="gemma"),
 )
 
 

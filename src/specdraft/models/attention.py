@@ -26,8 +26,13 @@ on AVX2), and prompt reads of the bundled 1.5B target took 3.27-3.63 ms a token 
 3.44-4.07 with AVX-512 (512 and 1,500 tokens) and 7.43-8.27 against 7.74-8.31 on AVX2.
 Elsewhere (float32, a GPU) passes of more than FEW_QUERIES tokens keep SDPA.
 
-`use_grouped_sdpa(model)` switches a model whose attention is `sdpa` to this function;
-everything it does not handle goes to transformers' own `sdpa` unchanged.
+Soft-capped scores (Gemma 2's `attn_logit_softcapping`: `cap · tanh(score / cap)` before the mask) are computed here
+on every pass, in C or in `few_query_attention`: SDPA cannot cap them, which is why transformers runs Gemma 2 on its
+eager attention.
+
+`use_grouped_sdpa(model)` switches a model whose attention is `sdpa` to this function, and a model transformers puts
+on eager attention because its scores are soft-capped; everything it does not handle goes to transformers' own `sdpa`
+unchanged.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdraft.kernels import cache_attention
 
-GROUPED_SDPA = "specdraft_grouped_sdpa"
+# The name our attention is registered under. Not "sdpa" by name: transformers checks a model that asks for a name
+# holding "sdpa" for SDPA support, which Gemma 2 (soft-capped scores) lacks, though its passes never reach SDPA here.
+GROUPED_SDPA = "specdraft_grouped"
 FEW_QUERIES = 64  # passes of at most this many query tokens over a cache skip SDPA
 
 
@@ -49,16 +56,20 @@ def few_query_attention(
     value: torch.Tensor,  # [B, kv_heads, S, head_dim]
     attention_mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend) or additive; None = all visible
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, T, heads, head_dim] in the query's dtype
-    """softmax(q kᵀ · scaling + mask) v in float32, each key/value head shared by its group of query heads
-    (in C, each native library's `attention.h`, where it runs: bf16, batch 1)."""
+    """softmax(cap(q kᵀ · scaling) + mask) v in float32, each key/value head shared by its group of query heads
+    (in C, each native library's `attention.h`, where it runs: bf16, batch 1); cap(s) = `softcap · tanh(s / softcap)`
+    where `softcap` is given (Gemma 2), else s."""
     if cache_attention.supports(query, key, value):
-        return cache_attention.attend(query, key, value, attention_mask, scaling)
+        return cache_attention.attend(query, key, value, attention_mask, scaling, softcap)
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     grouped = query.reshape(batch, kv_heads, groups * length, dim).float()  # query head h uses kv head h // groups
     scores = torch.matmul(grouped, key.float().transpose(-1, -2)).mul_(scaling)  # [B, kv_heads, groups · T, S]
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores = scores.view(batch, kv_heads, groups, length, keys)
     if attention_mask is not None:
         mask = attention_mask.view(attention_mask.shape[0], 1, 1, length, keys)
@@ -81,20 +92,24 @@ def grouped_sdpa_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa` attention, with `enable_gqa` on the CPU instead of repeated heads."""
+    """transformers' `sdpa` attention, with `enable_gqa` on the CPU instead of repeated heads; soft-capped scores
+    (`softcap`) on every device and pass here."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+    if softcap is None and (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
+                            or kwargs.get("cache") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = length > 1 and attention_mask is None and causal
-    # every pass on the kernel where it runs; elsewhere a few queries over a cache
-    if cache_attention.supports(query, key, value) or (length <= FEW_QUERIES and not causal):
+    # every pass on the kernel where it runs, and every soft-capped one; elsewhere a few queries over a cache
+    if cache_attention.supports(query, key, value) or (length <= FEW_QUERIES and not causal) or softcap is not None:
         if causal:
             attention_mask = causal_visibility(length, key.shape[2], query.device)
-        return few_query_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5), None
+        return few_query_attention(query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5,
+                                   softcap), None
     if causal and key.shape[2] > query.shape[2]:  # SDPA's causal mask is top-left aligned: only for a bare prefill
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     output = torch.nn.functional.scaled_dot_product_attention(
@@ -125,6 +140,9 @@ def attends_token_by_token(model: PreTrainedModel, device: torch.device, dtype: 
 
 
 def use_grouped_sdpa(model: PreTrainedModel) -> None:
-    """Run `model`'s attention through `grouped_sdpa_forward` if it uses `sdpa` (else leave it)."""
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+    """Run `model`'s attention through `grouped_sdpa_forward` if it uses `sdpa`, or eager attention over soft-capped
+    scores (Gemma 2: transformers' SDPA cannot cap them, ours does); else leave it."""
+    config = model.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention == "sdpa" or (attention == "eager" and getattr(config, "attn_logit_softcapping", None) is not None):
         model.set_attn_implementation(GROUPED_SDPA)

@@ -377,7 +377,7 @@ class CausalLM:
                                          None if mask is None else mask.view(length, -1).float().contiguous(),
                                          layers)  # [1, T, H], and [1, T, n * H] where a drafter asked for layers
             self.cache_len += length
-            logits = fused.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
+            logits = fused.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)  # [1, T', V]
             kept = hidden if features is None else features
             return ForwardOutput(logits=logits.float(),
                                  hidden_states=kept[:, -hidden_to_keep:] if hidden_to_keep > 0 else None)

@@ -1,5 +1,5 @@
 """Decoder layers of a packed model of a declared layer shape (pre-norm: Llama, Mistral, Qwen2, Qwen3, Phi-3;
-sandwich: Gemma 3; see `models/architectures.py`) with fewer kernel calls and dispatches.
+sandwich: Gemma 2 and 3; see `models/architectures.py`) with fewer kernel calls and dispatches.
 
 Norms: each RMSNorm of a bf16 model on a CPU with AVX-512 BF16 runs as one C call
 (`kernels/layer_ops.c`) instead of seven PyTorch ops (57 norms a step in a 1.5B model), in its family's formula.
@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from transformers.activations import GELUTanh, SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, eager_attention_forward
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
@@ -39,7 +40,7 @@ from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
 # The families' RMSNorms by formula (`architectures.Architecture.rms_norm`)
 RMS_NORMS = {"llama": (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm),
-             "gemma": (Gemma3RMSNorm,)}
+             "gemma": (Gemma2RMSNorm, Gemma3RMSNorm)}
 # Activations other than SiLU that act on each value alone, whose table of PyTorch's values is tested to give its bits
 TABLED_ACTIVATIONS = (GELUTanh,)  # Gemma's `gelu_pytorch_tanh`
 
@@ -140,7 +141,8 @@ class StackedMLP(nn.Module):
 
 class StackedAttention(nn.Module):
     """The stacked families' attention (the steps of transformers' `LlamaAttention.forward`, with the norms over each
-    head of q and k of Qwen3 and Gemma 3 where it has them) with q, k and v in one pass."""
+    head of q and k of Qwen3 and Gemma 3 where it has them, and Gemma 2's soft-capped scores) with q, k and v in one
+    pass. Transformers' eager attention, where a model runs it, is Gemma 2's (Llama's, plus the cap)."""
 
     def __init__(self, attention: nn.Module, qkv: list[nn.Module]) -> None:
         super().__init__()
@@ -155,6 +157,7 @@ class StackedAttention(nn.Module):
         self.qkv = StackedProjection(qkv)
         self.o_proj = attention.o_proj
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2: cap · tanh(score / cap)
         self.native_rotary = self.head_dim % 32 == 0 and layer_ops.available()
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -183,7 +186,7 @@ class StackedAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                           sliding_window=self.sliding_window, **kwargs)  # [B, T, heads, d]
+                           sliding_window=self.sliding_window, softcap=self.softcap, **kwargs)  # [B, T, heads, d]
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 
 
@@ -216,9 +219,8 @@ def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
 
 
 def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]] | None:
-    """A layer's q|k|v and gate|up projections in stacking order, if each runs on a tile kernel, the layer's
-    rotary turns whole heads (Phi-4-mini turns part of each) and its attention does not soft-cap its scores (Gemma 2;
-    `StackedAttention` does not); else None."""
+    """A layer's q|k|v and gate|up projections in stacking order, if each runs on a tile kernel and the layer's
+    rotary turns whole heads (Phi-4-mini turns part of each); else None."""
     attention, mlp = layer.self_attn, layer.mlp
     qkv = [attention.qkv_proj] if hasattr(attention, "qkv_proj") else [
         getattr(attention, f"{n}_proj", None) for n in "qkv"]
@@ -228,8 +230,7 @@ def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
         return None
     config = attention.config
     rope = getattr(config, "rope_parameters", None) or {}
-    if (rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0
-            or getattr(config, "attn_logit_softcapping", None) is not None):
+    if rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
         return None
     return qkv, gate_up
 

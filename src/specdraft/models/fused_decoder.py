@@ -1,4 +1,4 @@
-"""A stacked model's decoder layers (pre-norm: Llama, Mistral, Qwen2, Qwen3, Phi-3; sandwich: Gemma 3;
+"""A stacked model's decoder layers (pre-norm: Llama, Mistral, Qwen2, Qwen3, Phi-3; sandwich: Gemma 2 and 3;
 `models/architectures.py`) as one C call for passes of a few tokens (`kernels/decoder_layers`: AVX-512 or AVX2).
 
 After `fast_layers.fast_decoder_layers`, every projection of a packed model runs on a tile kernel,
@@ -12,7 +12,8 @@ take turns on one cache.
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
 MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms (over each head of q and k too, where it has them),
 SiLU or a tabled activation (`fast_layers.TABLED_ACTIVATIONS`)), else returns None; sliding-window layers attend
-to their window (each its own rotary table where the family declares one per layer type). It is kept on the model
+to their window (each its own rotary table where the family declares one per layer type); Gemma 2's soft-caps are
+computed, its attention scores' in C, its logits' after the head (`FusedDecoder.logits`). It is kept on the model
 (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.
 """
 
@@ -89,6 +90,8 @@ class FusedDecoder:
         self.sizes = (config.hidden_size, attention.q_size // attention.head_dim, self.kv_heads, self.head_dim,
                       mlp.intermediate)
         self.eps, self.scaling = float(base.layers[0].input_layernorm.variance_epsilon), float(attention.scaling)
+        self.softcap = attention.softcap  # the attention's scores', or None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)  # the logits', or None
         self.norm_gains = base.layers[0].input_layernorm.gain is not None
         self.activation = None if mlp.silu else mlp.activation_table  # [65537] int16, or None for SiLU
         # the rotary table each layer reads: its layer type's, or one for all (None)
@@ -137,11 +140,19 @@ class FusedDecoder:
             entry.capacity = layer.key_buffer.shape[-2]
             entry.cos, entry.sin = rotary[kind][0].data_ptr(), rotary[kind][1].data_ptr()
         index = None if feature_layers is None else self._feature_tensor(feature_layers)  # [n] int64
-        features = decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, cache_len,
-                                             self.norm_gains, self.activation, mask, index)  # [T, n * H] or None
+        features = decoder_layers.run_layers(self.table, hidden, self.sizes, self.eps, self.scaling, self.softcap,
+                                             cache_len, self.norm_gains, self.activation, mask, index)  # [T, n * H]
         for layer in cache.layers:
             layer.advance(cache_len + length)
         return self.norm(hidden).unsqueeze(0), None if features is None else features.unsqueeze(0)  # [1, T, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: [1, T, H] final-normed -> [1, T, V]
+        """The LM head's logits, soft-capped where the family's head caps them (Gemma 2: `cap · tanh(logits / cap)`,
+        in transformers' operations and dtype, so in its bits)."""
+        logits = self.head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def _head_norms_fit(attention: StackedAttention, layer: nn.Module) -> bool:
@@ -160,7 +171,6 @@ def _qualifies(model: nn.Module) -> list | None:
     layers = getattr(base, "layers", None)
     arch = None if config is None else stacked_architecture(config)
     if (not layers or arch is None or not decoder_layers.available()
-            or getattr(config, "final_logit_softcapping", None) is not None  # the head here is the bare linear
             or not isinstance(getattr(base, "norm", None), NativeRMSNorm)):
         return None
     described = []

@@ -122,9 +122,9 @@ def complete_config(config, header: GgufHeader, path: Path):
 
 def _read_longrope(config, header: GgufHeader, path: Path) -> None:
     """Phi-3.5 / Phi-4-mini's LongRoPE: the file's `rope_factors_long` / `_short` tensors and attention factor as
-    transformers' `longrope` parameters. The context is held to the pretraining length: there transformers (the
-    reference) rotates with the short factors alone; past it, it switches every position of a pass to the long ones,
-    so a verify pass crossing the length would rotate differently from one-token decoding."""
+    transformers' `longrope` parameters, `factor` the file's context over its pretraining length. The config holds the
+    pretraining length; a longer context, and with it the long factors for every pass, is chosen at load
+    (`models.context.hold_context`)."""
     factors = {entry.name.split(".")[0]: entry for entry in header.tensors if entry.name.split(".")[0] in LONGROPE_FACTORS}
     original = header.get("phi3.rope.scaling.original_context_length")
     if set(factors) != set(LONGROPE_FACTORS) or original is None or any(e.type_name != "F32" for e in factors.values()):

@@ -15,6 +15,7 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.context import hold_context
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
 from specdraft.models.gguf_config import gguf_config
@@ -192,6 +193,7 @@ def load_model(
     gguf_weights: str = "auto",
     prepack: bool = True,
     requantized: bool = False,
+    max_context: int | None = None,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
@@ -201,7 +203,9 @@ def load_model(
     supports. `prepack` puts plain bf16 linears on the CPU on oneDNN's prepacked weights
     (`models.prepacked`: same outputs, faster); a model to train keeps PyTorch's (False). `requantized`: the
     caller re-quantizes the model to int4 (a draft, `draft_requantized`), so GGUF types that would run as two
-    4-bit halves are unpacked for it instead.
+    4-bit halves are unpacked for it instead. `max_context`: the longest sequence (prompt + answer) it holds, fixed
+    here (`models.context.hold_context`: above a LongRoPE model's pretraining length, its long rotary factors at every
+    position); None: the model's own (a LongRoPE model's pretraining length).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
@@ -216,6 +220,7 @@ def load_model(
     try:
         with compact_heap():
             model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights, not requantized)
+            held = hold_context(model, max_context)
             model.to(torch_device)
             if prepack:
                 prepack_linears(model)
@@ -227,8 +232,8 @@ def load_model(
         hf_logging.set_verbosity_warning()
     lm = CausalLM(model, tokenizer, name=spec)
     if verbose:
-        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}) "
-              f"in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+        print(f"loaded {spec} ({lm.num_parameters() / 1e6:.0f}M parameters, {form}, {torch_device}"
+              f"{', ' + held if held else ''}) in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return lm
 
 

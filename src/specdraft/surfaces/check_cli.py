@@ -20,7 +20,7 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)
 # drafters' own (declared once, in the registry).
 SHARED_OPTIONS = ("target", "draft", "drafter", "k", "tree_budget", "tree_branch", "draft_quant", "draft_vocab",
                   "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "chat", "dtype", "device",
-                  "gguf_weights")
+                  "gguf_weights", "context")
 CHECK_PREFIX_BYTES = 64 << 20  # the check's prompts' rows, read once (where exact)
 CHECK_PROMPTS = (  # short prompts of several kinds, when none are given
     "def fibonacci(n):",
@@ -101,7 +101,8 @@ def _check(prompt, prompts_file, max_prompts, samples, depth, top, alpha, greedy
     drafter = shared["drafter"]
     target, draft = load_models(shared["target"], shared["draft"], drafter, options, dtype=shared["dtype"],
                                 device=shared["device"], gguf_weights=shared["gguf_weights"],
-                                draft_quant=shared["draft_quant"], draft_vocab=shared["draft_vocab"])
+                                draft_quant=shared["draft_quant"], draft_vocab=shared["draft_vocab"],
+                                context=shared["context"])
     prompt_ids = [encode_prompt(target.tokenizer, text, chat=shared["chat"]) for text in texts]
     # each prompt is read once, where taking its rows again gives the bits of reading it (`prefix_cache`)
     prefixes = PrefixCache(CHECK_PREFIX_BYTES) if target.reads_split_exactly else None

@@ -84,6 +84,10 @@ def generate(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
+    context: Optional[int] = typer.Option(
+        None, "--context", min=1, help="The longest sequence (prompt + answer) the target holds (default: its own; a "
+                                       "LongRoPE model's pretraining length). Above that length a LongRoPE model "
+                                       "(Phi-3.5, Phi-4-mini) rotates every position with its long factors."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
     **drafter_options,  # `--KEY` for every drafter option, declared once in the registry (`with_drafter_flags`)
 ) -> None:
@@ -96,7 +100,8 @@ def generate(
 
 def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_budget, tree_branch, draft_quant,
               draft_vocab, temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop, chat,
-              json_schema, json_object, regex, grammar, n, dtype, device, gguf_weights, as_json, drafter_options) -> None:
+              json_schema, json_object, regex, grammar, n, dtype, device, gguf_weights, context, as_json,
+              drafter_options) -> None:
     from specdraft.constraints import Constraint
     from specdraft.engine import build_decoder, check_tree_options
     from specdraft.policy import make_policy
@@ -126,7 +131,7 @@ def _generate(*, prompt, prompt_file, target, draft, method, drafter, k, tree_bu
     options = drafter_flags(**drafter_options)
     target_lm, draft_lm = load_models(target, draft, drafter if method == Method.spec else None, options,
                                       dtype=dtype, device=device, gguf_weights=gguf_weights,
-                                      draft_quant=draft_quant, draft_vocab=draft_vocab)
+                                      draft_quant=draft_quant, draft_vocab=draft_vocab, context=context)
     decoder = build_decoder(target_lm, drafter if method == Method.spec else None, options, draft_model=draft_lm,
                             k=policy, tree_budget=tree_budget, tree_branch=tree_branch)
 

@@ -61,8 +61,9 @@ def drafter_flags(**given) -> dict[str, Any]:
 
 
 def load_models(target: str, draft: str, drafter: str | None, options: dict[str, Any], *, dtype: str, device: str,
-                gguf_weights: str, draft_quant: str, draft_vocab: int | str):
-    """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one.
+                gguf_weights: str, draft_quant: str, draft_vocab: int | str, context: int | None = None):
+    """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one; the target holds
+    `context` tokens (`load_model(max_context=)`; None: its own).
 
     The drafter and its options, the dtype and both models' names are checked before anything loads (a
     mistyped target is named at once, not after the draft has loaded), the native kernels are built (where
@@ -89,7 +90,7 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
         draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights,
                                             requantized=draft_requantized(draft_quant, device)),
                                  draft_quant, vocab=draft_vocab)
-    target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights)
+    target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights, max_context=context)
     if draft_lm is not None:
         check_compatible(target_lm, draft_lm)
     return target_lm, draft_lm

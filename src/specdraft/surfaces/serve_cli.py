@@ -20,7 +20,7 @@ err = Console(stderr=True, soft_wrap=True)
 # The options of `specdraft generate` that `serve` takes as they are (declared once, in cli.generate), besides
 # the drafters' own (declared once, in the registry: `model_setup.with_drafter_flags`).
 SHARED_OPTIONS = ("target", "draft", "drafter", "k", "tree_budget", "tree_branch", "draft_quant", "draft_vocab",
-                  "dtype", "device", "gguf_weights")
+                  "dtype", "device", "gguf_weights", "context")
 
 
 def serve(

@@ -30,7 +30,7 @@ def check_speculation(k, tree_budget: int, tree_branch: int, flags: dict, max_k:
 def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tokens, shutdown_grace, seed,
               max_body_mb=2.0, max_batch=DEFAULT_MAX_BATCH, kv_budget_mb=None, prefix_cache_mb=256.0,
               max_k=GPU_MAX_AUTO_K, cross_request_memory="shared", target, draft, drafter, k, tree_budget, tree_branch,
-              draft_quant, draft_vocab, dtype, device, gguf_weights, **flags):
+              draft_quant, draft_vocab, dtype, device, gguf_weights, context=None, **flags):
     """Load the models as `generate` does and build the app (SpecdraftError for a bad option)."""
     from specdraft.server import DecoderPool, ServerSettings, create_app
     from specdraft.surfaces.model_setup import load_models
@@ -42,7 +42,8 @@ def build_app(*, api_key, served_model_name, max_queue, request_timeout, max_tok
                               max_batch=max_batch, prefix_cache_bytes=int(prefix_cache_mb * (1 << 20)),
                               cross_request_memory=cross_request_memory)
     target_lm, draft_lm = load_models(target, draft, drafter, options, dtype=dtype, device=device,
-                                      gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab)
+                                      gguf_weights=gguf_weights, draft_quant=draft_quant, draft_vocab=draft_vocab,
+                                      context=context)
     pool = DecoderPool(target_lm, draft_lm, drafter=drafter, k=k, options=options, tree_budget=tree_budget,
                        tree_branch=tree_branch, max_k=max_k)
     settings.kv_budget = (default_kv_budget(target_lm.device) if kv_budget_mb is None

@@ -3,7 +3,8 @@
  * additive mask; keys the mask hides (-1e30 or less) skipped, so a tree node agrees bit for bit with the same token
  * decoded in a chain; softmax with the row's maximum and a polynomial exp; Σ p v in float32, divided by Σ p once,
  * rounded to bf16. Each query head of each token is computed alone, in an order that does not depend on the pass,
- * so a verify pass agrees bit for bit with one-token decoding. d % 32 == 0, d <= 256.
+ * so a verify pass agrees bit for bit with one-token decoding. d % 32 == 0, d <= 256. Soft-capped scores (Gemma 2:
+ * `softcap` > 0) become softcap · tanh(score / softcap) before the mask is added, as in the AVX-512 file.
  *
  * A work item (across OpenMP threads) is one query token and up to GROUP_HEADS query heads that read the same
  * key/value head (grouped-query attention: 6 of 12 heads on the 1.5B target, 7 of 14 on the 0.5B draft): each key
@@ -24,6 +25,23 @@
 
 /* exp(x) for x <= 0 (x below -100 gives about 0). */
 static inline __m256 exp_nonpositive8(__m256 x) { return exp_reduced8(_mm256_max_ps(x, _mm256_set1_ps(-100.0f))); }
+
+/* scores[0 .. count) = cap · tanh(scores / cap), with tanh(y) = sign(y) (1 − e) / (1 + e), e = exp(−2 |y|) (as
+ * `soft_cap_scores` of `avx512/attention.h`: an absolute error of about 1e-7 · cap). */
+static void soft_cap_scores(float *scores, int64_t count, float cap) {
+    const __m256 divisor = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f), minus_two = _mm256_set1_ps(-2.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t s = 0; s < count; s += 8) {
+        float lanes[8] = {0};
+        const int64_t n = count - s < 8 ? count - s : 8;
+        for (int64_t j = 0; j < n; j++) lanes[j] = scores[s + j];
+        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(lanes), divisor);
+        const __m256 e = exp_nonpositive8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, y)));
+        const __m256 magnitude = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(lanes, _mm256_mul_ps(_mm256_or_ps(magnitude, _mm256_and_ps(y, sign)), divisor));
+        for (int64_t j = 0; j < n; j++) scores[s + j] = lanes[j];
+    }
+}
 
 #define GROUP_HEADS 4  /* query heads of one key/value head that a pass over the keys takes together */
 #include "../shared/attention_items.h"
@@ -66,10 +84,11 @@ static inline __attribute__((always_inline)) void weigh_values(const float *scor
 
 /* `n` (1..GROUP_HEADS) query heads of one query token that read the same key/value head: q rows `q_stride` apart,
  * out rows `dim` apart. Each head gets what it would alone, bit for bit (the same operations in the same order per
- * head); each key and value row is converted to float32 once for all n. scores [n][keys + 8] and rows [keys]: scratch. */
+ * head); each key and value row is converted to float32 once for all n. scores [n][keys + 8] and rows [keys]: scratch.
+ * softcap: 0, or the cap of the scores (`soft_cap_scores`). */
 static void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                         const float *mask, uint16_t *out, int64_t keys, int64_t dim, float scaling, float *scores,
-                         int32_t *rows) {
+                         const float *mask, uint16_t *out, int64_t keys, int64_t dim, float scaling, float softcap,
+                         float *scores, int32_t *rows) {
     const int64_t lanes = dim / 8, stride = keys + 8;
     __m256 qv[GROUP_HEADS * (MAX_DIM / 8)];
     for (int h = 0; h < n; h++)
@@ -89,6 +108,10 @@ static void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint1
             default: score_heads(qv, 4, k + s * dim, lanes, sums); break;
         }
         for (int h = 0; h < n; h++) {
+            if (softcap) {  /* capped below, then masked */
+                scores[h * stride + visible] = reduce_add8(sums[h]) * scaling;
+                continue;
+            }
             const float score = reduce_add8(sums[h]) * scaling + (mask ? mask[s] : 0.0f);
             scores[h * stride + visible] = score;
             best[h] = score > best[h] ? score : best[h];
@@ -96,6 +119,15 @@ static void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint1
         rows[visible++] = (int32_t)s;
     }
     keys = visible;
+    if (softcap)
+        for (int h = 0; h < n; h++) {
+            float *row_scores = scores + h * stride;
+            soft_cap_scores(row_scores, keys, softcap);
+            for (int64_t j = 0; j < keys; j++) {
+                row_scores[j] += mask ? mask[rows[j]] : 0.0f;
+                best[h] = row_scores[j] > best[h] ? row_scores[j] : best[h];
+            }
+        }
     __m256 scale[GROUP_HEADS];
     for (int h = 0; h < n; h++) {
         float *row_scores = scores + h * stride;
@@ -138,7 +170,7 @@ static void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint1
  * out [T][heads][d]. */
 void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
                               int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys, int64_t dim,
-                              int64_t kv_stride, float scaling) {
+                              int64_t kv_stride, float scaling, float softcap) {
     const HeadChunks chunks = head_chunks(heads / kv_heads);
 #pragma omp parallel
     {
@@ -149,7 +181,8 @@ void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16
             int64_t t, kv, h;
             const int n = work_item(chunks, tokens, item, &t, &kv, &h);
             attend_heads(q + (h * tokens + t) * dim, n, tokens * dim, k + kv * kv_stride, v + kv * kv_stride,
-                         mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, scores, rows);
+                         mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, softcap, scores,
+                         rows);
         }
         free(scores);
         free(rows);

@@ -18,6 +18,9 @@
  * with zeros between them, the exp sum fell on other lanes and parted from a chain's in the last
  * bits, which turned greedy choices at near-ties).
  *
+ * Soft-capped scores (Gemma 2: `softcap` > 0): each scaled score q · k · scaling becomes softcap · tanh(score / softcap)
+ * before the mask is added (transformers' eager attention, in float32; `soft_cap_scores`); 0 leaves them as they are.
+ *
  * Layouts: q [heads][T][d] contiguous; k and v: rows of d contiguous, `kv_stride` elements
  * between heads (a cache cut back in place keeps its capacity); mask [T][S] or NULL; out
  * [T][heads][d]. Query head h reads key/value head h / (heads / kv_heads). d % 32 == 0, d <= 256.
@@ -39,9 +42,24 @@ static inline __m512 exp_nonpositive(__m512 x) {
 
 #define HIDDEN_BELOW (-1e30f)  /* mask values at or below this hide a key */
 
-/* scores [keys + 16] and rows [keys]: scratch. */
+/* scores[0 .. count) = cap · tanh(scores / cap), with tanh(y) = sign(y) (1 − e) / (1 + e), e = exp(−2 |y|): an
+ * absolute error of about 1e-7 · cap (a score's own float32 rounding is about 6e-8 of it). */
+static void soft_cap_scores(float *scores, int64_t count, float cap) {
+    const __m512 divisor = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.0f), minus_two = _mm512_set1_ps(-2.0f);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t s = 0; s < count; s += 16) {
+        const __mmask16 live = count - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - s)) - 1);
+        const __m512 y = _mm512_div_ps(_mm512_maskz_loadu_ps(live, scores + s), divisor);
+        const __m512 e = exp_nonpositive(_mm512_mul_ps(minus_two, _mm512_abs_ps(y)));
+        const __m512 magnitude = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        const __m512 tanh = _mm512_or_ps(magnitude, _mm512_and_ps(y, sign));
+        _mm512_mask_storeu_ps(scores + s, live, _mm512_mul_ps(tanh, divisor));
+    }
+}
+
+/* scores [keys + 16] and rows [keys]: scratch. softcap: 0, or the cap of the scores (`soft_cap_scores`). */
 static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
-                       int64_t keys, int64_t dim, float scaling, float *scores, int32_t *rows) {
+                       int64_t keys, int64_t dim, float scaling, float softcap, float *scores, int32_t *rows) {
     const int64_t chunks = dim / 32;
     __m512i qv[MAX_DIM / 32];
     for (int64_t c = 0; c < chunks; c++) qv[c] = _mm512_loadu_si512((const void *)(q + 32 * c));
@@ -55,12 +73,23 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < chunks; c++)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512((const void *)(row + 32 * c)));
+        rows[visible] = (int32_t)s;
+        if (softcap) {  /* capped below, then masked */
+            scores[visible++] = _mm512_reduce_add_ps(acc) * scaling;
+            continue;
+        }
         float score = _mm512_reduce_add_ps(acc) * scaling + (mask ? mask[s] : 0.0f);
-        scores[visible] = score;
-        rows[visible++] = (int32_t)s;
+        scores[visible++] = score;
         best = score > best ? score : best;
     }
     keys = visible;
+    if (softcap) {
+        soft_cap_scores(scores, keys, softcap);
+        for (int64_t j = 0; j < keys; j++) {
+            scores[j] += mask ? mask[rows[j]] : 0.0f;
+            best = scores[j] > best ? scores[j] : best;
+        }
+    }
     const __m512 top = _mm512_set1_ps(best);
     __m512 total = _mm512_setzero_ps();
     int64_t s = 0;
@@ -97,15 +126,15 @@ static void attend_one(const uint16_t *q, const uint16_t *k, const uint16_t *v, 
 
 /* One query head (n is 1; q_stride unused). */
 static inline void attend_heads(const uint16_t *q, int n, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                                const float *mask, uint16_t *out, int64_t keys, int64_t dim, float scaling, float *scores,
-                                int32_t *rows) {
+                                const float *mask, uint16_t *out, int64_t keys, int64_t dim, float scaling, float softcap,
+                                float *scores, int32_t *rows) {
     (void)n, (void)q_stride;
-    attend_one(q, k, v, mask, out, keys, dim, scaling, scores, rows);
+    attend_one(q, k, v, mask, out, keys, dim, scaling, softcap, scores, rows);
 }
 
 void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const float *mask, uint16_t *out,
                               int64_t heads, int64_t kv_heads, int64_t tokens, int64_t keys, int64_t dim,
-                              int64_t kv_stride, float scaling) {
+                              int64_t kv_stride, float scaling, float softcap) {
     const int64_t groups = heads / kv_heads;
 #pragma omp parallel
     {
@@ -115,7 +144,8 @@ void few_query_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16
         for (int64_t item = 0; item < heads * tokens; item++) {
             const int64_t h = item / tokens, t = item % tokens, kv = h / groups;
             attend_one(q + (h * tokens + t) * dim, k + kv * kv_stride, v + kv * kv_stride,
-                       mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, scores, rows);
+                       mask ? mask + t * keys : NULL, out + (t * heads + h) * dim, keys, dim, scaling, softcap, scores,
+                       rows);
         }
         free(scores);
         free(rows);

@@ -1,6 +1,6 @@
 /* The decoder-layer stack of `avx512/decoder_ops.h` and `avx2/decoder_ops.h`, written once: a layer is
  * norm -> stacked q|k|v -> (norms over each head of q and k: Qwen3, Gemma 3) -> rotary -> cache append -> attention
- * (over a sliding window on Gemma's sliding layers) -> o -> (norm: Gemma's sandwich) -> residual -> norm ->
+ * (over a sliding window on Gemma's sliding layers; scores soft-capped on Gemma 2's) -> o -> (norm: Gemma's sandwich) -> residual -> norm ->
  * stacked gate|up -> activation·up -> down -> (norm: Gemma's sandwich) -> residual (see `avx512/decoder_ops.h` for why
  * and what each rounds). Norms are Llama's (`rms_norm_bf16`, bf16 weights) or, where `norm_gains`, Gemma's
  * (`rms_norm_gain_bf16`, float32 gains 1 + w). On the way the stack copies out the rows entering the layers a caller
@@ -155,13 +155,14 @@ static void keep_features(const uint16_t *hidden, int64_t layer, const int64_t *
 }
 
 /* Run `hidden` [tokens][hidden_size] bf16 through `count` layers in place. `activation`: NULL for SiLU, else the table
- * of another activation (`act_mul_bf16`). `feature_layers` [feature_count] (0 of them: none): layers whose input rows
- * are copied into `features` on the way (`keep_features`). */
+ * of another activation (`act_mul_bf16`). `softcap`: 0, or the cap of the attention's scores (Gemma 2).
+ * `feature_layers` [feature_count] (0 of them: none): layers whose input rows are copied into `features` on the way
+ * (`keep_features`). */
 void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden, int64_t tokens,
                             int64_t hidden_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t intermediate, float eps, float scaling, int64_t cache_len, int64_t norm_gains,
-                            const uint16_t *activation, const float *mask, const int64_t *feature_layers,
-                            int64_t feature_count, uint16_t *features) {
+                            int64_t intermediate, float eps, float scaling, float softcap, int64_t cache_len,
+                            int64_t norm_gains, const uint16_t *activation, const float *mask,
+                            const int64_t *feature_layers, int64_t feature_count, uint16_t *features) {
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const int64_t total = cache_len + tokens;
     const HeadChunks chunks = head_chunks(heads / kv_heads);
@@ -206,7 +207,7 @@ void decoder_layers_forward(const Layer *layers, int64_t count, uint16_t *hidden
                 const int64_t start = (kv * layer->capacity + first) * head_dim;
                 attend_heads(qkv + t * qkv_size + h * head_dim, n, head_dim, layer->keys + start, layer->values + start,
                              mask ? mask + t * total : NULL, attended + (t * heads + h) * head_dim, seen - first,
-                             head_dim, scaling, scores, rows);
+                             head_dim, scaling, softcap, scores, rows);
             }
             free(scores);
             free(rows);
