@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,63 @@ def eagle_file(tiny_model_dirs, tmp_path_factory):
                                           intermediate_size=64))
     return save_trained(tmp_path_factory.mktemp("eagle") / "eagle.safetensors", "eagle", eagle,
                         torch.arange(config.vocab_size), "tiny", {})
+
+
+# ----- what the trained drafters' tests share (`test_eagle3`, `test_mtp`, `test_dflash`) ------------------------------
+PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]  # the greedy tests' (a vocabulary of 64 up)
+SMALL_V = 8  # the sampled tests' vocabulary: 64 cells of first two tokens
+SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3]
+SAMPLES = 1500  # with 63 degrees of freedom at alpha 1e-3: every bias of total variation >= 0.105 is caught
+
+
+def sharpened(model):
+    """Sharper logits than the default init, so greedy argmaxes are not near-ties."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.float().eval()
+
+
+def small_sampling_target() -> Qwen2ForCausalLM:
+    """The sampled tests' target: a tiny random Qwen2 on SMALL_V tokens."""
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(tiny_config(vocab_size=SMALL_V, layers=2)).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
+    return model
+
+
+def sampled_pairs_pvalue(target_model: Qwen2ForCausalLM, decoder) -> tuple[float, int]:
+    """The chi-square p-value of the first two tokens `decoder` generates after SAMPLED_PROMPT over SAMPLES seeds
+    against `target_model`'s exact distribution of them, and how many tokens were drafted."""
+    from specdraft import SamplingParams
+    from specdraft.exactness import exact_two_tokens
+    from specdraft.goodness_of_fit import chi_square_pvalue
+
+    counts, drafted = np.zeros(SMALL_V * SMALL_V), 0  # [V * V]
+    for seed in range(SAMPLES):
+        out = decoder.generate(SAMPLED_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
+        a, b = out.token_ids[:2]
+        counts[a * SMALL_V + b] += 1
+        drafted += out.stats.drafted
+    return chi_square_pvalue(counts, exact_two_tokens(target_model, SAMPLED_PROMPT).ravel() * SAMPLES), drafted
+
+
+def assert_batch_answers_as_alone(target_model, drafter: str, trained: str, tree_budget: int = 0) -> None:
+    """BatchedDecoder, three slots for four requests, one set of `drafter`'s weights (loaded from `trained`) shared
+    by every sequence's drafter (as a server builds them: `shared`): each greedy answer is its answer alone."""
+    from specdraft import SamplingParams, SpeculativeDecoder
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+    from specdraft.drafters import make_drafter
+
+    budgets = [20, 9, 16, 12]
+    prompts = PROMPTS + [[2, 40, 2, 40, 2]]
+    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=b).token_ids
+                for p, b in zip(prompts, budgets)]
+    batch = BatchedDecoder(CausalLM(target_model), max_batch=3, tree_budget=tree_budget)
+    shared: dict = {}
+    batch.make_drafter = lambda: make_drafter(drafter, {"trained": trained}, target_model=batch.target, shared=shared)
+    completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b)
+                                      for p, b in zip(prompts, budgets)])
+    assert [c.token_ids for c in completions] == expected
+    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
+    assert len(shared) == 1  # the weights were loaded once

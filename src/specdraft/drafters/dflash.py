@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter, head_distributions
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.dflash import DFlashModel
@@ -25,7 +25,7 @@ from specdraft.models.mtp_loading import full_target_head
 from specdraft.sampling import sample
 
 
-class DFlashDrafter(FeatureDrafter):
+class DFlashDrafter(CatchUpDrafter):
     """Draft with a DFlash block draft for `target` (see the module doc)."""
 
     name = "dflash"
@@ -33,50 +33,27 @@ class DFlashDrafter(FeatureDrafter):
 
     def __init__(self, target: CausalLM, model: DFlashModel, min_confidence: float = 0.0) -> None:
         config = model.config
-        if config.vocab_size != target.vocab_size or config.hidden_size != target.config.hidden_size:
-            raise SpecdraftError(f"This DFlash draft was made for a target {config.hidden_size} wide with "
-                                 f"{config.vocab_size} tokens (its config.json); {target.name} is "
-                                 f"{target.config.hidden_size} wide with {target.vocab_size}. Use the draft "
-                                 "published for this target.")
+        self.check_made_for(target, config.hidden_size, config.vocab_size, "a target",
+                            "Use the draft published for this target.")
         if any(not 0 <= i < target.config.num_hidden_layers for i in config.target_layers):
             raise SpecdraftError(f"This DFlash draft reads the outputs of target layers "
                                  f"{[i - 1 for i in config.target_layers]} (dflash_config.target_layer_ids); "
                                  f"{target.name} has {target.config.num_hidden_layers} layers and the last one's "
                                  "output is not read.")
         super().__init__(target, config.hidden_size, None, min_confidence, head=full_target_head(target))
-        self.target, self.model = target, model
         self.features_width = len(config.target_layers) * config.hidden_size  # the layers' states side by side
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, features_width] states not yet in the caches
-        self._real = 0  # context rows in the caches
+        self.attach(target, model)  # `_real`: context rows in the caches
         target.read_features_at(self, config.target_layers)
 
     def sibling(self) -> "DFlashDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its caches and pending states its own
+        twin = super().sibling()  # its caches and pending states its own
         self.target.read_features_at(twin, self.model.config.target_layers)
         return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, features_width]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:
-            return None
-        return super().source(ctx, declined)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, config = self.model, self.model.config
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError("dflash drafter: asked to propose with no new target features")
-        fresh, self._pending = torch.cat(self._pending), []  # [n, features_width]
+        fresh = self.take_pending()  # [n, features_width]
         start, anchor = self._real, self._real + fresh.shape[0]
         block = torch.full((config.block_size,), config.mask_token_id, device=ctx.sequence.device)  # [B]
         block[0] = ctx.sequence[anchor]

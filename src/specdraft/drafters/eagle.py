@@ -17,13 +17,13 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter, head_distributions
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle import EagleDrafterModel
 from specdraft.sampling import sample
 
 
-class EagleDrafter(FeatureDrafter):
+class EagleDrafter(CatchUpDrafter):
     """Draft with an EAGLE feature drafter trained for `target` (see `models.eagle`)."""
 
     name = "eagle"
@@ -32,29 +32,7 @@ class EagleDrafter(FeatureDrafter):
     def __init__(self, target: CausalLM, model: EagleDrafterModel, vocab_ids: torch.Tensor,
                  min_confidence: float = 0.0) -> None:
         super().__init__(target, model.config.hidden_size, vocab_ids, min_confidence)
-        self.model = model
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
-        self._real = 0  # cache entries built from the target's own features
-
-    def sibling(self) -> "EagleDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending features its own
-        return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
-            return None
-        return super().source(ctx, declined)
+        self.attach(target, model)
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Feed pairs (features[i], tokens[i]) at positions start.. and return the predicted next features. # [n, H]"""
@@ -64,11 +42,9 @@ class EagleDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, sequence = self.model, ctx.sequence
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError("eagle drafter: asked to propose with no new target features")
+        fresh = self.take_pending()  # [n, H]
         # Catch up: pairs (f_t, x_{t+1}) for every feature that arrived since the last draft.
         model.truncate(self._real)
-        fresh, self._pending = torch.cat(self._pending), []  # [n, H]
         start = self._real
         predicted = self._step(fresh, sequence[start + 1:start + 1 + fresh.shape[0]], start)[-1:]  # [1, H]
         self._real = start + fresh.shape[0]

@@ -22,32 +22,13 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter, head_distributions
 from specdraft.sampling import sample
 
 
-class LayerHeadDrafter(FeatureDrafter):
-    """Drafting with a one-layer head over the target's states (see the module doc). A subclass sets `self.model`,
-    `self.target`, `self.embed` (the target's input embeddings) and `self.features_width`, and starts
-    `self._pending = []`, `self._real = 0`."""
-
-    def sibling(self) -> "LayerHeadDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending states its own
-        return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, features_width]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
-            return None
-        return super().source(ctx, declined)
+class LayerHeadDrafter(CatchUpDrafter):
+    """Drafting with a one-layer head over the target's states (see the module doc). A subclass calls `attach` with
+    the head and sets `self.features_width`."""
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [n] -> [n, H]
         return self.model.embed(tokens, self.embed).to(self.dtype)
@@ -55,11 +36,9 @@ class LayerHeadDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, sequence = self.model, ctx.sequence
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError(f"{self.name} drafter: asked to propose with no new target features")
+        fresh = self.take_pending()  # [n, features_width]
         # Catch up: pairs (project(f_t), x_{t+1}) for every feature that arrived since the last draft.
         model.truncate(self._real)
-        fresh, self._pending = torch.cat(self._pending), []  # [n, features_width]
         start = self._real
         tokens = sequence[start + 1:start + 1 + fresh.shape[0]]  # [n]
         positions = torch.arange(start, start + fresh.shape[0], device=tokens.device)  # [n]

@@ -22,18 +22,9 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.models.dflash import DFlashConfig, DFlashModel
 from specdraft.models.eagle3_loading import _read_weights
+from specdraft.models.layer_names import DECODER_LAYER_NAMES
 
 LAYER_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
-LAYER_NAMES = {  # published name (after layers.{i}.) -> ours
-    "input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight":
-    "post_attention_layernorm.weight", "self_attn.q_proj.weight": "q_proj.weight",
-    "self_attn.k_proj.weight": "k_proj.weight", "self_attn.v_proj.weight": "v_proj.weight",
-    "self_attn.o_proj.weight": "o_proj.weight", "self_attn.q_proj.bias": "q_proj.bias",
-    "self_attn.k_proj.bias": "k_proj.bias", "self_attn.v_proj.bias": "v_proj.bias",
-    "self_attn.o_proj.bias": "o_proj.bias", "self_attn.q_norm.weight": "q_norm.weight",
-    "self_attn.k_norm.weight": "k_norm.weight", "mlp.gate_proj.weight": "gate_proj.weight",
-    "mlp.up_proj.weight": "up_proj.weight", "mlp.down_proj.weight": "down_proj.weight",
-}
 TOP_NAMES = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
@@ -66,8 +57,8 @@ def from_published(raw: dict, published: dict[str, torch.Tensor], where: str = "
     tensors, unknown = {}, []
     for name, value in published.items():
         match = LAYER_NAME.fullmatch(name)
-        if match and match.group(2) in LAYER_NAMES:
-            tensors[f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"] = value
+        if match and match.group(2) in DECODER_LAYER_NAMES:
+            tensors[f"layers.{match.group(1)}.{DECODER_LAYER_NAMES[match.group(2)]}"] = value
         elif name.removeprefix("model.") in TOP_NAMES:
             tensors[name.removeprefix("model.")] = value
         else:

@@ -37,19 +37,12 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.eagle3 import Eagle3Config, Eagle3Model
 from specdraft.models.gguf_header import read_header
 from specdraft.models.gguf_native import _rotary_row_order, _TensorFile
+from specdraft.models.layer_names import DECODER_LAYER_NAMES
 
 IGNORED = {"t2d", "verifier_lm_head.weight", "verifier_norm.weight"}  # never read at inference (the sources agree)
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # SpecForge, speculators, a transformers-style save
 LAYER_NAMES = {  # the published decoder layer's names (after the prefix) -> ours
-    "input_layernorm.weight": "input_layernorm.weight", "hidden_norm.weight": "hidden_norm.weight",
-    "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
-    "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
-    "self_attn.q_proj.bias": "q_proj.bias", "self_attn.k_proj.bias": "k_proj.bias",
-    "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.bias": "o_proj.bias",
-    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
-    "mlp.down_proj.weight": "down_proj.weight",
+    **DECODER_LAYER_NAMES, "hidden_norm.weight": "hidden_norm.weight",
 }
 TOP_NAMES = {"fc.weight", "input_norm.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t"}
 GGUF_NAMES = {  # llama.cpp's names -> ours (blk.0 is the one layer)

@@ -26,21 +26,14 @@ from safetensors import safe_open
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import SubsetHead, target_subset_head
+from specdraft.models.layer_names import DECODER_LAYER_NAMES
 from specdraft.models.mtp import MtpConfig, MtpModel
 
 COUNT_KEYS = ("num_nextn_predict_layers",)  # DeepSeek-V3, GLM-4.5, MiMo
 LAYER_NAMES = {  # published name (after model.layers.{L}.) -> ours
-    "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-    "shared_head.norm.weight": "shared_head_norm.weight", "shared_head.head.weight": "lm_head.weight",
-    "embed_tokens.weight": "embed_tokens.weight", "input_layernorm.weight": "input_layernorm.weight",
-    "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
-    "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
-    "self_attn.q_proj.bias": "q_proj.bias", "self_attn.k_proj.bias": "k_proj.bias",
-    "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.bias": "o_proj.bias",
-    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
-    "mlp.down_proj.weight": "down_proj.weight",
+    **DECODER_LAYER_NAMES, "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "shared_head_norm.weight",
+    "shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "embed_tokens.weight",
 }
 SHAPE_KEYS = {  # which config keys set each tensor's shape, for the error that names a misshapen one
     "q_proj.weight": "hidden_size, num_attention_heads, head_dim", "o_proj.weight": "num_attention_heads, head_dim",
