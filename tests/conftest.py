@@ -219,6 +219,7 @@ PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]  # the greedy
 SMALL_V = 8  # the sampled tests' vocabulary: 64 cells of first two tokens
 SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3]
 SAMPLES = 1500  # with 63 degrees of freedom at alpha 1e-3: every bias of total variation >= 0.105 is caught
+P_PASS, P_REJECT = 1e-3, 1e-6  # a drafter passes above P_PASS; a planted bias is caught below P_REJECT
 
 
 def sharpened(model):
@@ -237,6 +238,23 @@ def small_sampling_target() -> Qwen2ForCausalLM:
     return model
 
 
+def assert_sampled_output_follows(target_model: Qwen2ForCausalLM, decoder) -> None:
+    """`decoder`'s first two sampled tokens follow `target_model`'s exact distribution of them (p-value above
+    P_PASS), with more tokens drafted than samples; the test has the power the modules' docs state."""
+    from specdraft.goodness_of_fit import detectable_bias
+
+    assert detectable_bias(SAMPLES, SMALL_V * SMALL_V - 1, P_PASS) < 0.105
+    pvalue, drafted = sampled_pairs_pvalue(target_model, decoder)
+    assert drafted > SAMPLES
+    assert pvalue > P_PASS, f"p-value {pvalue:.3g}"
+
+
+def assert_planted_bias_caught(target_model: Qwen2ForCausalLM, decoder, bias: str) -> None:
+    """The control: the same test rejects `decoder` (p-value below P_REJECT), whose drafter plants `bias`."""
+    pvalue, _ = sampled_pairs_pvalue(target_model, decoder)
+    assert pvalue < P_REJECT, f"{bias} went unnoticed: p-value {pvalue:.3g}"
+
+
 def sampled_pairs_pvalue(target_model: Qwen2ForCausalLM, decoder) -> tuple[float, int]:
     """The chi-square p-value of the first two tokens `decoder` generates after SAMPLED_PROMPT over SAMPLES seeds
     against `target_model`'s exact distribution of them, and how many tokens were drafted."""
@@ -251,6 +269,24 @@ def sampled_pairs_pvalue(target_model: Qwen2ForCausalLM, decoder) -> tuple[float
         counts[a * SMALL_V + b] += 1
         drafted += out.stats.drafted
     return chi_square_pvalue(counts, exact_two_tokens(target_model, SAMPLED_PROMPT).ravel() * SAMPLES), drafted
+
+
+def assert_greedy_spec_equals_ar(target: CausalLM, drafter: str, options: dict, tree: int, name: str) -> None:
+    """Greedy `spec` with `drafter` (made with `options`, no confidence cut and the default one; k 4, a tree of
+    `tree` nodes if any) equals `ar` on PROMPTS, drafting something; a tree drafted with the cut off branches."""
+    from specdraft import SpeculativeDecoder
+    from specdraft.drafters import make_drafter
+
+    expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
+    for confidence in (0.0, None):
+        made = make_drafter(drafter, {**options, "draft-confidence": confidence}, target_model=target)
+        spec = SpeculativeDecoder(target, made, k=4, tree_budget=tree, tree_branch=3)
+        outs = [spec.generate(p, max_new_tokens=24) for p in PROMPTS]
+        assert [out.token_ids for out in outs] == expected, (name, tree, confidence)
+        stats = [out.stats for out in outs]
+        assert sum(s.drafted for s in stats) > 0
+        if tree and confidence == 0.0:  # some drafts branched: more nodes than depth
+            assert any(k > depth for s in stats for k, depth in zip(s.k_per_step, s.depth_per_step))
 
 
 def assert_batch_answers_as_alone(target_model, drafter: str, trained: str, tree_budget: int = 0) -> None:
@@ -272,3 +308,30 @@ def assert_batch_answers_as_alone(target_model, drafter: str, trained: str, tree
     assert [c.token_ids for c in completions] == expected
     assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
     assert len(shared) == 1  # the weights were loaded once
+
+
+def assert_cli_spec_equals_ar_and_check_passes(target_dir, drafter: list) -> None:
+    """On the command line, with the target at `target_dir` in float32: `generate` with `drafter` (`--drafter NAME`
+    and its options) equals `ar` greedily, drafting something, and `specdraft check` of it passes (greedy identity
+    and the sampled test it sizes itself)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdraft.surfaces.cli import app
+
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    target = ["--target", target_dir, "--dtype", "float32"]
+    spec = run("generate", "def add", *target, *drafter, "--k", 3, "--max-new-tokens", 20, "--json")
+    ar = run("generate", "def add", *target, "--method", "ar", "--max-new-tokens", 20, "--json")
+    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
+    assert spec["stats"]["drafted"] > 0
+    report = run("check", *target, *drafter, "--prompt", "def add", "--samples", 200, "--temperature", 1.0, "--k", 2,
+                 "--greedy-tokens", 12, "--json")
+    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report

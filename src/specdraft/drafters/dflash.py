@@ -17,12 +17,11 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext
-from specdraft.drafters.feature import CatchUpDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.dflash import DFlashModel
 from specdraft.models.mtp_loading import full_target_head
-from specdraft.sampling import sample
 
 
 class DFlashDrafter(CatchUpDrafter):
@@ -61,22 +60,7 @@ class DFlashDrafter(CatchUpDrafter):
         self._real = anchor
         depth = min(k, ctx.max_depth or k, config.block_size - 1)
         logits = self.vocab_head(out[1:1 + depth])  # [depth, V]: row i - 1 for the token at anchor + i
-        greedy = ctx.params.greedy
-        drafted, rows = [], []
-        survival = 1.0
-        for i in range(depth):
-            row = logits[i:i + 1]  # [1, V]
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                row = ctx.constrain(row, [[int(t) for t in drafted]])
-            probs = head_distributions(row, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            drafted.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:  # the next token is not drawn; this one stays
-                    break
-        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
+        return self.draw_chain(ctx, depth, lambda i, previous: logits[i:i + 1])  # rows never read the tokens drawn
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         """Nothing to cut: the caches hold only the target's context, never the block."""

@@ -17,10 +17,9 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import CatchUpDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle import EagleDrafterModel
-from specdraft.sampling import sample
 
 
 class EagleDrafter(CatchUpDrafter):
@@ -50,26 +49,14 @@ class EagleDrafter(CatchUpDrafter):
         self._real = start + fresh.shape[0]
         if ctx.tree_branch > 1:
             return self._tree(ctx, k, predicted)
-        greedy = ctx.params.greedy
-        tokens, rows = [], []
-        survival = 1.0
-        depth = min(k, ctx.max_depth or k)
-        for i in range(depth):
-            logits = self.vocab_head(predicted)  # [1, V]
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                logits = ctx.constrain(logits, [[int(t) for t in tokens]])
-            probs = head_distributions(logits, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            tokens.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:
-                    break
-            if i < depth - 1:
-                predicted = self._step(predicted, token, self._real + i)  # [1, H]
-        draft = torch.cat(tokens)  # [k]
-        return Draft.chain(draft, None if greedy else torch.cat(rows))
+
+        def row_logits(i: int, previous: torch.Tensor | None) -> torch.Tensor:  # [1, V]
+            nonlocal predicted
+            if i:  # the previous token fed back with the feature predicted before it
+                predicted = self._step(predicted, previous, self._real + i - 1)  # [1, H]
+            return self.vocab_head(predicted)
+
+        return self.draw_chain(ctx, min(k, ctx.max_depth or k), row_logits)
 
     def _tree(self, ctx: DraftContext, budget: int, root_feature: torch.Tensor) -> Draft:
         """A dynamic tree (see `dynamic_tree`): each level's nodes are fed with their parents' predicted

@@ -6,15 +6,17 @@ vocabulary, or the head's own: EAGLE-3's). `CatchUpDrafter` adds what those with
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter
+from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.dynamic_tree import ranking
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import SubsetHead, target_subset_head
 from specdraft.models.quantize import int4_kernel_available, quantize_int4
+from specdraft.sampling import sample
 
 
 def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
@@ -56,6 +58,29 @@ class FeatureDrafter(Drafter):
         `begin` sets it, which every request does first; a drafter that keeps state in its weights' module (a
         cache) makes that its own here."""
         return copy.copy(self)
+
+    def draw_chain(self, ctx: DraftContext, depth: int,
+                   row_logits: Callable[[int, torch.Tensor | None], torch.Tensor]) -> Draft:
+        """A chain of up to `depth` tokens: token i is drawn from (greedy: the argmax of) the distribution of
+        `row_logits(i, token i - 1)` (# [1, V]; None before the first), masked by a constraint after the tokens
+        drawn before it. The chain stops after the token that takes the product of the drawn tokens' probabilities
+        below `min_confidence`: whether a token is drawn never depends on its own value."""
+        greedy = ctx.params.greedy
+        drafted, rows = [], []
+        survival, token = 1.0, None
+        for i in range(depth):
+            logits = row_logits(i, token)  # [1, V]
+            if ctx.grammar is not None:  # masked after the tokens drafted so far
+                logits = ctx.constrain(logits, [[int(t) for t in drafted]])
+            probs = head_distributions(logits, ctx)  # [1, V]
+            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
+            drafted.append(token)
+            rows.append(probs)
+            if self.min_confidence:
+                survival *= float(probs[0, token[0]])
+                if survival < self.min_confidence:  # the next token is not drawn; this one stays
+                    break
+        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
 
     def run_in_int4(self, module: torch.nn.Module) -> None:
         """On the CPU, swap the linears of `module` (the trained weights) and of the vocabulary head for int4

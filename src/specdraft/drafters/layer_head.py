@@ -22,8 +22,7 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import CatchUpDrafter, head_distributions
-from specdraft.sampling import sample
+from specdraft.drafters.feature import CatchUpDrafter
 
 
 class LayerHeadDrafter(CatchUpDrafter):
@@ -46,26 +45,15 @@ class LayerHeadDrafter(CatchUpDrafter):
         self._real = start + fresh.shape[0]
         if ctx.tree_branch > 1:
             return self._tree(ctx, k, out)
-        greedy = ctx.params.greedy
-        drafted, rows = [], []
-        survival = 1.0
-        depth = min(k, ctx.max_depth or k)
-        for i in range(depth):
-            logits = model.draft_logits(out)  # [1, V]: -inf off the draft vocabulary
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                logits = ctx.constrain(logits, [[int(t) for t in drafted]])
-            probs = head_distributions(logits, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            drafted.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:
-                    break
-            if i < depth - 1:
-                position = torch.full((1,), self._real + i, device=token.device)
-                out = model(model.fed_back(out), self._embed(token), position)  # [1, H]
-        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
+
+        def row_logits(i: int, previous: torch.Tensor | None) -> torch.Tensor:  # [1, V]: -inf off the vocabulary
+            nonlocal out
+            if i:  # the previous token fed back
+                position = torch.full((1,), self._real + i - 1, device=previous.device)
+                out = model(model.fed_back(out), self._embed(previous), position)  # [1, H]
+            return model.draft_logits(out)
+
+        return self.draw_chain(ctx, min(k, ctx.max_depth or k), row_logits)
 
     def _tree(self, ctx: DraftContext, budget: int, root_out: torch.Tensor) -> Draft:
         """A dynamic tree (see `dynamic_tree`): each level's nodes are fed, with what their parents' outputs feed

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.checkpoint_tensors import DECODER_LAYER_NAMES, check_shapes, read_weights
 from specdraft.models.dflash import DFlashConfig, DFlashModel
-from specdraft.models.eagle3_loading import _read_weights
-from specdraft.models.layer_names import DECODER_LAYER_NAMES
 
 LAYER_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
 TOP_NAMES = {"fc.weight", "hidden_norm.weight", "norm.weight"}
@@ -44,7 +43,7 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if not (folder / "config.json").is_file():
         raise SpecdraftError(f"--trained {path}: no config.json there (a DFlash checkpoint folder holds config.json "
                              "and model.safetensors).")
-    config, tensors = from_published(json.loads((folder / "config.json").read_text()), _read_weights(folder),
+    config, tensors = from_published(json.loads((folder / "config.json").read_text()), read_weights(folder),
                                      str(folder))
     return build_dflash(config, tensors, str(folder), dtype, device)
 
@@ -104,9 +103,6 @@ def build_dflash(config: DFlashConfig, tensors: dict[str, torch.Tensor], where: 
     if extra:
         raise SpecdraftError(f"{where}: tensors {', '.join(extra)} that its config.json does not declare (check "
                              "num_hidden_layers and attention_bias).")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise SpecdraftError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, the config asks for "
-                                 f"{shape}; the config.json and the weights disagree.")
+    check_shapes(tensors, expected, None, where)
     model.load_state_dict({name: value.to(dtype) for name, value in tensors.items()}, assign=True)
     return model.to(device).eval().requires_grad_(False)

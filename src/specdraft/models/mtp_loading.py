@@ -21,12 +21,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.checkpoint_tensors import DECODER_LAYER_NAMES, check_shapes, read_safetensors
 from specdraft.models.draft_head import SubsetHead, target_subset_head
-from specdraft.models.layer_names import DECODER_LAYER_NAMES
 from specdraft.models.mtp import MtpConfig, MtpModel
 
 COUNT_KEYS = ("num_nextn_predict_layers",)  # DeepSeek-V3, GLM-4.5, MiMo
@@ -76,21 +75,8 @@ def mtp_layer_index(raw: dict, where: str) -> int:
 
 
 def read_layer_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix` (the name after it) in the folder's safetensors: model.safetensors, the shards
-    model.safetensors.index.json names for them, or every *.safetensors file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({file for name, file in weight_map.items() if name.startswith(prefix)})
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as handle:
-            tensors.update({key[len(prefix):]: handle.get_tensor(key) for key in handle.keys()
-                            if key.startswith(prefix)})
+    """The tensors under `prefix` (the name after it) in the folder's safetensors (`read_safetensors`), at least one."""
+    tensors = read_safetensors(folder, prefix)
     if not tensors:
         raise SpecdraftError(f"{folder}: config.json declares MTP layers but no weights are named {prefix}* (a "
                              "conversion that dropped them? transformers' save_pretrained does; MiMo-7B keeps its "
@@ -174,11 +160,7 @@ def build_mtp(config: MtpConfig, tensors: dict[str, torch.Tensor], where: str,
     if missing:
         raise SpecdraftError(f"{where}: its MTP layer lacks {', '.join(missing)} (as named in "
                              "specdraft.models.mtp; published under model.layers.{num_hidden_layers}.).")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            keys = SHAPE_KEYS.get(name, "hidden_size")
-            raise SpecdraftError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, the config asks for {shape} "
-                                 f"(from {keys}); the config.json and the weights disagree.")
+    check_shapes(tensors, expected, SHAPE_KEYS, where)
     state = {name: value.to(dtype) for name, value in tensors.items() if name != "lm_head.weight"}
     model.load_state_dict(state, assign=True)
     model = model.to(device).eval().requires_grad_(False)
