@@ -27,7 +27,7 @@ from specdraft.drafters.feature import CatchUpDrafter
 
 class LayerHeadDrafter(CatchUpDrafter):
     """Drafting with a one-layer head over the target's states (see the module doc). A subclass calls `attach` with
-    the head and sets `self.features_width`."""
+    the head, having set `self.features_width` where it reads several layers' states side by side."""
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [n] -> [n, H]
         return self.model.embed(tokens, self.embed).to(self.dtype)
