@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,126 @@ def eagle_file(tiny_model_dirs, tmp_path_factory):
                                           intermediate_size=64))
     return save_trained(tmp_path_factory.mktemp("eagle") / "eagle.safetensors", "eagle", eagle,
                         torch.arange(config.vocab_size), "tiny", {})
+
+
+# ----- what the trained drafters' tests share (`test_eagle3`, `test_mtp`, `test_dflash`) ------------------------------
+PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]  # the greedy tests' (a vocabulary of 64 up)
+SMALL_V = 8  # the sampled tests' vocabulary: 64 cells of first two tokens
+SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3]
+SAMPLES = 1500  # with 63 degrees of freedom at alpha 1e-3: every bias of total variation >= 0.105 is caught
+P_PASS, P_REJECT = 1e-3, 1e-6  # a drafter passes above P_PASS; a planted bias is caught below P_REJECT
+
+
+def sharpened(model):
+    """Sharper logits than the default init, so greedy argmaxes are not near-ties."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.float().eval()
+
+
+def small_sampling_target() -> Qwen2ForCausalLM:
+    """The sampled tests' target: a tiny random Qwen2 on SMALL_V tokens."""
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(tiny_config(vocab_size=SMALL_V, layers=2)).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
+    return model
+
+
+def assert_sampled_output_follows(target_model: Qwen2ForCausalLM, decoder) -> None:
+    """`decoder`'s first two sampled tokens follow `target_model`'s exact distribution of them (p-value above
+    P_PASS), with more tokens drafted than samples; the test has the power the modules' docs state."""
+    from specdraft.goodness_of_fit import detectable_bias
+
+    assert detectable_bias(SAMPLES, SMALL_V * SMALL_V - 1, P_PASS) < 0.105
+    pvalue, drafted = sampled_pairs_pvalue(target_model, decoder)
+    assert drafted > SAMPLES
+    assert pvalue > P_PASS, f"p-value {pvalue:.3g}"
+
+
+def assert_planted_bias_caught(target_model: Qwen2ForCausalLM, decoder, bias: str) -> None:
+    """The control: the same test rejects `decoder` (p-value below P_REJECT), whose drafter plants `bias`."""
+    pvalue, _ = sampled_pairs_pvalue(target_model, decoder)
+    assert pvalue < P_REJECT, f"{bias} went unnoticed: p-value {pvalue:.3g}"
+
+
+def sampled_pairs_pvalue(target_model: Qwen2ForCausalLM, decoder) -> tuple[float, int]:
+    """The chi-square p-value of the first two tokens `decoder` generates after SAMPLED_PROMPT over SAMPLES seeds
+    against `target_model`'s exact distribution of them, and how many tokens were drafted."""
+    from specdraft import SamplingParams
+    from specdraft.exactness import exact_two_tokens
+    from specdraft.goodness_of_fit import chi_square_pvalue
+
+    counts, drafted = np.zeros(SMALL_V * SMALL_V), 0  # [V * V]
+    for seed in range(SAMPLES):
+        out = decoder.generate(SAMPLED_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
+        a, b = out.token_ids[:2]
+        counts[a * SMALL_V + b] += 1
+        drafted += out.stats.drafted
+    return chi_square_pvalue(counts, exact_two_tokens(target_model, SAMPLED_PROMPT).ravel() * SAMPLES), drafted
+
+
+def assert_greedy_spec_equals_ar(target: CausalLM, drafter: str, options: dict, tree: int, name: str) -> None:
+    """Greedy `spec` with `drafter` (made with `options`, no confidence cut and the default one; k 4, a tree of
+    `tree` nodes if any) equals `ar` on PROMPTS, drafting something; a tree drafted with the cut off branches."""
+    from specdraft import SpeculativeDecoder
+    from specdraft.drafters import make_drafter
+
+    expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
+    for confidence in (0.0, None):
+        made = make_drafter(drafter, {**options, "draft-confidence": confidence}, target_model=target)
+        spec = SpeculativeDecoder(target, made, k=4, tree_budget=tree, tree_branch=3)
+        outs = [spec.generate(p, max_new_tokens=24) for p in PROMPTS]
+        assert [out.token_ids for out in outs] == expected, (name, tree, confidence)
+        stats = [out.stats for out in outs]
+        assert sum(s.drafted for s in stats) > 0
+        if tree and confidence == 0.0:  # some drafts branched: more nodes than depth
+            assert any(k > depth for s in stats for k, depth in zip(s.k_per_step, s.depth_per_step))
+
+
+def assert_batch_answers_as_alone(target_model, drafter: str, trained: str, tree_budget: int = 0) -> None:
+    """BatchedDecoder, three slots for four requests, one set of `drafter`'s weights (loaded from `trained`) shared
+    by every sequence's drafter (as a server builds them: `shared`): each greedy answer is its answer alone."""
+    from specdraft import SamplingParams, SpeculativeDecoder
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+    from specdraft.drafters import make_drafter
+
+    budgets = [20, 9, 16, 12]
+    prompts = PROMPTS + [[2, 40, 2, 40, 2]]
+    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=b).token_ids
+                for p, b in zip(prompts, budgets)]
+    batch = BatchedDecoder(CausalLM(target_model), max_batch=3, tree_budget=tree_budget)
+    shared: dict = {}
+    batch.make_drafter = lambda: make_drafter(drafter, {"trained": trained}, target_model=batch.target, shared=shared)
+    completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b)
+                                      for p, b in zip(prompts, budgets)])
+    assert [c.token_ids for c in completions] == expected
+    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
+    assert len(shared) == 1  # the weights were loaded once
+
+
+def assert_cli_spec_equals_ar_and_check_passes(target_dir, drafter: list) -> None:
+    """On the command line, with the target at `target_dir` in float32: `generate` with `drafter` (`--drafter NAME`
+    and its options) equals `ar` greedily, drafting something, and `specdraft check` of it passes (greedy identity
+    and the sampled test it sizes itself)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdraft.surfaces.cli import app
+
+    runner = CliRunner()
+
+    def run(*args):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    target = ["--target", target_dir, "--dtype", "float32"]
+    spec = run("generate", "def add", *target, *drafter, "--k", 3, "--max-new-tokens", 20, "--json")
+    ar = run("generate", "def add", *target, "--method", "ar", "--max-new-tokens", 20, "--json")
+    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
+    assert spec["stats"]["drafted"] > 0
+    report = run("check", *target, *drafter, "--prompt", "def add", "--samples", 200, "--temperature", 1.0, "--k", 2,
+                 "--greedy-tokens", 12, "--json")
+    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report

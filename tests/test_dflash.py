@@ -15,30 +15,21 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import tiny_config
+from conftest import (PROMPTS, assert_batch_answers_as_alone, assert_cli_spec_equals_ar_and_check_passes,
+                      assert_planted_bias_caught, assert_sampled_output_follows, sharpened, small_sampling_target)
 from dflash_checkpoints import random_dflash, save_dflash
-from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft import SpeculativeDecoder
 from specdraft.drafters import DFlashDrafter, Draft, make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.exactness import exact_two_tokens
-from specdraft.goodness_of_fit import chi_square_pvalue, detectable_bias
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.dflash_loading import build_dflash, from_published, load_dflash
 from test_eagle3 import LLAMA3_ROPE, reference_inv_freq, rms
 
 V = 96
-
-
-def sharpened(model):
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model.float().eval()
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +149,6 @@ def test_broken_checkpoints_say_what_to_fix(targets, tmp_path):
 
 
 # ----- tier 3: greedy spec == ar ------------------------------------------------------------------------------------
-PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -179,19 +169,7 @@ def test_greedy_spec_equals_ar(targets, tmp_path, name, tree):
 
 def test_a_batch_answers_as_alone(targets, tmp_path):
     target_model, _, _, folder = make_case("qwen3", targets, tmp_path / "draft")
-    budgets = [20, 9, 16, 12]
-    prompts = PROMPTS + [[2, 40, 2, 40, 2]]
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=b).token_ids
-                for p, b in zip(prompts, budgets)]
-    batch = BatchedDecoder(CausalLM(target_model), max_batch=3)
-    shared: dict = {}
-    batch.make_drafter = lambda: make_drafter("dflash", {"trained": str(folder)}, target_model=batch.target,
-                                              shared=shared)
-    completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b)
-                                      for p, b in zip(prompts, budgets)])
-    assert [c.token_ids for c in completions] == expected
-    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
-    assert len(shared) == 1
+    assert_batch_answers_as_alone(target_model, "dflash", str(folder))
 
 
 def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
@@ -216,21 +194,13 @@ def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
 
 
 # ----- tier 2: sampled output follows the target ---------------------------------------------------------------------
-SMALL_V = 8
-PROMPT = [1, 2, 3, 4, 1, 2, 3]
-SAMPLES = 1500
-P_PASS, P_REJECT = 1e-3, 1e-6
 CUT = 0.2  # the confidence cut's threshold: it stops many chains early, not all
 NORM_SCALE = 3.0
 
 
 @pytest.fixture(scope="module")
 def small_target() -> Qwen2ForCausalLM:
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(tiny_config(vocab_size=SMALL_V, layers=2)).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    return model
+    return small_sampling_target()
 
 
 def small_drafter(target_model, cls=DFlashDrafter):
@@ -254,61 +224,25 @@ class ArgmaxUnderQ(DFlashDrafter):
         return Draft.chain(draft.q_draft.argmax(-1), draft.q_draft)
 
 
-def sampled_pairs(decoder: SpeculativeDecoder) -> tuple[np.ndarray, int]:
-    counts, drafted = np.zeros(SMALL_V * SMALL_V), 0
-    for seed in range(SAMPLES):
-        out = decoder.generate(PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
-        a, b = out.token_ids[:2]
-        counts[a * SMALL_V + b] += 1
-        drafted += out.stats.drafted
-    return counts, drafted
-
-
 def test_sampled_output_with_the_cut_follows_the_target(small_target):
     """Chains of up to 3 from one pass, the confidence cut on (it looks only at the tokens drawn before)."""
-    assert detectable_bias(SAMPLES, SMALL_V * SMALL_V - 1, P_PASS) < 0.105
     drafter, target = small_drafter(small_target)
-    counts, drafted = sampled_pairs(SpeculativeDecoder(target, drafter, k=3))
-    assert drafted > SAMPLES
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue > P_PASS, f"p-value {pvalue:.3g}"
+    assert_sampled_output_follows(small_target, SpeculativeDecoder(target, drafter, k=3))
 
 
 def test_tokens_not_drawn_from_their_q_are_caught(small_target):
     """The control: the same test rejects the drafter whose tokens are its rows' argmaxes, not draws from them."""
     drafter, target = small_drafter(small_target, ArgmaxUnderQ)
-    counts, _ = sampled_pairs(SpeculativeDecoder(target, drafter, k=3))
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue < P_REJECT, f"argmax tokens under q went unnoticed: p-value {pvalue:.3g}"
+    assert_planted_bias_caught(small_target, SpeculativeDecoder(target, drafter, k=3), "argmax tokens under q")
 
 
 # ----- the command line ---------------------------------------------------------------------------------------------
 def test_generate_and_check_take_a_checkpoint_folder(tiny_model_dirs, tmp_path):
     """`--drafter dflash --trained FOLDER` on the command line: `generate` equals `ar` greedily, and `specdraft check`
     passes (greedy identity and the sampled test it sizes itself)."""
-    import json
-
     from transformers import AutoConfig
-    from typer.testing import CliRunner
-
-    from specdraft.surfaces.cli import app
 
     config, tensors = random_dflash(AutoConfig.from_pretrained(tiny_model_dirs["target"]), layers=1, block_size=5,
                                     target_layer_ids=[0], seed=5)
     folder = save_dflash(config, tensors, tmp_path / "draft")
-    runner = CliRunner()
-
-    def run(*args):
-        result = runner.invoke(app, [str(a) for a in args])
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)
-
-    target = ["--target", tiny_model_dirs["target"], "--dtype", "float32"]
-    spec = run("generate", "def add", *target, "--drafter", "dflash", "--trained", folder, "--k", 3,
-               "--max-new-tokens", 20, "--json")
-    ar = run("generate", "def add", *target, "--method", "ar", "--max-new-tokens", 20, "--json")
-    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
-    assert spec["stats"]["drafted"] > 0
-    report = run("check", *target, "--drafter", "dflash", "--trained", folder, "--prompt", "def add", "--samples", 200,
-                 "--temperature", 1.0, "--k", 2, "--greedy-tokens", 12, "--json")
-    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report
+    assert_cli_spec_equals_ar_and_check_passes(tiny_model_dirs["target"], ["--drafter", "dflash", "--trained", folder])

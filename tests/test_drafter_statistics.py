@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from transformers import Qwen2ForCausalLM
 
 import specdraft.verify as verify_module
-from conftest import perturbed, tiny_config
+from conftest import SMALL_V, perturbed, small_sampling_target
 from registered_drafters import build, random_eagle, random_medusa, registered
 from specdraft.exactness import exact_two_tokens
 from specdraft.goodness_of_fit import chi_square_pvalue
@@ -32,7 +31,7 @@ from specdraft.drafters import make_drafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import DEFAULT_SOURCE, FixedK
 
-V = 8
+V = SMALL_V
 PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes [4, 1, 2, ...]
 SAMPLES = 1500
 PARAMS = SamplingParams(temperature=1.0)
@@ -42,11 +41,7 @@ P_REJECT = 1e-6
 
 @pytest.fixture(scope="module")
 def target_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(tiny_config(vocab_size=V, layers=2)).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
-    return model
+    return small_sampling_target()
 
 
 def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tuple[np.ndarray, dict]:

@@ -16,34 +16,24 @@ llama.cpp's converter makes of them) for a Llama-3.x-shaped and a Qwen3-shaped t
 from __future__ import annotations
 
 import gc
-import json
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import tiny_config
+from conftest import (PROMPTS, assert_batch_answers_as_alone, assert_cli_spec_equals_ar_and_check_passes,
+                      assert_greedy_spec_equals_ar, assert_planted_bias_caught, assert_sampled_output_follows,
+                      sharpened, small_sampling_target)
 from eagle3_checkpoints import draft_vocabulary, random_head, save_folder, save_gguf
-from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft import SpeculativeDecoder
 from specdraft.drafters import Draft, Eagle3Drafter, make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.exactness import exact_two_tokens
-from specdraft.goodness_of_fit import chi_square_pvalue, detectable_bias
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle3_loading import build_eagle3, from_published, load_eagle3
 
 V = 96
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-
-
-def sharpened(model):
-    """Sharper logits than the default init, so greedy argmaxes are not near-ties."""
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model.float().eval()
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +300,6 @@ def test_another_feature_drafter_on_the_same_target_is_refused(targets, tmp_path
 
 
 # ----- tier 3: greedy spec == ar ------------------------------------------------------------------------------------
-PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]
 
 
 @pytest.mark.parametrize("name", ["specforge-llama", "speculators-qwen3", "specforge-llama-gguf"])
@@ -320,17 +309,7 @@ def test_greedy_spec_equals_ar(targets, tmp_path, name, tree):
     target_model, head = make_head(name.removesuffix("-gguf"), targets)
     path = (save_gguf(head, tmp_path / "head.gguf", target_model.config) if name.endswith("gguf")
             else save_folder(head, tmp_path / "head"))
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
-    target = CausalLM(target_model)
-    for confidence in (0.0, None):
-        drafter = make_drafter("eagle3", {"trained": str(path), "draft-confidence": confidence}, target_model=target)
-        spec = SpeculativeDecoder(target, drafter, k=4, tree_budget=tree, tree_branch=3)
-        outs = [spec.generate(p, max_new_tokens=24) for p in PROMPTS]
-        assert [out.token_ids for out in outs] == expected, (name, tree, confidence)
-        stats = [out.stats for out in outs]
-        assert sum(s.drafted for s in stats) > 0
-        if tree and confidence == 0.0:  # some drafts branched: more nodes than depth
-            assert any(k > depth for s in stats for k, depth in zip(s.k_per_step, s.depth_per_step))
+    assert_greedy_spec_equals_ar(CausalLM(target_model), "eagle3", {"trained": str(path)}, tree, name)
 
 
 def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path, monkeypatch):
@@ -371,35 +350,16 @@ def test_a_batch_answers_as_alone(targets, tmp_path, tree):
     server builds them: `shared`): each greedy answer is its answer alone."""
     target_model, head = make_head("speculators-qwen3", targets)
     path = str(save_folder(head, tmp_path / "head"))
-    budgets = [20, 9, 16, 12]
-    prompts = PROMPTS + [[2, 40, 2, 40, 2]]
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=b).token_ids
-                for p, b in zip(prompts, budgets)]
-    batch = BatchedDecoder(CausalLM(target_model), max_batch=3, tree_budget=tree)
-    shared: dict = {}
-    batch.make_drafter = lambda: make_drafter("eagle3", {"trained": path}, target_model=batch.target, shared=shared)
-    completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b)
-                                      for p, b in zip(prompts, budgets)])
-    assert [c.token_ids for c in completions] == expected
-    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
-    assert len(shared) == 1  # the weights were loaded once
+    assert_batch_answers_as_alone(target_model, "eagle3", path, tree)
 
 
 # ----- tier 2: sampled output follows the target ---------------------------------------------------------------------
-SMALL_V = 8
-PROMPT = [1, 2, 3, 4, 1, 2, 3]
-SAMPLES = 1500
-P_PASS, P_REJECT = 1e-3, 1e-6
 DRAFT_IDS = [6, 0, 3, 7, 1, 4]  # 6 of the 8 tokens (2 and 5 only through the residual), in a shuffled draft order
 
 
 @pytest.fixture(scope="module")
 def small_target() -> Qwen2ForCausalLM:
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(tiny_config(vocab_size=SMALL_V, layers=2)).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
-    return model
+    return small_sampling_target()
 
 
 def small_drafter(target_model, cls=Eagle3Drafter) -> Eagle3Drafter:
@@ -425,35 +385,18 @@ class UnmappedQ(Eagle3Drafter):
         return Draft.chain(draft.tokens, wrong)
 
 
-def sampled_pairs(decoder: SpeculativeDecoder) -> tuple[np.ndarray, int]:
-    """`[V * V]` counts of the first two generated tokens over SAMPLES seeds, and how many tokens were drafted."""
-    counts, drafted = np.zeros(SMALL_V * SMALL_V), 0
-    for seed in range(SAMPLES):
-        out = decoder.generate(PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
-        a, b = out.token_ids[:2]
-        counts[a * SMALL_V + b] += 1
-        drafted += out.stats.drafted
-    return counts, drafted
-
-
 @pytest.mark.parametrize("tree", [0, pytest.param(6, marks=pytest.mark.slow)])  # 30 s each on 2 cores
 def test_sampled_output_follows_the_target(small_target, tree):
     """Chains (k=3) and sampled trees (6 nodes, 3 children: the drawn chain, point-mass siblings)."""
-    assert detectable_bias(SAMPLES, SMALL_V * SMALL_V - 1, P_PASS) < 0.105  # the power the module doc states
     drafter, target = small_drafter(small_target)
     decoder = SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3)
-    counts, drafted = sampled_pairs(decoder)
-    assert drafted > SAMPLES
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue > P_PASS, f"p-value {pvalue:.3g}"
+    assert_sampled_output_follows(small_target, decoder)
 
 
 def test_q_left_in_draft_order_is_caught(small_target):
     """The control: the same test rejects the drafter whose q rows miss the d2t map."""
     drafter, target = small_drafter(small_target, UnmappedQ)
-    counts, _ = sampled_pairs(SpeculativeDecoder(target, drafter, k=3))
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue < P_REJECT, f"q in draft-id order went unnoticed: p-value {pvalue:.3g}"
+    assert_planted_bias_caught(small_target, SpeculativeDecoder(target, drafter, k=3), "q in draft-id order")
 
 
 # ----- the command line and llama.cpp's own converter ---------------------------------------------------------------
@@ -461,30 +404,12 @@ def test_generate_and_check_take_a_checkpoint_folder(tiny_model_dirs, tmp_path):
     """`--drafter eagle3 --trained FOLDER` on the command line: `generate` equals `ar` greedily, and `specdraft check`
     passes (greedy identity and the sampled test it sizes itself)."""
     from transformers import AutoConfig
-    from typer.testing import CliRunner
-
-    from specdraft.surfaces.cli import app
 
     config = AutoConfig.from_pretrained(tiny_model_dirs["target"])
     head = random_head(config, "specforge", hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                        draft_ids=draft_vocabulary(config.vocab_size, 256, 5), aux_layers=(0, 1, 1), seed=5)
     folder = save_folder(head, tmp_path / "head")
-    runner = CliRunner()
-
-    def run(*args):
-        result = runner.invoke(app, [str(a) for a in args])
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)
-
-    target = ["--target", tiny_model_dirs["target"], "--dtype", "float32"]
-    spec = run("generate", "def add", *target, "--drafter", "eagle3", "--trained", folder, "--k", 3,
-               "--max-new-tokens", 20, "--json")
-    ar = run("generate", "def add", *target, "--method", "ar", "--max-new-tokens", 20, "--json")
-    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
-    assert spec["stats"]["drafted"] > 0
-    report = run("check", *target, "--drafter", "eagle3", "--trained", folder, "--prompt", "def add",
-                 "--samples", 200, "--temperature", 1.0, "--k", 2, "--greedy-tokens", 12, "--json")
-    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report
+    assert_cli_spec_equals_ar_and_check_passes(tiny_model_dirs["target"], ["--drafter", "eagle3", "--trained", folder])
 
 
 CONVERT = """

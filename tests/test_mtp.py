@@ -17,31 +17,22 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conftest import tiny_config
+from conftest import (PROMPTS, assert_batch_answers_as_alone, assert_cli_spec_equals_ar_and_check_passes,
+                      assert_greedy_spec_equals_ar, assert_planted_bias_caught, assert_sampled_output_follows,
+                      sharpened, small_sampling_target, tiny_config)
 from mtp_checkpoints import random_mtp_layer, save_with_mtp
-from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.batch_engine import BatchedDecoder, BatchRequest
+from specdraft import SpeculativeDecoder
 from specdraft.drafters import Draft, MtpDrafter, make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.exactness import exact_two_tokens
-from specdraft.goodness_of_fit import chi_square_pvalue, detectable_bias
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.mtp_loading import load_mtp
 from test_eagle3 import LLAMA3_ROPE, reference_inv_freq, rms
 
 V = 96
-
-
-def sharpened(model):
-    """Sharper logits than the default init, so greedy argmaxes are not near-ties."""
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    return model.float().eval()
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +199,6 @@ def test_broken_checkpoints_say_what_to_fix(targets, tmp_path):
 
 
 # ----- tier 3: greedy spec == ar ------------------------------------------------------------------------------------
-PROMPTS = [[5, 17, 42, 8, 59, 3, 5, 17], [7], list(range(10, 40))]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -217,17 +207,7 @@ def test_greedy_spec_equals_ar(targets, tmp_path, name, tree):
     """Chains (k=4, no cut and the default cut) and dynamic trees (6 nodes, 3 children); the drafter reads the
     target's own folder when --trained is not given (the target's name is its folder, as `load_model` names it)."""
     target_model, _, folder = make_case(name, targets, tmp_path / "model")
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
-    target = CausalLM(target_model, name=str(folder))
-    for confidence in (0.0, None):
-        drafter = make_drafter("mtp", {"draft-confidence": confidence}, target_model=target)
-        spec = SpeculativeDecoder(target, drafter, k=4, tree_budget=tree, tree_branch=3)
-        outs = [spec.generate(p, max_new_tokens=24) for p in PROMPTS]
-        assert [out.token_ids for out in outs] == expected, (name, tree, confidence)
-        stats = [out.stats for out in outs]
-        assert sum(s.drafted for s in stats) > 0
-        if tree and confidence == 0.0:  # some drafts branched: more nodes than depth
-            assert any(k > depth for s in stats for k, depth in zip(s.k_per_step, s.depth_per_step))
+    assert_greedy_spec_equals_ar(CausalLM(target_model, name=str(folder)), "mtp", {}, tree, name)
 
 
 def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
@@ -263,35 +243,15 @@ def test_a_batch_answers_as_alone(targets, tmp_path, tree):
     """BatchedDecoder, three slots for four requests, one set of weights shared by every sequence's drafter (as a
     server builds them: `shared`): each greedy answer is its answer alone."""
     target_model, _, folder = make_case("qwen3-own-copies", targets, tmp_path / "model")
-    budgets = [20, 9, 16, 12]
-    prompts = PROMPTS + [[2, 40, 2, 40, 2]]
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=b).token_ids
-                for p, b in zip(prompts, budgets)]
-    batch = BatchedDecoder(CausalLM(target_model), max_batch=3, tree_budget=tree)
-    shared: dict = {}
-    batch.make_drafter = lambda: make_drafter("mtp", {"trained": str(folder)}, target_model=batch.target,
-                                              shared=shared)
-    completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), b)
-                                      for p, b in zip(prompts, budgets)])
-    assert [c.token_ids for c in completions] == expected
-    assert sum(c.stats.drafted for c in completions) > 0 and batch.largest_batch == 3
-    assert len(shared) == 1  # the weights were loaded once
+    assert_batch_answers_as_alone(target_model, "mtp", str(folder), tree)
 
 
 # ----- tier 2: sampled output follows the target ---------------------------------------------------------------------
-SMALL_V = 8
-PROMPT = [1, 2, 3, 4, 1, 2, 3]
-SAMPLES = 1500
-P_PASS, P_REJECT = 1e-3, 1e-6
 
 
 @pytest.fixture(scope="module")
 def small_target() -> Qwen2ForCausalLM:
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(tiny_config(vocab_size=SMALL_V, layers=2)).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # spread, but far from uniform, next-token distributions
-    return model
+    return small_sampling_target()
 
 
 def small_drafter(target_model, tmp_path, cls=MtpDrafter, min_confidence: float = 0.0):
@@ -313,35 +273,19 @@ class ShiftedQ(MtpDrafter):
         return Draft.chain(draft.tokens, rows)
 
 
-def sampled_pairs(decoder: SpeculativeDecoder) -> tuple[np.ndarray, int]:
-    """`[V * V]` counts of the first two generated tokens over SAMPLES seeds, and how many tokens were drafted."""
-    counts, drafted = np.zeros(SMALL_V * SMALL_V), 0
-    for seed in range(SAMPLES):
-        out = decoder.generate(PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
-        a, b = out.token_ids[:2]
-        counts[a * SMALL_V + b] += 1
-        drafted += out.stats.drafted
-    return counts, drafted
-
-
 @pytest.mark.parametrize("tree, cut", [(0, 0.0), (0, 0.2), pytest.param(6, 0.0, marks=pytest.mark.slow)])  # ~20 s each
 def test_sampled_output_follows_the_target(small_target, tmp_path, tree, cut):
     """Chains (k=3) with no cut and with the confidence cut biting (0.2), and sampled trees (6 nodes, 3 children: the
     drawn chain, point-mass siblings): the drafted tokens' q is the MTP layer's softmax over the whole vocabulary."""
-    assert detectable_bias(SAMPLES, SMALL_V * SMALL_V - 1, P_PASS) < 0.105  # the power the module doc states
     drafter, target = small_drafter(small_target, tmp_path, min_confidence=cut)
-    counts, drafted = sampled_pairs(SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3))
-    assert drafted > SAMPLES
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue > P_PASS, f"p-value {pvalue:.3g}"
+    decoder = SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3)
+    assert_sampled_output_follows(small_target, decoder)
 
 
 def test_q_rows_off_by_one_are_caught(small_target, tmp_path):
     """The control: the same test rejects the chain whose q rows are each the next position's."""
     drafter, target = small_drafter(small_target, tmp_path, ShiftedQ)
-    counts, _ = sampled_pairs(SpeculativeDecoder(target, drafter, k=3))
-    pvalue = chi_square_pvalue(counts, exact_two_tokens(small_target, PROMPT).ravel() * SAMPLES)
-    assert pvalue < P_REJECT, f"q rows off by one went unnoticed: p-value {pvalue:.3g}"
+    assert_planted_bias_caught(small_target, SpeculativeDecoder(target, drafter, k=3), "q rows off by one")
 
 
 # ----- the command line ---------------------------------------------------------------------------------------------
@@ -349,25 +293,8 @@ def test_generate_and_check_read_the_targets_own_folder(tiny_model_dirs, tiny_to
     """`--drafter mtp` with no --trained reads the MTP layer from the target's own folder: `generate` equals `ar`
     greedily, and `specdraft check` passes (greedy identity and the sampled test it sizes itself)."""
     from transformers import AutoModelForCausalLM
-    from typer.testing import CliRunner
-
-    from specdraft.surfaces.cli import app
 
     target_model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["target"], dtype=torch.float32)
     folder = save_with_mtp(target_model, random_mtp_layer(target_model.config, seed=5), tmp_path / "target")
     tiny_tokenizer.save_pretrained(folder)
-    runner = CliRunner()
-
-    def run(*args):
-        result = runner.invoke(app, [str(a) for a in args])
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)
-
-    target = ["--target", folder, "--dtype", "float32"]
-    spec = run("generate", "def add", *target, "--drafter", "mtp", "--k", 3, "--max-new-tokens", 20, "--json")
-    ar = run("generate", "def add", *target, "--method", "ar", "--max-new-tokens", 20, "--json")
-    assert spec["completions"][0]["token_ids"] == ar["completions"][0]["token_ids"]
-    assert spec["stats"]["drafted"] > 0
-    report = run("check", *target, "--drafter", "mtp", "--prompt", "def add", "--samples", 200, "--temperature", 1.0,
-                 "--k", 2, "--greedy-tokens", 12, "--json")
-    assert report["passed"] and report["greedy"]["passed"] and report["sampled"]["passed"], report
+    assert_cli_spec_equals_ar_and_check_passes(folder, ["--drafter", "mtp"])

@@ -17,15 +17,14 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.dflash import DFlashModel
 from specdraft.models.mtp_loading import full_target_head
-from specdraft.sampling import sample
 
 
-class DFlashDrafter(FeatureDrafter):
+class DFlashDrafter(CatchUpDrafter):
     """Draft with a DFlash block draft for `target` (see the module doc)."""
 
     name = "dflash"
@@ -33,50 +32,27 @@ class DFlashDrafter(FeatureDrafter):
 
     def __init__(self, target: CausalLM, model: DFlashModel, min_confidence: float = 0.0) -> None:
         config = model.config
-        if config.vocab_size != target.vocab_size or config.hidden_size != target.config.hidden_size:
-            raise SpecdraftError(f"This DFlash draft was made for a target {config.hidden_size} wide with "
-                                 f"{config.vocab_size} tokens (its config.json); {target.name} is "
-                                 f"{target.config.hidden_size} wide with {target.vocab_size}. Use the draft "
-                                 "published for this target.")
+        self.check_made_for(target, config.hidden_size, config.vocab_size, "a target",
+                            "Use the draft published for this target.")
         if any(not 0 <= i < target.config.num_hidden_layers for i in config.target_layers):
             raise SpecdraftError(f"This DFlash draft reads the outputs of target layers "
                                  f"{[i - 1 for i in config.target_layers]} (dflash_config.target_layer_ids); "
                                  f"{target.name} has {target.config.num_hidden_layers} layers and the last one's "
                                  "output is not read.")
         super().__init__(target, config.hidden_size, None, min_confidence, head=full_target_head(target))
-        self.target, self.model = target, model
         self.features_width = len(config.target_layers) * config.hidden_size  # the layers' states side by side
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, features_width] states not yet in the caches
-        self._real = 0  # context rows in the caches
+        self.attach(target, model)  # `_real`: context rows in the caches
         target.read_features_at(self, config.target_layers)
 
     def sibling(self) -> "DFlashDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its caches and pending states its own
+        twin = super().sibling()  # its caches and pending states its own
         self.target.read_features_at(twin, self.model.config.target_layers)
         return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, features_width]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:
-            return None
-        return super().source(ctx, declined)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, config = self.model, self.model.config
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError("dflash drafter: asked to propose with no new target features")
-        fresh, self._pending = torch.cat(self._pending), []  # [n, features_width]
+        fresh = self.take_pending()  # [n, features_width]
         start, anchor = self._real, self._real + fresh.shape[0]
         block = torch.full((config.block_size,), config.mask_token_id, device=ctx.sequence.device)  # [B]
         block[0] = ctx.sequence[anchor]
@@ -84,22 +60,7 @@ class DFlashDrafter(FeatureDrafter):
         self._real = anchor
         depth = min(k, ctx.max_depth or k, config.block_size - 1)
         logits = self.vocab_head(out[1:1 + depth])  # [depth, V]: row i - 1 for the token at anchor + i
-        greedy = ctx.params.greedy
-        drafted, rows = [], []
-        survival = 1.0
-        for i in range(depth):
-            row = logits[i:i + 1]  # [1, V]
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                row = ctx.constrain(row, [[int(t) for t in drafted]])
-            probs = head_distributions(row, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            drafted.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:  # the next token is not drawn; this one stays
-                    break
-        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
+        return self.draw_chain(ctx, depth, lambda i, previous: logits[i:i + 1])  # rows never read the tokens drawn
 
     def commit(self, prev_len: int, path: list[int]) -> None:
         """Nothing to cut: the caches hold only the target's context, never the block."""

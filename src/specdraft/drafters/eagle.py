@@ -17,13 +17,12 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.feature import CatchUpDrafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.eagle import EagleDrafterModel
-from specdraft.sampling import sample
 
 
-class EagleDrafter(FeatureDrafter):
+class EagleDrafter(CatchUpDrafter):
     """Draft with an EAGLE feature drafter trained for `target` (see `models.eagle`)."""
 
     name = "eagle"
@@ -32,29 +31,7 @@ class EagleDrafter(FeatureDrafter):
     def __init__(self, target: CausalLM, model: EagleDrafterModel, vocab_ids: torch.Tensor,
                  min_confidence: float = 0.0) -> None:
         super().__init__(target, model.config.hidden_size, vocab_ids, min_confidence)
-        self.model = model
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, H] features not yet in the drafter's cache
-        self._real = 0  # cache entries built from the target's own features
-
-    def sibling(self) -> "EagleDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending features its own
-        return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, H]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
-            return None
-        return super().source(ctx, declined)
+        self.attach(target, model)
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Feed pairs (features[i], tokens[i]) at positions start.. and return the predicted next features. # [n, H]"""
@@ -64,36 +41,22 @@ class EagleDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, sequence = self.model, ctx.sequence
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError("eagle drafter: asked to propose with no new target features")
+        fresh = self.take_pending()  # [n, H]
         # Catch up: pairs (f_t, x_{t+1}) for every feature that arrived since the last draft.
         model.truncate(self._real)
-        fresh, self._pending = torch.cat(self._pending), []  # [n, H]
         start = self._real
         predicted = self._step(fresh, sequence[start + 1:start + 1 + fresh.shape[0]], start)[-1:]  # [1, H]
         self._real = start + fresh.shape[0]
         if ctx.tree_branch > 1:
             return self._tree(ctx, k, predicted)
-        greedy = ctx.params.greedy
-        tokens, rows = [], []
-        survival = 1.0
-        depth = min(k, ctx.max_depth or k)
-        for i in range(depth):
-            logits = self.vocab_head(predicted)  # [1, V]
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                logits = ctx.constrain(logits, [[int(t) for t in tokens]])
-            probs = head_distributions(logits, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            tokens.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:
-                    break
-            if i < depth - 1:
-                predicted = self._step(predicted, token, self._real + i)  # [1, H]
-        draft = torch.cat(tokens)  # [k]
-        return Draft.chain(draft, None if greedy else torch.cat(rows))
+
+        def row_logits(i: int, previous: torch.Tensor | None) -> torch.Tensor:  # [1, V]
+            nonlocal predicted
+            if i:  # the previous token fed back with the feature predicted before it
+                predicted = self._step(predicted, previous, self._real + i - 1)  # [1, H]
+            return self.vocab_head(predicted)
+
+        return self.draw_chain(ctx, min(k, ctx.max_depth or k), row_logits)
 
     def _tree(self, ctx: DraftContext, budget: int, root_feature: torch.Tensor) -> Draft:
         """A dynamic tree (see `dynamic_tree`): each level's nodes are fed with their parents' predicted

@@ -18,8 +18,6 @@ tokens return as real pairs at the next catch-up (`layer_head.LayerHeadDrafter`,
 
 from __future__ import annotations
 
-import torch
-
 from specdraft.drafters.layer_head import LayerHeadDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -44,11 +42,7 @@ class Eagle3Drafter(LayerHeadDrafter):
         super().__init__(target, config.target_hidden_size, None, min_confidence, head=model.lm_head)
         self.layers = config.resolved_aux_layers(target.config.num_hidden_layers)
         self.features_width = len(self.layers) * config.target_hidden_size  # the layers' states side by side
-        self.target, self.model = target, model
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, num_aux * H_target] features not yet in the layer's cache
-        self._real = 0  # cache rows built from the target's own features
+        self.attach(target, model)
         target.read_features_at(self, self.layers)
 
     def sibling(self) -> "Eagle3Drafter":

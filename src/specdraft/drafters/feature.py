@@ -1,19 +1,22 @@
-"""What the trained drafters (`medusa`, `eagle`, `eagle3`) share: they read the target's hidden states and score
-tokens through a head over part of the vocabulary (the target's own LM head restricted to their vocabulary, or the
-head's own: EAGLE-3's)."""
+"""What the trained drafters (`medusa`, `eagle`, `eagle3`, `mtp`, `dflash`) share: they read the target's hidden
+states and score tokens through a head over part of the vocabulary (the target's own LM head restricted to their
+vocabulary, or the head's own: EAGLE-3's). `CatchUpDrafter` adds what those with a cache of the target's states
+(`eagle`, `eagle3`, `mtp`, `dflash`) share: the states pending until the next draft catches up on them."""
 
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter
+from specdraft.drafters.base import Draft, DraftContext, Drafter
 from specdraft.drafters.dynamic_tree import ranking
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import SubsetHead, target_subset_head
 from specdraft.models.quantize import int4_kernel_available, quantize_int4
+from specdraft.sampling import sample
 
 
 def head_distributions(logits: torch.Tensor, ctx: DraftContext) -> torch.Tensor:
@@ -56,6 +59,29 @@ class FeatureDrafter(Drafter):
         cache) makes that its own here."""
         return copy.copy(self)
 
+    def draw_chain(self, ctx: DraftContext, depth: int,
+                   row_logits: Callable[[int, torch.Tensor | None], torch.Tensor]) -> Draft:
+        """A chain of up to `depth` tokens: token i is drawn from (greedy: the argmax of) the distribution of
+        `row_logits(i, token i - 1)` (# [1, V]; None before the first), masked by a constraint after the tokens
+        drawn before it. The chain stops after the token that takes the product of the drawn tokens' probabilities
+        below `min_confidence`: whether a token is drawn never depends on its own value."""
+        greedy = ctx.params.greedy
+        drafted, rows = [], []
+        survival, token = 1.0, None
+        for i in range(depth):
+            logits = row_logits(i, token)  # [1, V]
+            if ctx.grammar is not None:  # masked after the tokens drafted so far
+                logits = ctx.constrain(logits, [[int(t) for t in drafted]])
+            probs = head_distributions(logits, ctx)  # [1, V]
+            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
+            drafted.append(token)
+            rows.append(probs)
+            if self.min_confidence:
+                survival *= float(probs[0, token[0]])
+                if survival < self.min_confidence:  # the next token is not drawn; this one stays
+                    break
+        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
+
     def run_in_int4(self, module: torch.nn.Module) -> None:
         """On the CPU, swap the linears of `module` (the trained weights) and of the vocabulary head for int4
         kernels, as `--draft-quant auto` does for a draft model: a bandwidth-bound draft token then reads a
@@ -65,3 +91,51 @@ class FeatureDrafter(Drafter):
             quantize_int4(module)
             if not any(part is self.vocab_head for part in module.modules()):  # an EAGLE-3 head's is the module's
                 quantize_int4(self.vocab_head)
+
+
+class CatchUpDrafter(FeatureDrafter):
+    """A feature drafter whose weights' module (`self.model`) caches the target's states: those handed over since
+    the last draft wait in `_pending` until `propose` catches up on them; `_real` counts the cached positions built
+    from the target's own states. A subclass calls `attach` once its vocabulary head is set."""
+
+    def attach(self, target: CausalLM, model: torch.nn.Module) -> None:
+        """Draft with `model` (the trained weights, in int4 where `run_in_int4` does so) and `target`'s input
+        embeddings; nothing pending yet."""
+        self.target, self.model = target, model
+        self.run_in_int4(self.model)
+        self.embed = target.model.get_input_embeddings()
+        self._pending: list[torch.Tensor] = []  # [n, features_width] states not yet in the cache
+        self._real = 0  # cache positions built from the target's own states
+
+    def sibling(self) -> "CatchUpDrafter":
+        twin = super().sibling()
+        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending states its own
+        return twin
+
+    def begin(self, prompt: torch.Tensor) -> None:
+        self.model.reset_cache(prompt.shape[0] + 256)
+        self._pending, self._real = [], 0
+
+    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, features_width]
+        if self.checked(hidden).shape[0]:
+            self._pending.append(hidden)
+
+    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
+        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
+            return None
+        return super().source(ctx, declined)
+
+    def take_pending(self) -> torch.Tensor:
+        """The states handed over since the last draft, in order (# [n, features_width]); none are pending after."""
+        if not self._pending:  # the engine hands over features after every step, so this is a bug
+            raise RuntimeError(f"{self.name} drafter: asked to propose with no new target features")
+        fresh, self._pending = torch.cat(self._pending), []
+        return fresh
+
+    def check_made_for(self, target: CausalLM, hidden_size: int, vocab_size: int, made_for: str, advice: str) -> None:
+        """Refuse a `target` of another width or vocabulary than the checkpoint's (`made_for`: what the checkpoint
+        calls its target; `advice`: what to do instead)."""
+        if vocab_size != target.vocab_size or hidden_size != target.config.hidden_size:
+            raise SpecdraftError(f"This {self.description} was made for {made_for} {hidden_size} wide with "
+                                 f"{vocab_size} tokens (its config.json); {target.name} is "
+                                 f"{target.config.hidden_size} wide with {target.vocab_size}. {advice}")

@@ -22,32 +22,12 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.dynamic_tree import grow_dynamic_tree
-from specdraft.drafters.feature import FeatureDrafter, head_distributions
-from specdraft.sampling import sample
+from specdraft.drafters.feature import CatchUpDrafter
 
 
-class LayerHeadDrafter(FeatureDrafter):
-    """Drafting with a one-layer head over the target's states (see the module doc). A subclass sets `self.model`,
-    `self.target`, `self.embed` (the target's input embeddings) and `self.features_width`, and starts
-    `self._pending = []`, `self._real = 0`."""
-
-    def sibling(self) -> "LayerHeadDrafter":
-        twin = super().sibling()
-        twin.model, twin._pending = self.model.with_own_cache(), []  # its cache and pending states its own
-        return twin
-
-    def begin(self, prompt: torch.Tensor) -> None:
-        self.model.reset_cache(prompt.shape[0] + 256)
-        self._pending, self._real = [], 0
-
-    def features(self, hidden: torch.Tensor) -> None:  # hidden: [n, features_width]
-        if self.checked(hidden).shape[0]:
-            self._pending.append(hidden)
-
-    def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
-        if not self._pending and self._real == 0:  # a one-token prompt: nothing to read yet
-            return None
-        return super().source(ctx, declined)
+class LayerHeadDrafter(CatchUpDrafter):
+    """Drafting with a one-layer head over the target's states (see the module doc). A subclass calls `attach` with
+    the head, having set `self.features_width` where it reads several layers' states side by side."""
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [n] -> [n, H]
         return self.model.embed(tokens, self.embed).to(self.dtype)
@@ -55,11 +35,9 @@ class LayerHeadDrafter(FeatureDrafter):
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:
         model, sequence = self.model, ctx.sequence
-        if not self._pending:  # the engine hands over features after every step, so this is a bug
-            raise RuntimeError(f"{self.name} drafter: asked to propose with no new target features")
+        fresh = self.take_pending()  # [n, features_width]
         # Catch up: pairs (project(f_t), x_{t+1}) for every feature that arrived since the last draft.
         model.truncate(self._real)
-        fresh, self._pending = torch.cat(self._pending), []  # [n, features_width]
         start = self._real
         tokens = sequence[start + 1:start + 1 + fresh.shape[0]]  # [n]
         positions = torch.arange(start, start + fresh.shape[0], device=tokens.device)  # [n]
@@ -67,26 +45,15 @@ class LayerHeadDrafter(FeatureDrafter):
         self._real = start + fresh.shape[0]
         if ctx.tree_branch > 1:
             return self._tree(ctx, k, out)
-        greedy = ctx.params.greedy
-        drafted, rows = [], []
-        survival = 1.0
-        depth = min(k, ctx.max_depth or k)
-        for i in range(depth):
-            logits = model.draft_logits(out)  # [1, V]: -inf off the draft vocabulary
-            if ctx.grammar is not None:  # masked after the tokens drafted so far
-                logits = ctx.constrain(logits, [[int(t) for t in drafted]])
-            probs = head_distributions(logits, ctx)  # [1, V]
-            token = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [1]
-            drafted.append(token)
-            rows.append(probs)
-            if self.min_confidence:
-                survival *= float(probs[0, token[0]])
-                if survival < self.min_confidence:
-                    break
-            if i < depth - 1:
-                position = torch.full((1,), self._real + i, device=token.device)
-                out = model(model.fed_back(out), self._embed(token), position)  # [1, H]
-        return Draft.chain(torch.cat(drafted), None if greedy else torch.cat(rows))
+
+        def row_logits(i: int, previous: torch.Tensor | None) -> torch.Tensor:  # [1, V]: -inf off the vocabulary
+            nonlocal out
+            if i:  # the previous token fed back
+                position = torch.full((1,), self._real + i - 1, device=previous.device)
+                out = model(model.fed_back(out), self._embed(previous), position)  # [1, H]
+            return model.draft_logits(out)
+
+        return self.draw_chain(ctx, min(k, ctx.max_depth or k), row_logits)
 
     def _tree(self, ctx: DraftContext, budget: int, root_out: torch.Tensor) -> Draft:
         """A dynamic tree (see `dynamic_tree`): each level's nodes are fed, with what their parents' outputs feed

@@ -9,10 +9,7 @@ drafter's softmax there and the verifier is unchanged.
 
 from __future__ import annotations
 
-import torch
-
 from specdraft.drafters.layer_head import LayerHeadDrafter
-from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.mtp import MtpModel
 
@@ -25,14 +22,7 @@ class MtpDrafter(LayerHeadDrafter):
 
     def __init__(self, target: CausalLM, model: MtpModel, min_confidence: float = 0.0) -> None:
         config = model.config
-        if config.vocab_size != target.vocab_size or config.hidden_size != target.config.hidden_size:
-            raise SpecdraftError(f"This MTP layer was made for a model {config.hidden_size} wide with "
-                                 f"{config.vocab_size} tokens (its config.json); {target.name} is "
-                                 f"{target.config.hidden_size} wide with {target.vocab_size}. Point --trained at the "
-                                 "target's own checkpoint folder.")
+        self.check_made_for(target, config.hidden_size, config.vocab_size, "a model",
+                            "Point --trained at the target's own checkpoint folder.")
         super().__init__(target, config.hidden_size, None, min_confidence, head=model.lm_head)
-        self.target, self.model = target, model
-        self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
-        self._pending: list[torch.Tensor] = []  # [n, H] final states not yet in the layer's cache
-        self._real = 0  # cache rows built from the target's own states
+        self.attach(target, model)

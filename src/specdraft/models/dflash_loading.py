@@ -20,20 +20,10 @@ from pathlib import Path
 import torch
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.checkpoint_tensors import DECODER_LAYER_NAMES, check_shapes, read_weights
 from specdraft.models.dflash import DFlashConfig, DFlashModel
-from specdraft.models.eagle3_loading import _read_weights
 
 LAYER_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.(.+)")
-LAYER_NAMES = {  # published name (after layers.{i}.) -> ours
-    "input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight":
-    "post_attention_layernorm.weight", "self_attn.q_proj.weight": "q_proj.weight",
-    "self_attn.k_proj.weight": "k_proj.weight", "self_attn.v_proj.weight": "v_proj.weight",
-    "self_attn.o_proj.weight": "o_proj.weight", "self_attn.q_proj.bias": "q_proj.bias",
-    "self_attn.k_proj.bias": "k_proj.bias", "self_attn.v_proj.bias": "v_proj.bias",
-    "self_attn.o_proj.bias": "o_proj.bias", "self_attn.q_norm.weight": "q_norm.weight",
-    "self_attn.k_norm.weight": "k_norm.weight", "mlp.gate_proj.weight": "gate_proj.weight",
-    "mlp.up_proj.weight": "up_proj.weight", "mlp.down_proj.weight": "down_proj.weight",
-}
 TOP_NAMES = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
@@ -53,7 +43,7 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     if not (folder / "config.json").is_file():
         raise SpecdraftError(f"--trained {path}: no config.json there (a DFlash checkpoint folder holds config.json "
                              "and model.safetensors).")
-    config, tensors = from_published(json.loads((folder / "config.json").read_text()), _read_weights(folder),
+    config, tensors = from_published(json.loads((folder / "config.json").read_text()), read_weights(folder),
                                      str(folder))
     return build_dflash(config, tensors, str(folder), dtype, device)
 
@@ -66,8 +56,8 @@ def from_published(raw: dict, published: dict[str, torch.Tensor], where: str = "
     tensors, unknown = {}, []
     for name, value in published.items():
         match = LAYER_NAME.fullmatch(name)
-        if match and match.group(2) in LAYER_NAMES:
-            tensors[f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"] = value
+        if match and match.group(2) in DECODER_LAYER_NAMES:
+            tensors[f"layers.{match.group(1)}.{DECODER_LAYER_NAMES[match.group(2)]}"] = value
         elif name.removeprefix("model.") in TOP_NAMES:
             tensors[name.removeprefix("model.")] = value
         else:
@@ -113,9 +103,6 @@ def build_dflash(config: DFlashConfig, tensors: dict[str, torch.Tensor], where: 
     if extra:
         raise SpecdraftError(f"{where}: tensors {', '.join(extra)} that its config.json does not declare (check "
                              "num_hidden_layers and attention_bias).")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise SpecdraftError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, the config asks for "
-                                 f"{shape}; the config.json and the weights disagree.")
+    check_shapes(tensors, expected, None, where)
     model.load_state_dict({name: value.to(dtype) for name, value in tensors.items()}, assign=True)
     return model.to(device).eval().requires_grad_(False)

@@ -22,7 +22,6 @@ biases on q/k/v/o (`attention_bias`). The layer keeps its own position-indexed K
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,7 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.draft_head import SubsetHead
-from specdraft.models.layer_cache import LayerKVCache, cached_attention
+from specdraft.models.layer_cache import LayerKVCache, OwnsLayerCache, cached_attention
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # position-independent frequencies: what a cached layer can use
 
@@ -141,7 +140,7 @@ def attention_and_mlp(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(OwnsLayerCache, nn.Module):
     """An EAGLE-3 head: `project` (fc over the target's aux states), one decoder layer over [embedding ; state]
     with a KV cache, and `lm_head` over the draft vocabulary (see the module doc)."""
 
@@ -175,23 +174,6 @@ class Eagle3Model(nn.Module):
             inv_freq, self.attention_scaling = rotary_frequencies(config)
         self._inv_freq = inv_freq  # [d/2] float32, kept out of `.to(dtype)`: positions need its precision
         self.cache = LayerKVCache(config.num_kv_heads, d)
-
-    # ----- the cache ---------------------------------------------------------------------
-    def with_own_cache(self) -> "Eagle3Model":
-        """These weights (shared, not copied) with an empty cache of their own: one per sequence drafting."""
-        twin = copy.copy(self)
-        twin.cache = self.cache.fresh()
-        return twin
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    def reset_cache(self, capacity: int = 0) -> None:
-        self.cache.reset(capacity)
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
 
     # ----- running it ----------------------------------------------------------------------
     def project(self, features: torch.Tensor) -> torch.Tensor:

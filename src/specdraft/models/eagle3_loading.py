@@ -31,9 +31,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
+from specdraft.models.checkpoint_tensors import DECODER_LAYER_NAMES, check_shapes, read_weights
 from specdraft.models.eagle3 import Eagle3Config, Eagle3Model
 from specdraft.models.gguf_header import read_header
 from specdraft.models.gguf_native import _rotary_row_order, _TensorFile
@@ -41,15 +41,7 @@ from specdraft.models.gguf_native import _rotary_row_order, _TensorFile
 IGNORED = {"t2d", "verifier_lm_head.weight", "verifier_norm.weight"}  # never read at inference (the sources agree)
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # SpecForge, speculators, a transformers-style save
 LAYER_NAMES = {  # the published decoder layer's names (after the prefix) -> ours
-    "input_layernorm.weight": "input_layernorm.weight", "hidden_norm.weight": "hidden_norm.weight",
-    "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
-    "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
-    "self_attn.q_proj.bias": "q_proj.bias", "self_attn.k_proj.bias": "k_proj.bias",
-    "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.bias": "o_proj.bias",
-    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
-    "mlp.down_proj.weight": "down_proj.weight",
+    **DECODER_LAYER_NAMES, "hidden_norm.weight": "hidden_norm.weight",
 }
 TOP_NAMES = {"fc.weight", "input_norm.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t"}
 GGUF_NAMES = {  # llama.cpp's names -> ours (blk.0 is the one layer)
@@ -94,7 +86,7 @@ def read_folder(folder: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     if not config_file.is_file():
         raise SpecdraftError(f"{folder} has no config.json: an EAGLE-3 checkpoint folder holds config.json and its "
                              "weights (model.safetensors).")
-    return from_published(json.loads(config_file.read_text()), _read_weights(folder), str(folder))
+    return from_published(json.loads(config_file.read_text()), read_weights(folder), str(folder))
 
 
 def from_published(raw: dict, published: dict[str, torch.Tensor],
@@ -125,28 +117,6 @@ def _our_name(name: str) -> str | None:
         if name.startswith(prefix):
             return LAYER_NAMES.get(name[len(prefix):])
     return None
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weights: model.safetensors, shards named by model.safetensors.index.json,
-    any single *.safetensors, or pytorch_model.bin (read as weights only)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as handle:
-            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
-    if not files and (folder / "pytorch_model.bin").is_file():
-        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    if not tensors:
-        raise SpecdraftError(f"{folder} has no weights: put the head's model.safetensors (or pytorch_model.bin) "
-                             "beside its config.json.")
-    return tensors
 
 
 def _layer_config(raw: dict) -> tuple[object, str]:
@@ -313,11 +283,7 @@ def build_eagle3(config: Eagle3Config, tensors: dict[str, torch.Tensor], where: 
     if extra:
         raise SpecdraftError(f"{where}: tensors {', '.join(extra)} that this head's config.json does not declare "
                              "(check attention_bias, norm_before_fc, fc_norm and the layer's model_type).")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            keys = SHAPE_KEYS.get(name, "hidden_size")
-            raise SpecdraftError(f"{where}: {name} has shape {tuple(state[name].shape)}, the config asks for {shape} "
-                                 f"(from {keys}); the config.json and the weights disagree.")
+    check_shapes(state, expected, SHAPE_KEYS, where)
     model.load_state_dict({name: value.to(dtype) if value.is_floating_point() else value
                            for name, value in state.items()}, assign=True)
     return model.to(device).eval().requires_grad_(False)

@@ -7,6 +7,9 @@ next pass (gpt-fast's habit); `keep` gathers a tree pass's accepted rows in plac
 
 from __future__ import annotations
 
+import copy
+from typing import Self
+
 import torch
 from torch.nn import functional as F
 
@@ -67,6 +70,29 @@ class LayerKVCache:
             keys[:, :self.length] = self.keys[:, :self.length]
             values[:, :self.length] = self.values[:, :self.length]
         self.keys, self.values = keys, values
+
+
+class OwnsLayerCache:
+    """The cache methods of a one-layer drafter's module (`eagle3.Eagle3Model`, `mtp.MtpModel`) that keeps its
+    layer's `LayerKVCache` in `self.cache`."""
+
+    cache: LayerKVCache
+
+    def with_own_cache(self) -> Self:
+        """These weights (shared, not copied) with an empty cache of their own: one per sequence drafting."""
+        twin = copy.copy(self)
+        twin.cache = self.cache.fresh()
+        return twin
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.length
+
+    def reset_cache(self, capacity: int = 0) -> None:
+        self.cache.reset(capacity)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
 
 
 def cached_attention(cache: LayerKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

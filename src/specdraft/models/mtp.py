@@ -20,7 +20,6 @@ position-indexed KV cache (`layer_cache`). The interface is the one `drafters.la
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specdraft.models.draft_head import SubsetHead
 from specdraft.models.eagle3 import attention_and_mlp, rotary_frequencies
-from specdraft.models.layer_cache import LayerKVCache
+from specdraft.models.layer_cache import LayerKVCache, OwnsLayerCache
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class MtpConfig:
     source: str = ""  # where it was read from
 
 
-class MtpModel(nn.Module):
+class MtpModel(OwnsLayerCache, nn.Module):
     """One MTP layer: `enorm`, `hnorm`, `eh_proj`, a decoder layer with a KV cache, `shared_head_norm`, and the head
     (`lm_head`, a full-vocabulary `SubsetHead`: set by the loader, own or the target's). See the module doc."""
 
@@ -88,23 +87,6 @@ class MtpModel(nn.Module):
     def attach_head(self, head: SubsetHead) -> None:
         """Score with `head` (over the whole vocabulary: `ids` = 0 .. V - 1)."""
         self.lm_head = head
-
-    # ----- the cache ---------------------------------------------------------------------
-    def with_own_cache(self) -> "MtpModel":
-        """These weights (shared, not copied) with an empty cache of their own: one per sequence drafting."""
-        twin = copy.copy(self)
-        twin.cache = self.cache.fresh()
-        return twin
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    def reset_cache(self, capacity: int = 0) -> None:
-        self.cache.reset(capacity)
-
-    def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
 
     # ----- running it ----------------------------------------------------------------------
     def project(self, features: torch.Tensor) -> torch.Tensor:

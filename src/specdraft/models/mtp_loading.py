@@ -21,26 +21,18 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
+from specdraft.models.checkpoint_tensors import DECODER_LAYER_NAMES, check_shapes, read_safetensors
 from specdraft.models.draft_head import SubsetHead, target_subset_head
 from specdraft.models.mtp import MtpConfig, MtpModel
 
 COUNT_KEYS = ("num_nextn_predict_layers",)  # DeepSeek-V3, GLM-4.5, MiMo
 LAYER_NAMES = {  # published name (after model.layers.{L}.) -> ours
-    "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-    "shared_head.norm.weight": "shared_head_norm.weight", "shared_head.head.weight": "lm_head.weight",
-    "embed_tokens.weight": "embed_tokens.weight", "input_layernorm.weight": "input_layernorm.weight",
-    "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
-    "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
-    "self_attn.q_proj.bias": "q_proj.bias", "self_attn.k_proj.bias": "k_proj.bias",
-    "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.bias": "o_proj.bias",
-    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
-    "mlp.down_proj.weight": "down_proj.weight",
+    **DECODER_LAYER_NAMES, "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "shared_head_norm.weight",
+    "shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "embed_tokens.weight",
 }
 SHAPE_KEYS = {  # which config keys set each tensor's shape, for the error that names a misshapen one
     "q_proj.weight": "hidden_size, num_attention_heads, head_dim", "o_proj.weight": "num_attention_heads, head_dim",
@@ -83,21 +75,8 @@ def mtp_layer_index(raw: dict, where: str) -> int:
 
 
 def read_layer_tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix` (the name after it) in the folder's safetensors: model.safetensors, the shards
-    model.safetensors.index.json names for them, or every *.safetensors file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({file for name, file in weight_map.items() if name.startswith(prefix)})
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as handle:
-            tensors.update({key[len(prefix):]: handle.get_tensor(key) for key in handle.keys()
-                            if key.startswith(prefix)})
+    """The tensors under `prefix` (the name after it) in the folder's safetensors (`read_safetensors`), at least one."""
+    tensors = read_safetensors(folder, prefix)
     if not tensors:
         raise SpecdraftError(f"{folder}: config.json declares MTP layers but no weights are named {prefix}* (a "
                              "conversion that dropped them? transformers' save_pretrained does; MiMo-7B keeps its "
@@ -181,11 +160,7 @@ def build_mtp(config: MtpConfig, tensors: dict[str, torch.Tensor], where: str,
     if missing:
         raise SpecdraftError(f"{where}: its MTP layer lacks {', '.join(missing)} (as named in "
                              "specdraft.models.mtp; published under model.layers.{num_hidden_layers}.).")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            keys = SHAPE_KEYS.get(name, "hidden_size")
-            raise SpecdraftError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, the config asks for {shape} "
-                                 f"(from {keys}); the config.json and the weights disagree.")
+    check_shapes(tensors, expected, SHAPE_KEYS, where)
     state = {name: value.to(dtype) for name, value in tensors.items() if name != "lm_head.weight"}
     model.load_state_dict(state, assign=True)
     model = model.to(device).eval().requires_grad_(False)
