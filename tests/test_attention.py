@@ -181,3 +181,31 @@ def test_soft_capped_scores_match_the_definition(level, mask_form, monkeypatch):
     torch.testing.assert_close(out.double(), want, rtol=1e-2, atol=1e-2)  # bf16 output rounding
     uncapped = few_query_attention(query, key, value, mask, dim ** -0.5)
     assert (uncapped.double() - want).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_weights_below_the_least_normal_float_count_zero(level, monkeypatch):
+    """A key scored more than 87 below the row's best would get a subnormal weight (slow in every multiply-add that
+    reads it); the kernels count it zero (`shared/normal_exp.h`). Its value row is so large (3e38) that a weight of
+    exp(-88) = 6e-39 would add about 1.8 to an output that is otherwise 0; one of exp(-86) = 4e-38 (normal) still
+    counts."""
+    from specdraft.kernels import isa, numerics
+
+    if not isa.CPU_FLAGS[level] <= isa.cpu_flags():
+        pytest.skip(f"this CPU has no {level}")
+    monkeypatch.setenv(numerics.ISA_VARIABLE, level)
+    dim = 32
+    query = torch.zeros(1, 1, 1, dim, dtype=torch.bfloat16)
+    query[..., 0] = 1.0
+    value = torch.zeros(1, 1, 2, dim, dtype=torch.bfloat16)
+    value[0, 0, 1] = 3e38  # the low-scored key's row
+    for gap, counts in ((88.0, False), (86.0, True)):
+        key = torch.zeros(1, 1, 2, dim, dtype=torch.bfloat16)
+        key[0, 0, 0, 0] = gap  # the best key; the other scores 0: `gap` below it
+        out = cache_attention.attend(query, key, value, None, 1.0)[0, 0, 0].float()  # [d]
+        weight = torch.tensor(-gap).exp().item()
+        assert torch.isfinite(out).all()
+        if counts:
+            torch.testing.assert_close(out, torch.full((dim,), weight * 3e38), rtol=2e-2, atol=0.0)
+        else:
+            assert torch.equal(out, torch.zeros(dim))

@@ -18,13 +18,17 @@
 #include <stdlib.h>
 
 #include "vectors.h"
+#include "../shared/normal_exp.h"
 
 #define MAX_DIM 256
 #define HIDDEN_BELOW (-1e30f)  /* mask values at or below this hide a key */
 #define VALUE_LANES 8          /* output vectors accumulated per sweep over the keys (64 values) */
 
-/* exp(x) for x <= 0 (x below -100 gives about 0). */
-static inline __m256 exp_nonpositive8(__m256 x) { return exp_reduced8(_mm256_max_ps(x, _mm256_set1_ps(-100.0f))); }
+/* exp(x) for x <= 0; 0 below NORMAL_EXP_FLOOR (see there). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(NORMAL_EXP_FLOOR), _CMP_GE_OQ);
+    return _mm256_and_ps(normal, exp_reduced8(_mm256_max_ps(x, _mm256_set1_ps(NORMAL_EXP_FLOOR))));
+}
 
 /* scores[0 .. count) = cap · tanh(scores / cap), with tanh(y) = sign(y) (1 − e) / (1 + e), e = exp(−2 |y|) (as
  * `soft_cap_scores` of `avx512/attention.h`: an absolute error of about 1e-7 · cap). */

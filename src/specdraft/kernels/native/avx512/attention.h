@@ -31,13 +31,15 @@
 #include <stdint.h>
 
 #include "vectors.h"
+#include "../shared/normal_exp.h"
 #include <stdlib.h>
 
 #define MAX_DIM 256
 
-/* exp(x) for x <= 0 (x below -100 gives about 0), relative error about 2e-7. */
+/* exp(x) for x <= 0, relative error about 2e-7; 0 below NORMAL_EXP_FLOOR (see there). */
 static inline __m512 exp_nonpositive(__m512 x) {
-    return exp_reduced(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)));
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(NORMAL_EXP_FLOOR), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(normal, exp_reduced(_mm512_max_ps(x, _mm512_set1_ps(NORMAL_EXP_FLOOR))));
 }
 
 #define HIDDEN_BELOW (-1e30f)  /* mask values at or below this hide a key */
