@@ -155,7 +155,7 @@ def test_every_drafter_answers_validly_and_greedy_equals_ar(lm, tokenizer, kind)
             assert sum(out.stats.drafted for out in sampled) > 0 or name in ("ngram", "suffix"), name
 
 
-@pytest.mark.parametrize("name", [None, "model", "eagle", "medusa"])
+@pytest.mark.parametrize("name", [None, "model", "eagle", "medusa", "dflash"])
 def test_the_batch_decoder_answers_as_a_single_request(lm, tokenizer, name):
     """Batched, each answer under the schema equals its single-request answer (plain, a draft model's chains and
     trees, feature drafters), and the tokens the grammar forces are appended without a pass there too."""

@@ -5,12 +5,13 @@
   `dflash/model.py`: `DFlashDraftModel.forward`, `Qwen3DFlashAttention`, `extract_context_feature`), float32, 1e-4,
   the reference recomputing the whole context each time while ours keeps it in the caches (two passes).
 - Loading: a missing or misshapen tensor, no mask token, layers the target lacks: each a SpecdraftError.
-- Tier 3: greedy `spec` equals `ar` with the dflash drafter (chains, the default cut, a tree asked for), single and
-  batched.
-- Tier 2: sampled output with the confidence cut on (it bites: threshold 0.3) follows the target exactly by a
-  chi-square test, 1,500 draws over 64 cells (catches every bias of total variation >= 0.105 with probability 0.9 at
-  alpha 1e-3: `detectable_bias`), with a planted-bias control the same test must reject: each row's argmax proposed
-  under the row as its q (tokens not drawn from the q handed over).
+- Tier 3: greedy `spec` equals `ar` with the dflash drafter (chains, the default cut, trees over the block's rows),
+  single and batched.
+- Tier 2: sampled output, chains with the confidence cut on (it bites: threshold 0.2) and trees, follows the target
+  exactly by a chi-square test, 1,500 draws over 64 cells (catches every bias of total variation >= 0.105 with
+  probability 0.9 at alpha 1e-3: `detectable_bias`), with a planted-bias control the same test must reject, for
+  chains and trees: each drawn token replaced by its row's argmax, proposed under the row as its q (tokens not drawn
+  from the q handed over).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from conftest import (PROMPTS, assert_batch_answers_as_alone, assert_cli_spec_equals_ar_and_check_passes,
-                      assert_planted_bias_caught, assert_sampled_output_follows, sharpened, small_sampling_target)
+                      assert_greedy_spec_equals_ar, assert_planted_bias_caught, assert_sampled_output_follows,
+                      sharpened, small_sampling_target)
 from dflash_checkpoints import random_dflash, save_dflash
 from specdraft import SpeculativeDecoder
 from specdraft.drafters import DFlashDrafter, Draft, make_drafter
@@ -154,22 +156,16 @@ def test_broken_checkpoints_say_what_to_fix(targets, tmp_path):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("tree", [0, 6])
 def test_greedy_spec_equals_ar(targets, tmp_path, name, tree):
-    """Chains (k=4: up to the block's rows; no cut and the default cut); asked for a tree, the chain."""
+    """Chains (k=4: up to the block's rows; no cut and the default cut) and trees over the block's rows (6 nodes, 3
+    children)."""
     target_model, _, _, folder = make_case(name, targets, tmp_path / "draft")
-    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
-    target = CausalLM(target_model)
-    for confidence in (0.0, None):
-        drafter = make_drafter("dflash", {"trained": str(folder), "draft-confidence": confidence},
-                               target_model=target)
-        spec = SpeculativeDecoder(target, drafter, k=4, tree_budget=tree, tree_branch=3)
-        outs = [spec.generate(p, max_new_tokens=24) for p in PROMPTS]
-        assert [out.token_ids for out in outs] == expected, (name, tree, confidence)
-        assert sum(out.stats.drafted for out in outs) > 0
+    assert_greedy_spec_equals_ar(CausalLM(target_model), "dflash", {"trained": str(folder)}, tree, name)
 
 
-def test_a_batch_answers_as_alone(targets, tmp_path):
+@pytest.mark.parametrize("tree", [0, 5])
+def test_a_batch_answers_as_alone(targets, tmp_path, tree):
     target_model, _, _, folder = make_case("qwen3", targets, tmp_path / "draft")
-    assert_batch_answers_as_alone(target_model, "dflash", str(folder))
+    assert_batch_answers_as_alone(target_model, "dflash", str(folder), tree)
 
 
 def test_greedy_spec_equals_ar_on_a_packed_gguf_target(tmp_path):
@@ -214,35 +210,46 @@ def small_drafter(target_model, cls=DFlashDrafter):
 
 
 class ArgmaxUnderQ(DFlashDrafter):
-    """Planted bias: each row's most likely token is proposed, but handed to the verifier with the row as its q, as
-    if it had been drawn from it (a greedy block passed off as a sampled one)."""
+    """Planted bias: each drawn token is replaced by its row's most likely token, handed to the verifier with the row
+    as its q, as if it had been drawn from it (a greedy block passed off as a sampled one; a tree's point masses are
+    their own rows' argmax)."""
 
     def propose(self, ctx, k):
         draft = super().propose(ctx, k)
         if draft.q_draft is None:
             return draft
-        return Draft.chain(draft.q_draft.argmax(-1), draft.q_draft)
+        return Draft.tree(draft.q_draft.argmax(-1), draft.parents.tolist(), draft.q_draft)
 
 
-def test_sampled_output_with_the_cut_follows_the_target(small_target):
-    """Chains of up to 3 from one pass, the confidence cut on (it looks only at the tokens drawn before)."""
+TREES = [0, pytest.param(6, marks=pytest.mark.slow)]  # chains, and trees of 6 nodes (slow, as other drafters' trees)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_sampled_output_follows_the_target(small_target, tree):
+    """Chains of up to 3 from one pass with the confidence cut on (it looks only at the tokens drawn before), and
+    trees over the 3 rows (6 nodes, 3 children: the drawn chain, point-mass siblings)."""
     drafter, target = small_drafter(small_target)
-    assert_sampled_output_follows(small_target, SpeculativeDecoder(target, drafter, k=3))
+    decoder = SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3)
+    assert_sampled_output_follows(small_target, decoder)
 
 
-def test_tokens_not_drawn_from_their_q_are_caught(small_target):
-    """The control: the same test rejects the drafter whose tokens are its rows' argmaxes, not draws from them."""
+@pytest.mark.parametrize("tree", TREES)
+def test_tokens_not_drawn_from_their_q_are_caught(small_target, tree):
+    """The control: the same test rejects the drafter whose drawn tokens are its rows' argmaxes, not draws from them."""
     drafter, target = small_drafter(small_target, ArgmaxUnderQ)
-    assert_planted_bias_caught(small_target, SpeculativeDecoder(target, drafter, k=3), "argmax tokens under q")
+    decoder = SpeculativeDecoder(target, drafter, k=3, tree_budget=tree, tree_branch=3)
+    assert_planted_bias_caught(small_target, decoder, "argmax tokens under q")
 
 
 # ----- the command line ---------------------------------------------------------------------------------------------
-def test_generate_and_check_take_a_checkpoint_folder(tiny_model_dirs, tmp_path):
-    """`--drafter dflash --trained FOLDER` on the command line: `generate` equals `ar` greedily, and `specdraft check`
-    passes (greedy identity and the sampled test it sizes itself)."""
+@pytest.mark.parametrize("tree", [[], ["--tree-budget", 8]], ids=["chain", "tree"])
+def test_generate_and_check_take_a_checkpoint_folder(tiny_model_dirs, tmp_path, tree):
+    """`--drafter dflash --trained FOLDER` on the command line, chains and trees: `generate` equals `ar` greedily, and
+    `specdraft check` passes (greedy identity and the sampled test it sizes itself)."""
     from transformers import AutoConfig
 
     config, tensors = random_dflash(AutoConfig.from_pretrained(tiny_model_dirs["target"]), layers=1, block_size=5,
                                     target_layer_ids=[0], seed=5)
     folder = save_dflash(config, tensors, tmp_path / "draft")
-    assert_cli_spec_equals_ar_and_check_passes(tiny_model_dirs["target"], ["--drafter", "dflash", "--trained", folder])
+    assert_cli_spec_equals_ar_and_check_passes(tiny_model_dirs["target"],
+                                               ["--drafter", "dflash", "--trained", folder, *tree])

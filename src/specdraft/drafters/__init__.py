@@ -217,8 +217,8 @@ DRAFTERS: dict[str, DrafterInfo] = {
                           "target's layers, drafts chains or trees over its draft vocabulary (--trained PATH)",
                           _build_eagle3, False, {"trained": TRAINED, "draft-confidence": CONFIDENCE}),
     "dflash": DrafterInfo("a published DFlash block draft: one pass over the target's states proposes the whole "
-                          "chain (--trained FOLDER)", _build_dflash, False, {"trained": TRAINED,
-                                                                              "draft-confidence": CONFIDENCE}),
+                          "chain or tree (--trained FOLDER)", _build_dflash, False, {"trained": TRAINED,
+                                                                                     "draft-confidence": CONFIDENCE}),
     "mtp": DrafterInfo("the target's own multi-token-prediction (MTP / nextn) layer, chained: reads the target's final "
                        "states, shares its embeddings and LM head (DeepSeek-V3 / GLM-4.5 layout; --trained FOLDER, "
                        "default the target's own)", _build_mtp, False, {"trained": TRAINED,

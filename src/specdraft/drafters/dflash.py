@@ -9,7 +9,13 @@ that row is its q.
 The confidence cut (`min_confidence`) keeps drawing while the product of the probabilities of the tokens drawn so
 far stays at or above the threshold: token i is drawn only if the tokens before it keep the product up, so whether a
 token is in the draft never depends on its own value. A constraint masks row i after the tokens drawn before it.
-Trees are not drafted: asked for one, the drafter proposes its chain (a chain is a tree).
+
+Trees (`tree_branch` > 1): the rows are independent, as Medusa's heads are, so the tree is `row_tree`'s best-first
+tree over them, as `medusa` grows it: a node's score is the product of the row probabilities along its path; up to
+`k` nodes, no deeper than the block's rows or `max_depth`. Sampling, each node's first child is drawn from its row
+(its q) and always kept once its parent is; the others are the row's top choices, tried after it as point masses.
+Under a constraint each node's row is masked after its own path. The confidence cut is a chain's; a tree is bounded
+by its budget.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.feature import CatchUpDrafter
+from specdraft.drafters.row_tree import grow_row_tree
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.dflash import DFlashModel
@@ -60,6 +67,8 @@ class DFlashDrafter(CatchUpDrafter):
         self._real = anchor
         depth = min(k, ctx.max_depth or k, config.block_size - 1)
         logits = self.vocab_head(out[1:1 + depth])  # [depth, V]: row i - 1 for the token at anchor + i
+        if ctx.tree_branch > 1:
+            return grow_row_tree(logits, ctx, k, depth)
         return self.draw_chain(ctx, depth, lambda i, previous: logits[i:i + 1])  # rows never read the tokens drawn
 
     def commit(self, prev_len: int, path: list[int]) -> None:

@@ -10,34 +10,21 @@ Chain: head d's top token (greedy) or a token drawn from its warped distribution
 (sampling; verified with min(1, p/q) like any drafted token). With a `min_confidence` the chain
 ends after the first token at which the heads' running product of the chosen tokens' probabilities
 falls below it: that token stays (its presence was decided by the tokens before it), the later
-ones go. Tree (`tree_branch` > 1):
-best-first over the heads' candidates, a node's score being the product of head
-probabilities along its path. Sampling, each node's first child is drawn from q and always
-kept once its parent is (its place is decided before its value is known), the others are
-top choices tried after it as point masses.
+ones go. Tree (`tree_branch` > 1): best-first over the heads' rows (`row_tree`: a node's score is the product of
+head probabilities along its path; sampling, each node's first child is drawn from q and always kept once its parent
+is, the others are top choices tried after it as point masses).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from specdraft.drafters.base import Draft, DraftContext
 from specdraft.drafters.feature import FeatureDrafter, head_distributions
+from specdraft.drafters.row_tree import grow_row_tree
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.medusa import MedusaHeads
 from specdraft.sampling import sample
-from specdraft.tree import grow_best_first
-
-
-@dataclass(frozen=True)
-class _Node:
-    """A tree node's own probability product (its heap priority may differ) and its q row, if drawn."""
-
-    score: float
-    q_row: torch.Tensor | None = None  # [V]
-    path: tuple[int, ...] = ()  # its tokens from the root, for a constraint's mask
 
 
 class MedusaDrafter(FeatureDrafter):
@@ -71,7 +58,7 @@ class MedusaDrafter(FeatureDrafter):
         feature = self._feature.to(self.dtype).unsqueeze(0)  # [1, H]
         logits = self.vocab_head(self.heads(feature)[0, :depth])  # [depth, V]
         if ctx.tree_branch > 1:
-            return self._tree(logits, ctx, k, depth)
+            return grow_row_tree(logits, ctx, k, depth)
         return self._chain(logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:  # logits: [depth, V]
@@ -93,43 +80,3 @@ class MedusaDrafter(FeatureDrafter):
             keep = 1 + int((survival[:-1] >= self.min_confidence).sum())
             tokens, probs = tokens[:keep], probs[:keep]
         return Draft.chain(tokens, None if greedy else probs)
-
-    def _tree(self, logits: torch.Tensor, ctx: DraftContext, budget: int, max_depth: int) -> Draft:  # [depth, V]
-        branch, greedy = ctx.tree_branch, ctx.params.greedy
-        probs = head_distributions(logits, ctx)  # [depth, V]
-        top_probs, top_tokens = probs.topk(branch, dim=-1)  # [depth, B]
-        top_probs, top_tokens = top_probs.tolist(), top_tokens.tolist()
-
-        def row_of(node: _Node, depth: int) -> tuple[torch.Tensor, list[int], list[float]]:
-            """What a node's children are drawn from ([V]) and its likeliest children: the head's row, or under a
-            constraint that row masked after the node's own path."""
-            if ctx.grammar is None:
-                return probs[depth], top_tokens[depth], top_probs[depth]
-            row = head_distributions(ctx.constrain(logits[depth : depth + 1], [list(node.path)]), ctx)[0]  # [V]
-            values, ids = row.topk(branch)
-            return row, ids.tolist(), values.tolist()
-
-        def children(node: _Node, depth: int, priority: float):
-            if depth >= max_depth:
-                return []
-            row, likeliest, likeliest_probs = row_of(node, depth)
-            offered = []
-            if not greedy:  # first child drawn from q_{depth+1}, placed by its parent's score, not its own
-                drawn = int(sample(row.unsqueeze(0), ctx.generator)[0])
-                offered.append((drawn, priority, _Node(node.score * float(row[drawn]), row, node.path + (drawn,))))
-            for token, p in zip(likeliest, likeliest_probs):
-                if len(offered) < branch and p > 0 and all(token != other for other, *_ in offered):
-                    offered.append((token, node.score * p, _Node(node.score * p, None, node.path + (token,))))
-            return offered
-
-        tokens, parents, _, nodes = grow_best_first(_Node(1.0), children, budget)
-        device = ctx.sequence.device
-        draft_tokens = torch.tensor(tokens, dtype=torch.long, device=device)  # [n]
-        q_draft = None  # [n, V]: drawn children's q rows, one-hot rows for the rest
-        if not greedy:
-            q_draft = torch.zeros(len(tokens), probs.shape[-1], device=device)
-            q_draft[torch.arange(len(tokens), device=device), draft_tokens] = 1.0
-            for i, node in enumerate(nodes):
-                if node.q_row is not None:
-                    q_draft[i] = node.q_row
-        return Draft.tree(draft_tokens, parents, q_draft, scores=[node.score for node in nodes])
