@@ -104,6 +104,26 @@ def test_unrolled_steps_compute_what_drafting_computes(target, data):
                 torch.testing.assert_close(steps[j][0][t], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kept_target_states_give_the_same_loss_without_the_target(target, data, monkeypatch):
+    """With memory to keep them, a sequence's target states are computed once: its loss the second time equals the
+    first (bit for bit) and the target does not run again; past the budget they are computed every time."""
+    from specdraft.training import objectives
+
+    vocab_head = drafter_vocab_head(target, data, 100)
+    model = fresh_eagle3_head(target, vocab_head, 64, torch.Generator().manual_seed(3))
+    sequence = next(data.sequences())
+    passes = []
+    real = objectives.target_layer_states
+    monkeypatch.setattr(objectives, "target_layer_states", lambda *a: passes.append(1) or real(*a))
+    for keep, want in ((2**30, 1), (0, 2)):
+        passes.clear()
+        objective = Eagle3Objective(model, target, ttt_length=2, keep_bytes=keep)
+        with torch.no_grad():
+            first, second = (objective.loss(sequence, None)[0] for _ in range(2))
+        assert torch.equal(first, second)
+        assert len(passes) == want
+
+
 def test_training_lowers_the_loss(target, data, trained):
     train_set, _ = split(data)
     vocab_head = drafter_vocab_head(target, data, 100)

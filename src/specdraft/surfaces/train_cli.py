@@ -206,6 +206,8 @@ def eagle3(
                                    "outputs fed back this many times."),
     with_embeddings: bool = typer.Option(False, "--with-embeddings", help="Also write a copy of the target's "
                                          "embeddings (embed_tokens.weight) into the folder."),
+    keep_target_gb: float = typer.Option(4.0, "--keep-target-gb", help="Memory for the target's states of the "
+                                         "sequences trained on, so later epochs skip its passes (0: none)."),
     steps: int = _STEPS, learning_rate: float = typer.Option(1e-4, "--learning-rate", help="Peak learning rate "
                                                              "(warm-up, then cosine to a tenth)."),
     batch_tokens: int = _BATCH, eval_every: int = _EVAL, max_minutes: Optional[float] = _MINUTES,
@@ -215,7 +217,7 @@ def eagle3(
     loads with --drafter eagle3 --trained OUT. Run it again to go on from its checkpoint."""
     config = _train_config(steps, learning_rate, batch_tokens, eval_every, max_minutes, seed)
     _run_training("eagle3", data, out, target, device, threads, config=config, intermediate_size=intermediate,
-                  vocab=vocab, ttt_length=ttt_length, with_embeddings=with_embeddings)
+                  vocab=vocab, ttt_length=ttt_length, with_embeddings=with_embeddings, keep_target_gb=keep_target_gb)
 
 
 @train_app.command("distill")

@@ -140,19 +140,22 @@ def fresh_eagle3_head(target: CausalLM, vocab_head: SubsetHead, intermediate_siz
 
 def train_eagle3(target: CausalLM, data: SelfDistillData, out: str | Path, config: TrainConfig,
                  intermediate_size: int | None = None, vocab: int = EAGLE3_DRAFT_VOCAB,
-                 ttt_length: int = EAGLE3_TTT_LENGTH, with_embeddings: bool = False,
+                 ttt_length: int = EAGLE3_TTT_LENGTH, with_embeddings: bool = False, keep_target_gb: float = 4.0,
                  log: Callable[[str], None] = print) -> Path:
     """Train an EAGLE-3 head on `data` (SpecForge's training-time test over `ttt_length` steps, a draft vocabulary
     of the data's `vocab` commonest tokens) and write it to the folder `out` in SpecForge's format. Its
     checkpoint `out.checkpoint.pt` beside the folder is rewritten as it trains, and a later run with the same
     settings goes on from it. `with_embeddings`: ship a copy of the target's embeddings in the folder (for runtimes
-    that want them there; our loader takes the target's where the folder has none)."""
+    that want them there; our loader takes the target's where the folder has none). `keep_target_gb`: memory for the
+    target's states of the sequences trained on (`Eagle3Objective`), so later epochs skip the target's passes."""
     if ttt_length < 1:
         raise SpecdraftError(f"--ttt-length must be >= 1, got {ttt_length}.")
+    if keep_target_gb < 0:
+        raise SpecdraftError(f"--keep-target-gb must be >= 0 (0: run the target every epoch), got {keep_target_gb}.")
     out = Path(out)
     vocab_head = drafter_vocab_head(target, data, vocab)
     model = fresh_eagle3_head(target, vocab_head, intermediate_size, torch.Generator().manual_seed(config.seed))
-    objective = Eagle3Objective(model, target, ttt_length)
+    objective = Eagle3Objective(model, target, ttt_length, keep_bytes=int(keep_target_gb * 2**30))
     summary = train(objective, data, out.with_name(out.name + ".checkpoint.pt"), config, log)
     summary.update(data=str(data.folder), target=target.name, ttt_length=ttt_length)
     embeddings = None

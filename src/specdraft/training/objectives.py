@@ -190,18 +190,35 @@ class Eagle3Objective:
     """EAGLE-3's training-time test (see the module doc) for `model` on `target`'s states, `ttt_length` steps,
     computed in the target's dtype (autocast to bf16 for a bf16 target; float32 throughout for a float32 one)."""
 
-    def __init__(self, model: Eagle3Model, target: CausalLM, ttt_length: int = 7) -> None:
+    def __init__(self, model: Eagle3Model, target: CausalLM, ttt_length: int = 7, keep_bytes: int = 0) -> None:
         self.module, self.target, self.ttt_length = model, target, ttt_length
         self.device = target.device
         self.embed = target.model.get_input_embeddings()
         target.read_features_at(self, model.config.resolved_aux_layers(target.config.num_hidden_layers))
+        self.keep_bytes = keep_bytes  # memory for the target's states of sequences seen, reread in later epochs
+        self._kept: dict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._kept_bytes = 0
+
+    def _target_states(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`target_layer_states` of `tokens` `[T]` over the head's vocabulary. The first `keep_bytes` of them are
+        kept, keyed by the tokens, so a later epoch reads them instead of running the target again (the same values:
+        the target is frozen; its pass was about 70% of a step on a 2-core CPU)."""
+        key = tokens.cpu().numpy().tobytes()
+        states = self._kept.get(key)
+        if states is None:
+            states = target_layer_states(self.target, tokens, self.module.lm_head.ids)  # [T, 3H], [T, N], [T]
+            size = sum(t.numel() * t.element_size() for t in states)
+            if self._kept_bytes + size <= self.keep_bytes:
+                self._kept[key] = states
+                self._kept_bytes += size
+        return states
 
     def _unroll(self, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per step j, rows t = 0 .. T - 2 - j: (the head's logits over its vocabulary `[n, N]`, the target's
         distribution over it `[n, N]`, whether the target's top token is in it `[n]`). # tokens: [T]"""
         model, rows = self.module, tokens.shape[0] - 1
         ids = model.lm_head.ids
-        features, target_logits, target_top = target_layer_states(self.target, tokens, ids)  # [T, 3H], [T, N], [T]
+        features, target_logits, target_top = self._target_states(tokens)  # [T, 3H], [T, N], [T]
         in_vocab = torch.zeros(self.target.vocab_size, dtype=torch.bool, device=self.device)
         in_vocab[ids] = True
         target_probs = target_logits[1:].softmax(-1)  # [T - 1, N]: after pair t, the token x_{t+2}
