@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from specdraft.bench import (METHODS, BenchConfig, ExactnessError, check_exactness, find_mismatches, load_prompts,
                              parse_method, parse_methods, render_report, run_bench, select_prompts, summarize)
 from specdraft.bench.runs import Models
-from specdraft.bench.runner import append_record, read_records
+from specdraft.bench.runner import append_record, read_records, settings_id
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import load_model
 from specdraft.text import encode_messages
@@ -337,6 +337,27 @@ def test_bench_cli_end_to_end(tiny_model_dirs, tiny_prompts, tmp_path):
     assert "## This machine's costs" in (out / "report.md").read_text()
     assert "speedup" in result.stderr and "after prefill" in result.stderr
 
+
+def test_bench_cli_holds_every_model_to_context(tiny_model_dirs, tiny_prompts, tmp_path):
+    """`bench --context` holds the target and the draft to it (the machine's costs are timed within what the target
+    holds), summary.json and report.md say what each held, and the records are keyed by it (a run at the models' own
+    contexts does not take them); a context past the target's 128 positions is refused, naming it."""
+    out = tmp_path / "held"
+    common = ["bench", "--target", str(tiny_model_dirs["target"]), "--draft", str(tiny_model_dirs["draft"]),
+              "--prompts", str(tiny_prompts), "--methods", "ar,spec:k=2", "--max-prompts", "1", "--max-new-tokens",
+              "8", "--dtype", "float32", "--threads", "1"]
+    result = CliRunner().invoke(app, [*common, "--context", "64", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    settings = summary["settings"]
+    assert settings["context"] == 64 and settings["held_context"] == {"target": 64, "draft": 64}
+    assert summary["costs"]["context"] == 64 - 8  # the target held 64 positions, less the widest pass
+    assert summary["methods"]["spec:k=2"]["greedy_exact"] == 1.0
+    assert "- held_context: `{'target': 64, 'draft': 64}`" in (out / "report.md").read_text()
+    assert settings_id(settings, True) != settings_id({**settings, "context": None}, True)
+    refused = CliRunner().invoke(app, [*common, "--context", "200", "--out", str(tmp_path / "refused")])
+    assert refused.exit_code == 2
+    assert f"--context 200 is past the 128 positions {tiny_model_dirs['target']} has" in refused.stderr
 
 @pytest.mark.parametrize("extra, message", [
     (["--turns", "3"], "--turns must be 1"),

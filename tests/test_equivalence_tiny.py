@@ -288,6 +288,42 @@ def test_spliced_catch_ups_stay_exact(tiny_target, drafts, make_lm, catch_up, tr
     assert got.token_ids == expected and got.stats.accepted > 0
 
 
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("context,catch_up", [(0, 0), (16, 16), (8, 4)])
+def test_a_draft_shorter_than_the_sequence_drafts_on_within_its_positions(tiny_target, drafts, make_lm, context,
+                                                                          catch_up, tree):
+    """A draft that holds 48 positions (`hold_context`: less than the target's 256) under a sequence that grows to 90:
+    its reads start over within its positions, nothing raises, and it still drafts past position 48, alone and in a
+    batch; the output equals plain decoding, chains and trees alike."""
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+    from specdraft.models.context import hold_context
+
+    draft_model = copy.deepcopy(drafts["close"])  # a config of its own: the target keeps its 256 positions
+    assert hold_context(draft_model, 48, "draft") == "context 48"
+    expected = SpeculativeDecoder(make_lm(tiny_target)).generate(PROMPTS[2], max_new_tokens=60).token_ids
+    options = dict(tree_budget=8, tree_branch=2) if tree else {}
+
+    def drafter() -> ModelDrafter:
+        return ModelDrafter(make_lm(draft_model, name="draft"), min_confidence=0.0, context=context,
+                            catch_up=catch_up)
+
+    spec = SpeculativeDecoder(make_lm(tiny_target), drafter(), k=3, **options)
+    assert spec.target.max_context == 256 and spec.drafter.model.max_context == 48
+    length, drafted_past = len(PROMPTS[2]), 0
+    got = []
+    for event in spec.stream(PROMPTS[2], max_new_tokens=60):
+        drafted_past += event.drafted if length > 48 else 0
+        length += len(event.token_ids)
+        got += event.token_ids
+    assert got == expected and drafted_past > 0
+    batch = BatchedDecoder(make_lm(tiny_target), drafter, max_batch=2, **options)
+    answers = batch.generate_all([BatchRequest(PROMPTS[2], SamplingParams(temperature=0.0), 60),
+                                  BatchRequest(PROMPTS[0], SamplingParams(temperature=0.0), 60)])
+    assert answers[0].token_ids == expected and answers[0].stats.drafted > 0
+    assert answers[1].token_ids == SpeculativeDecoder(make_lm(tiny_target)).generate(
+        PROMPTS[0], max_new_tokens=60).token_ids
+
 def test_draft_vocab_auto_narrows_only_a_large_counted_head_on_the_cpu(tiny_target, drafts, make_lm, monkeypatch):
     """`--draft-vocab auto` (the default): AUTO_DRAFT_VOCAB tokens on the CPU where token counts exist for the
     draft's tokenizer and the vocabulary is larger; the whole vocabulary otherwise; numbers are taken as given."""

@@ -229,7 +229,7 @@ def test_longrope_files_run_with_their_factors(longrope_file, tmp_path):
     assert read.rope_parameters["short_factor"] == pytest.approx(SHORT_FACTORS)
     assert read.rope_parameters["attention_factor"] == pytest.approx((1 + np.log(16) / np.log(256)) ** 0.5)
     model = build_native_model(path, read, torch.bfloat16)
-    assert "short factors" in hold_context(model, None)
+    assert "short factors" in hold_context(model, None, "phi")
     reference = file_reference(path)
     plain = file_reference(path)
     plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
@@ -265,13 +265,18 @@ def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(lon
     it) takes the long factors for every position of every pass, fixed at load, as llama.cpp does: a prompt read in
     chunks that stay under the length, and passes over its cache (fused), compute what transformers computes in one
     pass that crosses it (the long factors throughout), not the short factors' logits; greedy `spec` == `ar` across
-    the old boundary; a context past the file's is refused."""
+    the old boundary; a context past the file's is refused, naming the model, unless clipped (a draft's): then it
+    holds the file's."""
     from specdraft import SpecdraftError
 
     model = build_native_model(longrope_file, gguf_config(longrope_file), torch.bfloat16)
-    with pytest.raises(SpecdraftError, match="past this model's longest context of 4096"):
-        hold_context(model, 5000)
-    assert "LongRoPE long factors at every position" in hold_context(model, 1024)
+    with pytest.raises(SpecdraftError, match="past phi-target's longest context of 4096"):
+        hold_context(model, 5000, "phi-target")
+    clipped = build_native_model(longrope_file, gguf_config(longrope_file), torch.bfloat16)
+    assert hold_context(clipped, 5000, "phi-draft", clip=True).startswith(
+        "context 4096 (all its positions allow of --context 5000): LongRoPE long factors")
+    assert clipped.config.max_position_embeddings == 4096
+    assert "LongRoPE long factors at every position" in hold_context(model, 1024, "phi-target")
     target = CausalLM(model)
     assert target.max_context == 1024
     if decoder_layers.available():
@@ -291,7 +296,7 @@ def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(lon
     assert ((got[:, :200] - want[:, :200]).norm() / want[:, :200].norm()).item() < 0.05  # under 256: long too
 
     draft = build_native_model(longrope_file, gguf_config(longrope_file), torch.bfloat16)
-    hold_context(draft, 1024)  # the same weights at the same positions (its whole prompt read): its drafts agree
+    hold_context(draft, 1024, "phi-draft")  # the same weights at the same positions (its whole prompt read): drafts agree
     plain = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, ModelDrafter(CausalLM(draft), min_confidence=0.0, context=0, catch_up=0), k=3)
     prompt = ids[0, :236].tolist()
@@ -313,3 +318,33 @@ def test_the_loading_line_names_the_longrope_factors(tmp_path, capsys):
     assert "context 1024: LongRoPE long factors at every position" in capsys.readouterr().err
     assert load_model(str(path)).max_context == 256
     assert "context 256: LongRoPE short factors" in capsys.readouterr().err
+
+
+def test_the_draft_holds_the_context_as_far_as_its_positions_allow(tmp_path, capsys):
+    """`load_models(context=)` (`--context` of generate, serve and check) holds the draft too: past its pretraining
+    length a LongRoPE draft takes the long factors for every position; a draft whose longest context is shorter than
+    the one asked holds all it allows (its loading line says so), where a target refuses it, naming itself."""
+    from specdraft import SpecdraftError
+    from specdraft.bench.random_gguf import default_tokenizer
+    from specdraft.surfaces.model_setup import drafter_flags, load_models
+
+    if default_tokenizer() is None:
+        pytest.skip("the bundled Qwen2.5-Coder GGUF is not in the cache folder")
+    target_file = write_random_gguf(longrope_config(), tmp_path / "target.gguf", "Q8_0", default_tokenizer(), seed=3)
+    shorter = longrope_config()
+    shorter.max_position_embeddings = 2048  # LongRoPE factors for 256 tokens and beyond, up to 2,048
+    draft_file = write_random_gguf(shorter, tmp_path / "draft.gguf", "Q8_0", default_tokenizer(), seed=4)
+
+    def load(context: int, draft=draft_file):
+        return load_models(str(target_file), str(draft), "model", drafter_flags(), dtype="bfloat16", device="cpu",
+                           gguf_weights="auto", draft_quant="none", draft_vocab=0, context=context)
+
+    target, draft = load(1024)
+    assert target.max_context == draft.max_context == 1024
+    assert draft.config.rope_parameters["short_factor"] == pytest.approx(LONG_FACTORS)  # the long set everywhere
+    target, draft = load(3000)
+    assert (target.max_context, draft.max_context) == (3000, 2048)
+    assert draft.config.rope_parameters["short_factor"] == pytest.approx(LONG_FACTORS)
+    assert "context 2048 (all its positions allow of --context 3000): LongRoPE long factors" in capsys.readouterr().err
+    with pytest.raises(SpecdraftError, match=f"past {target_file}'s longest context of 4096"):
+        load(5000, draft=target_file)

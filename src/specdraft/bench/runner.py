@@ -79,6 +79,7 @@ class BenchConfig:
     warmup_tokens: int = 8
     gguf_weights: str = "auto"  # see models.loading.load_model
     repeats: int = 1  # runs of each prompt and method, round robin; the one of median time is kept
+    context: int | None = None  # what every model holds (`load_model(max_context=)`; None: each its own)
 
 
 @dataclass
@@ -156,7 +157,10 @@ def run_settings(config: BenchConfig, models: Models, prompts_paths: Sequence[Pa
         "turns": config.turns, "threads": torch.get_num_threads(), "chat": config.chat,
         "prompts": ", ".join(str(p) for p in prompts_paths), "categories": list(config.categories or []),
         "max_prompts": config.max_prompts, "methods": [spec.label for spec in methods],
-        "warmup_tokens": config.warmup_tokens, "repeats": config.repeats,
+        "warmup_tokens": config.warmup_tokens, "repeats": config.repeats, "context": config.context,
+        "held_context": {"target": models.target.max_context,
+                         **({"draft": models.draft.max_context} if models.draft is not None else {}),
+                         **{name: lm.max_context for name, lm in models.other_drafts.items()}},
     }
 
 
@@ -166,6 +170,8 @@ def settings_id(settings: dict, needs_draft: bool) -> str:
     shaping = {key: settings[key] for key in keys} | ({"draft": settings["draft"]} if needs_draft else {})
     if settings.get("repeats", 1) != 1:  # (single runs keep the ids they had before repeats existed)
         shaping["repeats"] = settings["repeats"]
+    if settings.get("context") is not None:  # (so do runs at the models' own contexts)
+        shaping["context"] = settings["context"]
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -198,17 +204,20 @@ def append_record(path: Path, record: dict) -> None:
 
 # ----- the steps of a run --------------------------------------------------------------------------------
 def _load_models(config: BenchConfig, methods: Sequence[MethodSpec]) -> Models:
+    """The target and the drafts the methods need, each held to `config.context` (the drafts to as much of it as
+    their positions allow: `surfaces.model_setup.load_models`)."""
     target = load_model(config.target, dtype=config.dtype, device=None if config.device == "auto" else config.device,
-                        gguf_weights=config.gguf_weights)
+                        gguf_weights=config.gguf_weights, max_context=config.context)
     draft = None
     if any(spec.needs_draft for spec in methods):
         requantized = any(spec.needs_draft and draft_requantized(spec.draft_quant, target.device) for spec in methods)
         draft = load_model(config.draft, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights,
-                           requantized=requantized)
+                           requantized=requantized, max_context=config.context, clip_context=True)
         check_compatible(target, draft)
     others = {}
     for name in sorted({spec.other_draft for spec in methods} - {""}):  # loaded now: a bad path fails before any run
-        others[name] = load_model(name, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights)
+        others[name] = load_model(name, dtype=config.dtype, device=target.device, gguf_weights=config.gguf_weights,
+                                  max_context=config.context, clip_context=True)
         check_compatible(target, others[name])
     return Models(target, draft, others, target_spec=config.target, draft_spec=config.draft)
 
@@ -222,19 +231,20 @@ def second_turn(prompt: Prompt) -> Prompt:
 
 
 def _check_room(question_id: Hashable, ids: list[int], models: Models, config: BenchConfig) -> list[int]:
-    """`ids`, if they leave room for --max-new-tokens in every model; else a clear error."""
-    for model in filter(None, (models.target, models.draft, *models.other_drafts.values())):
-        if len(ids) + config.max_new_tokens > model.max_context:
-            raise SpecdraftError(
-                f"Question {question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "
-                f"{config.max_new_tokens} that passes {model.name}'s context of {model.max_context}. "
-                "Lower --max-new-tokens or leave that prompt out."
-            )
+    """`ids`, if they leave room for --max-new-tokens in the target (a draft keeps its reads within its own
+    positions: `ModelDrafter`); else a clear error."""
+    target = models.target
+    if len(ids) + config.max_new_tokens > target.max_context:
+        raise SpecdraftError(
+            f"Question {question_id!r} has {len(ids)} prompt tokens; with --max-new-tokens "
+            f"{config.max_new_tokens} that passes {target.name}'s context of {target.max_context}. "
+            "Lower --max-new-tokens or leave that prompt out."
+        )
     return ids
 
 
 def _encode(prompts: Sequence[Prompt], models: Models, config: BenchConfig) -> dict[Hashable, list[int]]:
-    """Token ids of each prompt's first turn; each must leave room for --max-new-tokens in every model."""
+    """Token ids of each prompt's first turn; each must leave room for --max-new-tokens in the target."""
     return {prompt.question_id: _check_room(prompt.question_id,
                                             encode_prompt(models.target.tokenizer, prompt.turns[0], chat=config.chat),
                                             models, config)

@@ -44,6 +44,11 @@ class ModelDrafter(Drafter):
     drafter that never paid was probed four times an answer. With `catch_up` 0, a catch-up of more than
     `context` tokens starts the draft over from the sequence's last `context` tokens instead of reading them
     all. Either way a catch-up never costs more than a first read (k=auto prices it so: `unread`).
+
+    The draft stays within its own positions (`max_context`: what it holds of `--context`, which may be less than
+    the target's): a read that would leave it too few for the draft to follow starts over from the sequence's last
+    `context` tokens, at most half of those it has room for (0: half), and a draft is never longer than its
+    positions. It so drafts on past its context instead of failing the run; drafts stay proposals.
     """
 
     name = "model"
@@ -80,29 +85,43 @@ class ModelDrafter(Drafter):
         """How many tokens of the committed sequence the draft cache covers (read or skipped)."""
         return self._skipped + self.model.cache_len
 
-    def _plan_read(self, length: int) -> tuple[int, bool]:
+    def _plan_read(self, length: int, ahead: int) -> tuple[int, bool]:
         """How a sequence of `length` tokens is caught up: (`_skipped` after it, so that sequence position = draft
         position + `_skipped` for the tokens read from then on; whether the draft starts over). A later catch-up of
         more than `catch_up` tokens reads the last `catch_up` of them after what the cache holds (a splice); a first
         read of more than `context` tokens (or, without `catch_up`, a later one) starts over from the last `context`;
-        else all it missed, after the cache."""
+        else all it missed, after the cache. A read that would leave fewer than `ahead` of the draft's positions
+        (`_ahead`) starts over from the last `context` tokens, at most half of those it has room for (class doc)."""
         unread, cached = length - self._read(), self.model.cache_len
         limit = min(self.catch_up, self.context) if self.context else self.catch_up  # never more than a first read
         if cached and limit and unread > limit:
-            return length - limit - cached, False
-        if self.context and unread > self.context:
-            return length - self.context, cached > 0
-        return self._skipped, False
+            skipped, restart = length - limit - cached, False
+        elif self.context and unread > self.context:
+            skipped, restart = length - self.context, cached > 0
+        else:
+            skipped, restart = self._skipped, False
+        room = self.model.max_context - ahead  # sequence tokens the draft may hold with a draft after them (>= 1)
+        if length - skipped > room:
+            return length - max(1, min(self.context or room, room // 2)), cached > 0
+        return skipped, restart
 
-    def _unread_tokens(self, sequence: torch.Tensor) -> torch.Tensor:  # [T] -> [1, T'] what the draft must read
-        self._skipped, restart = self._plan_read(sequence.shape[0])
+    def _ahead(self, ctx: DraftContext, k: int) -> int:
+        """The draft's positions a proposal of `k` tokens (a tree: nodes) takes past the sequence, within the positions
+        it has (a longer draft is cut to them): a chain feeds every token but its last, up to `ctx.max_depth` with
+        forced tokens; a tree at most its nodes."""
+        if ctx.tree_branch > 1:
+            return min(k, self.model.max_context - 1)
+        return min(max(k, ctx.max_depth or k), self.model.max_context) - 1
+
+    def _unread_tokens(self, ctx: DraftContext, ahead: int) -> torch.Tensor:  # [1, T']: what the draft must read
+        self._skipped, restart = self._plan_read(ctx.sequence.shape[0], ahead)
         if restart:  # a new window: what the cache holds lies before it
             self.model.reset()
-        return sequence[self._read():].unsqueeze(0)
+        return ctx.sequence[self._read():].unsqueeze(0)
 
     def unread(self, ctx: DraftContext) -> int:
         length = ctx.sequence.shape[0]
-        skipped, restart = self._plan_read(length)
+        skipped, restart = self._plan_read(length, self._ahead(ctx, ctx.max_depth or 1))  # a tree: by its depth
         return length - skipped - (0 if restart else self.model.cache_len)
 
     def propose(self, ctx: DraftContext, k: int) -> Draft:
@@ -117,11 +136,13 @@ class ModelDrafter(Drafter):
             return self.propose(ctx, k)
         self._tree_slots = None
         model, params = self.model, ctx.params
-        feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen (the prompt at first)
+        ahead = self._ahead(ctx, k)
+        feed = self._unread_tokens(ctx, ahead)  # [1, T] committed tokens not yet seen (the prompt at first)
         seen = ctx.seen
         tokens, dists = [], []  # each [n]: a drawn token, then the tokens a constraint forces after it
         chosen: list[int] = []  # the tokens so far, for a constraint's mask
-        most = max(k, ctx.max_depth or k)  # with forced tokens a chain may pass k, never the budget
+        most = ahead + 1  # with forced tokens a chain may pass k, never the budget nor the draft's positions
+        k = min(k, most)
         drafted = fed = 0
         chain_confidence = 1.0
         for i in range(k):
@@ -174,7 +195,8 @@ class ModelDrafter(Drafter):
         """A dynamic tree of up to `budget` tokens (see `dynamic_tree`), one draft pass per level."""
         model = self.model
         base = ctx.sequence.shape[0]
-        feed = self._unread_tokens(ctx.sequence)  # [1, T] committed tokens not yet seen
+        budget = self._ahead(ctx, budget)
+        feed = self._unread_tokens(ctx, budget)  # [1, T] committed tokens not yet seen
         first_read = model.cache_len == 0  # the prompt's window: a prompt pass, as in the chain
         root_logits = model.forward(feed, logits_to_keep=1, prompt=first_read).logits[0]  # [1, V] after the root
 

@@ -12,7 +12,9 @@ model's rotary module). The attention factor (the scale of cos and sin) applies 
 and llama.cpp; it is pinned before the context changes, so it stays the file's.
 
 Without a context asked for, a LongRoPE model holds its pretraining length (short factors); another model holds what
-its positions allow (`max_position_embeddings`). A context past what the model's positions allow is refused.
+its positions allow (`max_position_embeddings`). A context past what the model's positions allow is refused, except
+where the caller clips it (`clip`: a draft, which holds all its positions allow; `ModelDrafter` keeps its reads
+within them, so a draft shorter than the target's context never fails a run).
 """
 
 from __future__ import annotations
@@ -35,30 +37,40 @@ def longrope_lengths(config) -> tuple[int, int] | None:
     return original, round(factor * original) if factor else int(config.max_position_embeddings)
 
 
-def hold_context(model: nn.Module, context: int | None) -> str:
-    """Hold `model` to `context` tokens (None: its default, see the module's text), choosing a LongRoPE model's
-    factor set for every pass; returns what the loading line says of it ("" where there is nothing to say)."""
+def hold_context(model: nn.Module, context: int | None, name: str, clip: bool = False) -> str:
+    """Hold `model` (called `name` in errors) to `context` tokens (None: its default, see the module's text), choosing
+    a LongRoPE model's factor set for every pass; with `clip`, a context past what its positions allow holds all they
+    allow. Returns what the loading line says of it ("" where there is nothing to say)."""
     config = model.config
     lengths = longrope_lengths(config)
+    asked = context
     if lengths is None:
         if context is None:
             return ""
         most = int(getattr(config, "max_position_embeddings", None) or context)
-        if context > most:
-            raise SpecdraftError(f"--context {context} is past the {most} positions this model has; lower --context.")
+        if context > most and not clip:
+            raise SpecdraftError(f"--context {context} is past the {most} positions {name} has; lower --context.")
+        context = min(context, most)
         config.max_position_embeddings = context
-        return f"context {context}"
+        return f"context {context}{_clipped(context, asked)}"
     original, longest = lengths
     context = original if context is None else context
-    if context > longest:
-        raise SpecdraftError(f"--context {context} is past this model's longest context of {longest} (LongRoPE "
-                             f"factors for {original} tokens and beyond); lower --context.")
+    if context > longest and not clip:
+        raise SpecdraftError(f"--context {context} is past {name}'s longest context of {longest} (LongRoPE factors "
+                             f"for {original} tokens and beyond); lower --context.")
+    context = min(context, longest)
     _fix_longrope_factors(model, long=context > original)
     config.max_position_embeddings = context
     if context > original:
-        return f"context {context}: LongRoPE long factors at every position (past its {original}-token pretraining length)"
+        return (f"context {context}{_clipped(context, asked)}: LongRoPE long factors at every position (past its "
+                f"{original}-token pretraining length)")
     return (f"context {context}: LongRoPE short factors (its pretraining length is {original}; a --context above it "
             "takes the long factors)")
+
+
+def _clipped(held: int, asked: int | None) -> str:
+    """What the loading line adds where a clipped context holds less than was asked."""
+    return f" (all its positions allow of --context {asked})" if asked is not None and held < asked else ""
 
 
 def _fix_longrope_factors(model: nn.Module, long: bool) -> None:

@@ -194,6 +194,7 @@ def load_model(
     prepack: bool = True,
     requantized: bool = False,
     max_context: int | None = None,
+    clip_context: bool = False,
 ) -> CausalLM:
     """Load a causal LM: a bundled model name, a Hugging Face folder (safetensors) or a .gguf file.
 
@@ -205,7 +206,9 @@ def load_model(
     caller re-quantizes the model to int4 (a draft, `draft_requantized`), so GGUF types that would run as two
     4-bit halves are unpacked for it instead. `max_context`: the longest sequence (prompt + answer) it holds, fixed
     here (`models.context.hold_context`: above a LongRoPE model's pretraining length, its long rotary factors at every
-    position); None: the model's own (a LongRoPE model's pretraining length).
+    position); None: the model's own (a LongRoPE model's pretraining length). `clip_context`: a `max_context` past
+    what the model's positions allow holds all they allow instead of being refused (a draft: `ModelDrafter` keeps
+    its reads within its positions).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
@@ -220,7 +223,7 @@ def load_model(
     try:
         with compact_heap():
             model, tokenizer, form = _load(spec, kind, path, torch_dtype, torch_device, gguf_weights, not requantized)
-            held = hold_context(model, max_context)
+            held = hold_context(model, max_context, spec, clip=clip_context)
             model.to(torch_device)
             if prepack:
                 prepack_linears(model)
@@ -307,8 +310,9 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     where token counts exist for its tokenizer, else the whole vocabulary).
 
     `auto` quant is int4 on the CPU where the kernel exists, else none. A draft loaded with its 5- and 8-bit
-    GGUF linears split in 4-bit halves is loaded again by its name with them plain (`requantized=True`). A quantized or narrowed draft only proposes differently; output stays exact because q_draft is what it sampled
-    from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
+    GGUF linears split in 4-bit halves is loaded again by its name with them plain (`requantized=True`), held to the
+    context it held. A quantized or narrowed draft only proposes differently; output stays exact because q_draft is
+    what it sampled from. With `copy`, the given model is left as it was (e.g. for a peer that uses it as is).
     """
     from specdraft.models.draft_head import AUTO, draft_vocab_value, resolved_draft_vocab, restrict_draft_vocab
     from specdraft.models.quantize import quantize_int4
@@ -325,7 +329,8 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     if quant == "none" and not vocab:
         return draft
     if quant == "int4" and _has_split_halves(draft.model):  # reloaded with those linears plain, to re-quantize
-        draft = load_model(draft.name, dtype=draft.model.dtype, device=draft.device, verbose=False, requantized=True)
+        draft = load_model(draft.name, dtype=draft.model.dtype, device=draft.device, verbose=False, requantized=True,
+                           max_context=draft.max_context)
         copy = False  # a model of its own already
     import copy as copying
 

@@ -3,8 +3,8 @@
 A batch whose sequences each draft with a model over the same weights would run one draft pass per sequence and
 token. `PackedCache` holds all their rows in one `CausalLM` cache, each row tagged with its owner, so the draft
 tokens of every sequence at one depth go through the model in one pass (`run`); `CacheView` gives each owner the
-cache interface a `ModelDrafter` uses (`cache_len`, `reset`, `truncate`, `forward`), so a drafter runs over it
-unchanged, alone or together with others.
+cache interface a `ModelDrafter` uses (`cache_len`, `max_context`, `reset`, `truncate`, `forward`), so a drafter
+runs over it unchanged, alone or together with others.
 
 An owner's rows sit at its own positions 0, 1, .. in the order it wrote them, wherever they lie in the packed
 cache; a token sees its owner's live rows and the earlier tokens of its own feed, nothing else. An owner's first
@@ -189,6 +189,11 @@ class CacheView:
     @property
     def kv_bytes_per_token(self) -> int:
         return self.packed.lm.kv_bytes_per_token
+
+    @property
+    def max_context(self) -> int:
+        """The positions an owner's rows may take: the model's context."""
+        return self.packed.lm.max_context
 
     def reset(self) -> None:
         self.packed.cut(self.owner, 0)

@@ -30,6 +30,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 GGUF_WEIGHTS_OPTION = typer.Option(  # one definition for every command that loads models
     "auto", "--gguf-weights", help="GGUF files: packed (run the file's Q4_K/Q6_K blocks on CPU kernels), "
                                    "unpacked (to --dtype, as transformers loads them), or auto (packed on CPU).")
+CONTEXT_OPTION = typer.Option(  # one definition for every command that holds its models to a context
+    None, "--context", min=1, help="The longest sequence (prompt + answer) the models hold (default: each its own, a "
+                                   "LongRoPE model's pretraining length; a draft holds at most what its positions "
+                                   "allow). Past its pretraining length a LongRoPE model (Phi-3.5, Phi-4-mini) rotates "
+                                   "every position with its long factors.")
 err = Console(stderr=True, soft_wrap=True)
 
 # Colour of each token by what happened to it.
@@ -84,10 +89,7 @@ def generate(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
-    context: Optional[int] = typer.Option(
-        None, "--context", min=1, help="The longest sequence (prompt + answer) the target holds (default: its own; a "
-                                       "LongRoPE model's pretraining length). Above that length a LongRoPE model "
-                                       "(Phi-3.5, Phi-4-mini) rotates every position with its long factors."),
+    context: Optional[int] = CONTEXT_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
     **drafter_options,  # `--KEY` for every drafter option, declared once in the registry (`with_drafter_flags`)
 ) -> None:
@@ -264,6 +266,7 @@ def bench(
     gguf_weights: str = GGUF_WEIGHTS_OPTION,
     repeats: int = typer.Option(1, "--repeats", help="Run each prompt and method N times, round robin, and keep the "
                                 "run of median time (for machines whose speed drifts)."),
+    context: Optional[int] = CONTEXT_OPTION,
     out: Path = typer.Option(Path("bench_out"), "--out", help="Folder for results.jsonl, summary.json, report.md."),
 ) -> None:
     """Run methods side by side on the same prompts, weights and budget; resumable; writes OUT/."""
@@ -276,7 +279,7 @@ def bench(
             categories=[c.strip() for c in categories.split(",") if c.strip()] if categories else None,
             max_prompts=max_prompts, turns=turns, max_new_tokens=max_new_tokens, temperature=temperature,
             seed=seed, dtype=dtype, device=device, threads=threads, chat=chat, gguf_weights=gguf_weights,
-            repeats=repeats,
+            repeats=repeats, context=context,
         )
         result = run_bench(config, console=err)
     except ExactnessError as error:

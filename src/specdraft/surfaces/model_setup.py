@@ -62,8 +62,9 @@ def drafter_flags(**given) -> dict[str, Any]:
 
 def load_models(target: str, draft: str, drafter: str | None, options: dict[str, Any], *, dtype: str, device: str,
                 gguf_weights: str, draft_quant: str, draft_vocab: int | str, context: int | None = None):
-    """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one; the target holds
-    `context` tokens (`load_model(max_context=)`; None: its own).
+    """(target, draft or None): the draft only when `drafter` (None = plain decoding) needs one; both hold `context`
+    tokens (`load_model(max_context=)`; None: each its own), the draft as many of them as its positions allow (it
+    keeps its reads within them: `ModelDrafter`), so only the target refuses a context.
 
     The drafter and its options, the dtype and both models' names are checked before anything loads (a
     mistyped target is named at once, not after the draft has loaded), the native kernels are built (where
@@ -88,7 +89,8 @@ def load_models(target: str, draft: str, drafter: str | None, options: dict[str,
     draft_lm = None
     if with_draft:
         draft_lm = prepare_draft(load_model(draft, dtype=dtype, device=device, gguf_weights=gguf_weights,
-                                            requantized=draft_requantized(draft_quant, device)),
+                                            requantized=draft_requantized(draft_quant, device), max_context=context,
+                                            clip_context=True),
                                  draft_quant, vocab=draft_vocab)
     target_lm = load_model(target, dtype=dtype, device=device, gguf_weights=gguf_weights, max_context=context)
     if draft_lm is not None:
