@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class Handler(BaseHTTPRequestHandler):
     def completion(self, body: dict) -> None:
         if MODE == "crash":
             os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(60)  # the signal may land a moment later: never answer meanwhile
         COMPLETIONS.append(body)
         if MODE == "fail-after-1" and len(COMPLETIONS) > 1:
             self._json(500, {"error": {"message": "fake failure"}})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import http.client
 import json
 import os
 import shlex
@@ -39,6 +40,7 @@ from specdraft.errors import SpecdraftError
 HOST = "127.0.0.1"
 BINARY_ENV = "SPECDRAFT_LLAMA_SERVER"
 LOG_TAIL_LINES = 15  # of the server's log, in an error
+DEATH_WAIT_SECONDS = 5.0  # a request that failed waits this long for the process to end, to say how it ended
 PR_SET_PDEATHSIG = 1
 
 
@@ -199,9 +201,11 @@ class LlamaServer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as error:
             raise self.failure(f"answered {route} with {error.code}: {error.read()[:500]!r}") from None
-        except (urllib.error.URLError, OSError) as error:
-            time.sleep(0.2)  # let a crashed process be reaped, so the error says how it ended
-            state = exit_text(self.process.returncode) if self.process.poll() is not None else "did not answer"
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # also an answer cut short
+            try:  # a crashed process may take a moment to end (longer on a loaded machine): say how it ended
+                state = exit_text(self.process.wait(timeout=DEATH_WAIT_SECONDS))
+            except subprocess.TimeoutExpired:
+                state = "did not answer"
             raise self.failure(f"{state} at {route} ({error})") from None
 
     def close(self) -> None:
