@@ -62,17 +62,11 @@ class MedusaDrafter(FeatureDrafter):
         return self._chain(logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:  # logits: [depth, V]
+        if ctx.grammar is not None:  # each head's row masked after the tokens chosen above it: one row at a time
+            return self.draw_chain(ctx, logits.shape[0], lambda i, previous: logits[i:i + 1])
         greedy = ctx.params.greedy
-        if ctx.grammar is None:
-            probs = head_distributions(logits, ctx)  # [depth, V]
-            tokens = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [depth]
-        else:  # each head's row masked after the tokens chosen above it
-            rows, chosen = [], []
-            for depth in range(logits.shape[0]):
-                row = head_distributions(ctx.constrain(logits[depth : depth + 1], [chosen]), ctx)  # [1, V]
-                chosen.append(int(row.argmax(-1) if greedy else sample(row, ctx.generator)))
-                rows.append(row)
-            probs, tokens = torch.cat(rows), torch.tensor(chosen, device=logits.device)  # [depth, V], [depth]
+        probs = head_distributions(logits, ctx)  # [depth, V]: every row at once
+        tokens = probs.argmax(-1) if greedy else sample(probs, ctx.generator)  # [depth]
         if self.min_confidence:  # stop after the token where the heads' estimate that the chain survives falls too low
             survival = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cumprod(0)  # [depth]
             # Token i stays when the chain *before* it is sure enough (survival[i - 1]), never by its own value: a
