@@ -26,8 +26,8 @@ from specdraft.models.quantize import Int4Linear, SplitInt4Linear, quantize_int4
 from specdraft.models import fast_layers
 from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers
 
-tiles_run = pytest.mark.skipif(Int4Linear(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
-                                          torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
+tiles_run = pytest.mark.skipif(Int4Linear.from_affine(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2),
+                                                      torch.zeros(16, 2)).tiles is None, reason="no tile kernel here")
 
 
 STACKED_FAMILIES = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,

@@ -17,6 +17,7 @@ take are exact whatever the order of their terms, so both layouts give the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -83,24 +84,39 @@ def require_layout(packed: str, kernel: str) -> None:
                          f"(pack it with the kernel's layout)")
 
 
+AffineRows = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""Rows `start:stop` of a 4-bit affine matrix as codes `[rows, K]` (0..15), scale and minimum `[rows, K/32]`,
+w = scale · codes − minimum: made a slice at a time, so no whole copy of a big matrix's codes need exist."""
+
+
+def affine_rows(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> AffineRows:
+    """Whole codes, scale and minimum as `AffineRows`."""
+    return lambda start, stop: (codes[start:stop], scale[start:stop], minimum[start:stop])
+
+
 def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout: str = PAIRS) -> PackedInt4:
     """From codes `[N, K]` in 0..15 and scale, minimum `[N, K/32]`, tiles in `layout` (`PAIRS`, `QUADS`: module doc)."""
+    return pack_rows(affine_rows(codes, scale, minimum), *codes.shape, codes.shape[1] // scale.shape[1], layout)
+
+
+def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = PAIRS) -> PackedInt4:
+    """An `[n, k]` matrix in groups of `group_size`, asked of `rows` a slice at a time, as tiles in `layout`."""
     to_bytes = tile_bytes(layout)
-    n, k = codes.shape
-    if not fits(n, k, k // scale.shape[1]):
+    if not fits(n, k, group_size):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
     blocks, groups = n // BLOCK_ROWS, k // GROUP
     tiles = torch.empty(n * k // 2, dtype=torch.uint8)
     tile_scale = torch.empty((blocks, groups, BLOCK_ROWS), dtype=torch.bfloat16)
     tile_zero = torch.empty_like(tile_scale)
     for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
-        rows = slice(start, min(start + _PACK_ROWS, n))
-        part_blocks = (rows.stop - rows.start) // BLOCK_ROWS
-        tiles[rows.start * k // 2: rows.stop * k // 2] = to_bytes(codes[rows]).view(-1)
-        block_range = slice(rows.start // BLOCK_ROWS, rows.stop // BLOCK_ROWS)
-        part_scale = scale[rows].float()
-        tile_scale[block_range] = part_scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
-        tile_zero[block_range] = (8 * part_scale - minimum[rows].float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+        stop = min(start + _PACK_ROWS, n)
+        codes, scale, minimum = rows(start, stop)
+        part_blocks = (stop - start) // BLOCK_ROWS
+        tiles[start * k // 2: stop * k // 2] = to_bytes(codes).view(-1)
+        block_range = slice(start // BLOCK_ROWS, stop // BLOCK_ROWS)
+        scale = scale.float()
+        tile_scale[block_range] = scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+        tile_zero[block_range] = (8 * scale - minimum.float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
     return PackedInt4(tiles, tile_scale, tile_zero, n, k, layout)
 
 

@@ -30,10 +30,12 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import gguf_matmul
+from specdraft.kernels.int4_layout import AffineRows
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
                                             head_dim_of, known_model_types)
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_header import TensorEntry, read_header
+from specdraft.gguf_layout import Q4K_GROUP  # every affine type groups 32 weights
 from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
 from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
@@ -137,21 +139,11 @@ class _LazyRows:
         return self.source.rows(self.entry, rows.start or 0, rows.stop)
 
 
-def _affine_parts(raw, type_name: str, convert) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`convert` (`q4_affine` or `split_affine`) of raw rows `[N, bytes per row]` (a tensor or `_LazyRows`), a slice
-    of rows at a time into the whole codes, scales and mins: its int16 temporaries stay a slice's (a 262k-row
-    tied head converted at once took 3.6 GB more)."""
-    rows = raw.shape[0]
-    parts = convert(raw[0:_ROWS_PER_SLICE], type_name)
-    if rows <= _ROWS_PER_SLICE:
-        return parts
-    whole = tuple(torch.empty((rows, part.shape[1]), dtype=part.dtype) for part in parts)
-    for start in range(0, rows, _ROWS_PER_SLICE):
-        if start:
-            parts = convert(raw[start:start + _ROWS_PER_SLICE], type_name)
-        for out, part in zip(whole, parts):
-            out[start:start + part.shape[0]] = part
-    return whole
+def _affine_rows(raw, type_name: str, convert) -> AffineRows:
+    """`convert` (`q4_affine` or `split_affine`) of raw rows `[N, bytes per row]` (a tensor or `_LazyRows`) as the
+    packer asks for them, a slice at a time: no whole copy of the codes exists (a 262k-row tied head's int16 codes
+    took 1.2 GB more)."""
+    return lambda start, stop: convert(raw[start:stop], type_name)
 
 
 def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -163,9 +155,11 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         bias = bias[order]
     raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
-        return Int4Linear.from_affine(*_affine_parts(raw, weight.type_name, q4_affine), bias)
+        return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)
     if pack and split and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
-        return SplitInt4Linear(Int4Linear.from_affine(*_affine_parts(raw, weight.type_name, split_affine), bias))
+        halves = Int4Linear(_affine_rows(raw, weight.type_name, split_affine), out_features, 2 * in_features,
+                            Q4K_GROUP, bias)
+        return SplitInt4Linear(halves)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
         return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
     with torch.device("meta"):

@@ -19,7 +19,7 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import tiles
-from specdraft.kernels.int4_layout import fits, pack
+from specdraft.kernels.int4_layout import AffineRows, affine_rows, fits, pack_rows
 
 _INNER_K_TILES = 2
 _PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
@@ -56,50 +56,51 @@ class Int4Linear(nn.Module):
 
     def __init__(
         self,
-        codes: torch.Tensor,  # [N, K] integers in 0..15
-        scale: torch.Tensor,  # [N, K / G]
-        minimum: torch.Tensor,  # [N, K / G], w = scale · codes − minimum
+        rows: AffineRows,  # rows start:stop as codes [rows, K] in 0..15, scale and minimum [rows, K / G]
+        out_features: int,  # N
+        in_features: int,  # K
+        group_size: int,  # G; w = scale · codes − minimum per group
         bias: torch.Tensor | None = None,  # [N]
         dense_weight: torch.Tensor | None = None,  # [N, K]
     ) -> None:
         super().__init__()
-        n, k = codes.shape
-        self.out_features, self.in_features = n, k
-        self.group_size = k // scale.shape[1]
+        n, k = self.out_features, self.in_features = out_features, in_features
+        self.group_size = group_size
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.dense_weight = dense_weight
         kernel, self.tiles = tiles.tile_kernel(), None
-        if kernel is not None and fits(n, k, self.group_size):
-            self.tiles = pack(codes, scale, minimum, kernel.layout)
+        if kernel is not None and fits(n, k, group_size):
+            self.tiles = pack_rows(rows, n, k, group_size, kernel.layout)
             self.tile_matmul = kernel.matmul
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"tile_{name}", getattr(self.tiles, name))
             return
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             raise SpecdraftError("This PyTorch build has no CPU int4 kernel; load the model unpacked.")
-        zero = 8 * scale.float() - minimum.float()  # (q − 8) · scale + zero = scale · q − minimum
-        packed = [  # packed in row slices: the int32 copy the packer needs stays small
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i:i + _PACK_ROWS].to(torch.int32).contiguous(),
-                                                               _INNER_K_TILES)
-            for i in range(0, n, _PACK_ROWS)
-        ]
+        packed, scales_and_zeros = [], []
+        for start in range(0, n, _PACK_ROWS):  # in row slices: the int32 copy the packer needs stays small
+            codes, scale, minimum = rows(start, min(start + _PACK_ROWS, n))
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                             _INNER_K_TILES))
+            zero = 8 * scale.float() - minimum.float()  # (q − 8) · scale + zero = scale · q − minimum
+            scales_and_zeros.append(torch.stack([scale.float(), zero], dim=-1))  # [rows, K/G, 2]
         self.register_buffer("packed", torch.cat(packed) if len(packed) > 1 else packed[0])
-        scales_and_zeros = torch.stack([scale.float(), zero], dim=-1)  # [N, K/G, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer("scales_and_zeros", torch.cat(scales_and_zeros).transpose(0, 1).contiguous().to(torch.bfloat16))
 
     @classmethod
     def from_affine(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                     bias: torch.Tensor | None = None) -> "Int4Linear":
-        """From a file's own 4-bit groups (e.g. Q4_K): `w = scale · codes − minimum` per group."""
-        return cls(codes, scale, minimum, bias)
+        """From a file's own 4-bit groups (e.g. Q4_K): `w = scale · codes − minimum` per group, codes `[N, K]`,
+        scale and minimum `[N, K / G]`."""
+        n, k = codes.shape
+        return cls(affine_rows(codes, scale, minimum), n, k, k // scale.shape[1], bias)
 
     @classmethod
     def quantize(cls, linear: nn.Linear, group_size: int = 32, keep_dense: bool = False) -> "Int4Linear":
         """Re-quantize a float linear to min/max 4-bit groups (lossy; for drafts), a slice of rows at a time."""
-        parts = [_minmax_groups(linear.weight.detach()[i:i + _PACK_ROWS], group_size)
-                 for i in range(0, linear.out_features, _PACK_ROWS)]
-        codes, scale, minimum = (torch.cat([part[j] for part in parts]) for j in range(3))
-        return cls(codes, scale, minimum, linear.bias, linear.weight if keep_dense else None)
+        weight = linear.weight.detach()
+        return cls(lambda start, stop: _minmax_groups(weight[start:stop], group_size), linear.out_features,
+                   linear.in_features, group_size, linear.bias, weight if keep_dense else None)
 
     def num_packed_weights(self) -> int:
         """How many weights the packed matrix holds."""
