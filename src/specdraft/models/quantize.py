@@ -136,7 +136,7 @@ class Int4Linear(nn.Module):
 class SplitInt4Linear(nn.Module):
     """`y = x W^T + b` for W = W_high + W_low, two 4-bit matrices side by side in one `Int4Linear` `[N, 2K]`
     (`gguf_blocks.split_affine`: a 5- or 8-bit file's codes split into top bits and low nibble), run as
-    `[x, x] · [W_high | W_low]ᵀ`: one kernel call, each token alone, 9 bits a weight."""
+    `[x, x] · [W_high | W_low]ᵀ`: one kernel call, each token alone, 10 bits a weight (8 of codes, 2 of the halves' bf16 group scales and offsets)."""
 
     def __init__(self, halves: Int4Linear) -> None:
         super().__init__()
