@@ -134,6 +134,28 @@ def test_packing_in_row_slices_changes_nothing(monkeypatch):
             assert torch.equal(getattr(whole, name), getattr(sliced, name))
 
 
+@pytest.mark.parametrize("kernel_runs", [True, False])  # our tiles, PyTorch's int4 layout
+def test_a_matrix_made_a_slice_of_rows_at_a_time_packs_as_the_whole_one(monkeypatch, kernel_runs):
+    """A file's big matrix (a 262k-row head) is asked of its blocks a slice at a time, never whole: the same packing."""
+    if not kernel_runs:
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: None)
+    codes, scale, minimum, _ = affine_matrix(192, 128, seed=8)
+    whole = Int4Linear.from_affine(codes, scale, minimum)
+    asked = []
+
+    def rows(start, stop):
+        asked.append(stop - start)
+        return codes[start:stop], scale[start:stop], minimum[start:stop]
+
+    monkeypatch.setattr(int4_layout, "_PACK_ROWS", 64)  # PyTorch's packing: a multiple of its 64-row blocks
+    monkeypatch.setattr("specdraft.models.quantize._PACK_ROWS", 64)
+    sliced = Int4Linear(rows, 192, 128, 32)
+    assert asked == [64, 64, 64]
+    assert (sliced.tiles is None) != kernel_runs
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, sliced.state_dict()[name]), name
+
+
 def test_the_bf16_dots_are_a_build_option_of_the_avx512_library():
     """The bf16 build asks for its define (the AVX-512 library needs BF16 anyway); the int16 build for nothing more."""
     assert bindings.Build("avx512", "int16").options() == [] and bindings.Build("avx2", "bf16").options() == []

@@ -22,7 +22,7 @@ from specdraft.kernels import tiles
 from specdraft.kernels.int4_layout import AffineRows, affine_rows, fits, pack_rows
 
 _INNER_K_TILES = 2
-_PACK_ROWS = 8192  # a multiple of the kernel's 32-row blocks
+_PACK_ROWS = 8192  # a multiple of PyTorch's int4 packing's 64-row blocks (slices of 32 rows pack otherwise)
 
 # PyTorch's kernel costs least per token at a few tokens per call and grows steeply past
 # about 8 on 2 cores, so wider passes go through it in slices of this many tokens, or through
