@@ -25,7 +25,7 @@ from conftest import (PROMPTS, assert_batch_answers_as_alone, assert_cli_spec_eq
                       assert_greedy_spec_equals_ar, assert_planted_bias_caught, assert_sampled_output_follows,
                       sharpened, small_sampling_target)
 from eagle3_checkpoints import draft_vocabulary, random_head, save_folder, save_gguf
-from specdraft import SpeculativeDecoder
+from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters import Draft, Eagle3Drafter, make_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
@@ -286,17 +286,44 @@ def test_target_passes_return_the_layers_a_live_eagle3_drafter_reads(targets, tm
     torch.testing.assert_close(target.prefill(tokens, hidden=True), final)
 
 
-def test_another_feature_drafter_on_the_same_target_is_refused(targets, tmp_path):
-    """While an eagle3 drafter lives, an `eagle` drafter on the same target is handed three layers' states: it says so
-    at its first step instead of misreading them."""
+def test_feature_drafters_of_two_kinds_take_turns_on_one_target(targets, tmp_path):
+    """eagle3 (three layers' states) and eagle (the final ones) on one target, one request after another (the methods
+    of one bench run): each request's prompt pass is asked for its drafter's states, so each stays `ar`'s output.
+    Drafting with both at once is refused: an `eagle` request handed three layers' states says so."""
     from registered_drafters import random_eagle
 
     target_model, head = make_head("speculators-qwen3", targets)
     target = CausalLM(target_model)
-    live = make_drafter("eagle3", {"trained": str(save_folder(head, tmp_path / "h"))}, target_model=target)
+    eagle3 = make_drafter("eagle3", {"trained": str(save_folder(head, tmp_path / "h"))}, target_model=target)
+    eagle = random_eagle(target)
+    expected = SpeculativeDecoder(target).generate(PROMPTS[0], max_new_tokens=8).token_ids
+    for drafter in (eagle3, eagle, eagle3, eagle):
+        assert SpeculativeDecoder(target, drafter, k=2).generate(PROMPTS[0], max_new_tokens=8).token_ids == expected
+    answer = SpeculativeDecoder(target, eagle, k=2).stream(PROMPTS[0], max_new_tokens=8)
+    next(answer)  # the eagle request is under way
+    eagle3.claim_features()  # an eagle3 request starts beside it
     with pytest.raises(SpecdraftError, match="another drafter on the same target"):
-        SpeculativeDecoder(target, random_eagle(target), k=2).generate(PROMPTS[0], max_new_tokens=4)
-    del live
+        list(answer)
+
+
+def test_batches_of_two_feature_drafter_kinds_take_turns_on_one_target(targets, tmp_path):
+    """Batches of eagle3, eagle and eagle3 requests again (one a one-token prompt, whose first pass is a step's), on
+    one target, every drafter made beforehand: each request joining asks the passes for its drafter's states, so
+    each answers as `ar`."""
+    from registered_drafters import random_eagle
+    from specdraft.batch_engine import BatchedDecoder, BatchRequest
+
+    target_model, head = make_head("speculators-qwen3", targets)
+    folder = str(save_folder(head, tmp_path / "h"))
+    prompts = [PROMPTS[0], [5]]
+    expected = [SpeculativeDecoder(CausalLM(target_model)).generate(p, max_new_tokens=8).token_ids for p in prompts]
+    batch = BatchedDecoder(CausalLM(target_model), max_batch=2)
+    eagle3 = [make_drafter("eagle3", {"trained": folder}, target_model=batch.target) for _ in prompts]
+    eagle = [random_eagle(batch.target) for _ in prompts]  # made last: theirs is the live claim before any request
+    for drafters in (eagle3, eagle, eagle3):
+        batch.make_drafter = iter(drafters).__next__
+        completions = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), 8) for p in prompts])
+        assert [c.token_ids for c in completions] == expected
 
 
 # ----- tier 3: greedy spec == ar ------------------------------------------------------------------------------------

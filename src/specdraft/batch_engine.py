@@ -300,6 +300,8 @@ class BatchedDecoder:
             try:
                 started = time.perf_counter()
                 if not joining.looked_up:
+                    if seq.reads_features:
+                        seq.drafter.claim_features()  # the passes return the states its drafter reads
                     self._take_prefix(joining, prompt)
                 if joining.read < prompt.shape[0]:
                     chunk = prompt[joining.read : joining.read + PREFILL_CHUNK]

@@ -133,6 +133,8 @@ class SpeculativeDecoder:
         reused = (self.prefixes.resume(target, sequence[:-1], cache_salt)
                   if self.prefixes is not None and not wants_features else 0)
         run.stats.cached_prompt_tokens = reused
+        if wants_features:
+            drafter.claim_features()  # the prompt's pass returns the states this drafter reads
         prompt_features = target.prefill(sequence[reused:-1].unsqueeze(0), hidden=wants_features)  # [L - 1, H] or None
         if self.prefixes is not None:
             self.prefixes.keep(target, sequence[:-1], cache_salt)

@@ -196,6 +196,10 @@ class Drafter:
     def begin(self, prompt: torch.Tensor) -> None:  # prompt: [L]
         """Start a new request with this prompt."""
 
+    def claim_features(self) -> None:
+        """Ask the target's passes for the states this drafter reads (a drafter that `needs_features`), before they run
+        for a request: the engines call it ahead of the prompt's pass. Nothing for one that reads none."""
+
     def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
         """Who will propose this step (a name the policy keeps separate estimates for), or None
         when there is nothing worth proposing (the step is then plain decoding). `declined`

@@ -35,6 +35,10 @@ class ComposedDrafter(Drafter):
         self.first.begin(prompt)
         self.fallback.begin(prompt)
 
+    def claim_features(self) -> None:
+        self.first.claim_features()
+        self.fallback.claim_features()
+
     def source(self, ctx: DraftContext, declined: frozenset[str] = frozenset()) -> str | None:
         for drafter in (self.first, self.fallback):
             name = drafter.source(ctx, declined)

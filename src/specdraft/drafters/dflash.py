@@ -48,13 +48,9 @@ class DFlashDrafter(CatchUpDrafter):
                                  "output is not read.")
         super().__init__(target, config.hidden_size, None, min_confidence, head=full_target_head(target))
         self.features_width = len(config.target_layers) * config.hidden_size  # the layers' states side by side
+        self.feature_layers = tuple(config.target_layers)
         self.attach(target, model)  # `_real`: context rows in the caches
-        target.read_features_at(self, config.target_layers)
-
-    def sibling(self) -> "DFlashDrafter":
-        twin = super().sibling()  # its caches and pending states its own
-        self.target.read_features_at(twin, self.model.config.target_layers)
-        return twin
+        self.claim_features()
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, k: int) -> Draft:

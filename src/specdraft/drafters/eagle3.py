@@ -40,12 +40,7 @@ class Eagle3Drafter(LayerHeadDrafter):
             raise SpecdraftError(f"This EAGLE-3 head is {config.hidden_size} wide and has no embed_tokens of its "
                                  f"own; {target.name}'s embeddings are {target.config.hidden_size} wide.")
         super().__init__(target, config.target_hidden_size, None, min_confidence, head=model.lm_head)
-        self.layers = config.resolved_aux_layers(target.config.num_hidden_layers)
-        self.features_width = len(self.layers) * config.target_hidden_size  # the layers' states side by side
+        self.feature_layers = config.resolved_aux_layers(target.config.num_hidden_layers)
+        self.features_width = len(self.feature_layers) * config.target_hidden_size  # the layers' states side by side
         self.attach(target, model)
-        target.read_features_at(self, self.layers)
-
-    def sibling(self) -> "Eagle3Drafter":
-        twin = super().sibling()  # its cache and pending features its own
-        self.target.read_features_at(twin, self.layers)
-        return twin
+        self.claim_features()

@@ -32,6 +32,7 @@ class FeatureDrafter(Drafter):
 
     needs_features = True
     description = "drafter"  # how errors name it
+    feature_layers: tuple[int, ...] | None = None  # the target layers whose input states it reads; None: the final
 
     def __init__(self, target: CausalLM, hidden_size: int, vocab_ids: torch.Tensor | None, min_confidence: float,
                  head: SubsetHead | None = None) -> None:
@@ -42,14 +43,23 @@ class FeatureDrafter(Drafter):
         self.features_width = hidden_size  # how wide the states it is handed are (`checked`)
         self.dtype = self.vocab_head.inner.weight.dtype  # what features are cast to (kept when the head goes int4)
         self.min_confidence = min_confidence
+        self.target = target
+
+    def claim_features(self) -> None:
+        """Make the target's passes return the states this drafter reads (`CausalLM.read_features_at`): when it is
+        made, and anew before each request's prompt pass (the engines call it), so drafters reading different states
+        take turns on one target (the methods of one bench run, a server's requests one after another); drafting at
+        once with both is refused (`checked`)."""
+        self.target.read_features_at(self, self.feature_layers)
 
     def checked(self, hidden: torch.Tensor) -> torch.Tensor:
         """The states handed to `features` (# [n, features_width]), checked: an `eagle3` drafter alive on the same
         target makes its passes return other states (`CausalLM.read_features_at`), which this drafter cannot read."""
         if hidden.shape[0] and hidden.shape[-1] != self.features_width:
             raise SpecdraftError(f"This {self.description} reads target states {self.features_width} wide and was "
-                                 f"handed {hidden.shape[-1]}: another drafter on the same target (eagle3) asked its "
-                                 "passes for other states. Run one kind of feature drafter per target.")
+                                 f"handed {hidden.shape[-1]}: another drafter on the same target (eagle3, dflash), "
+                                 "drafting at the same time, asked its passes for other states. Run one kind of "
+                                 "feature drafter per target at a time.")
         return hidden
 
     def sibling(self) -> "FeatureDrafter":
@@ -57,7 +67,9 @@ class FeatureDrafter(Drafter):
         weights are loaded and packed once, however many sequences draft with them. Its state is its own once
         `begin` sets it, which every request does first; a drafter that keeps state in its weights' module (a
         cache) makes that its own here."""
-        return copy.copy(self)
+        twin = copy.copy(self)
+        twin.claim_features()
+        return twin
 
     def draw_chain(self, ctx: DraftContext, depth: int,
                    row_logits: Callable[[int, torch.Tensor | None], torch.Tensor]) -> Draft:

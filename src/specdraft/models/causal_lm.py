@@ -180,15 +180,16 @@ class CausalLM:
         live = list(claims.values()) if claims is not None else []  # a dead drafter's claim has gone
         return live[-1] if live else None
 
-    def read_features_at(self, owner: object, layers: tuple[int, ...]) -> None:
+    def read_features_at(self, owner: object, layers: tuple[int, ...] | None) -> None:
         """Make the passes of this model (every `CausalLM` over its weights) return the input states of `layers` as
-        their hidden states, for as long as `owner` (a drafter) lives: the claim is held weakly, and the last live
-        claim decides. Passes on the fused C decoder copy those rows out on its way (`FusedDecoder.run`), the others
-        read transformers' `hidden_states` (the same bits); a static (GPU) cache returns none and is refused."""
+        their hidden states (None: the final ones), for as long as `owner` (a drafter) lives: the claim is held
+        weakly, and the last claim made of those alive decides (claiming again makes it the last). Passes on the fused
+        C decoder copy those rows out on its way (`FusedDecoder.run`), the others read transformers' `hidden_states`
+        (the same bits); a static (GPU) cache returns none and is refused."""
         count = self.config.num_hidden_layers
-        if any(not 0 <= i < count for i in layers):
+        if layers is not None and any(not 0 <= i < count for i in layers):
             raise SpecdraftError(f"{self.name} has {count} layers: layer inputs 0 .. {count - 1}, not {list(layers)}.")
-        if self._static is not None:
+        if layers is not None and self._static is not None:
             raise SpecdraftError(f"{self.name} runs on a static (GPU) cache, whose passes return only the final "
                                  "hidden states; a drafter that reads intermediate layers (eagle3) needs "
                                  "SPECDRAFT_STATIC_CACHE=0.")
@@ -197,7 +198,7 @@ class CausalLM:
             claims = _FeatureClaims()
             self.model.__dict__[FEATURE_CLAIMS] = claims  # a plain attribute: no module, parameter or buffer
         claims.pop(owner, None)  # to the end: the last claim decides
-        claims[owner] = tuple(layers)
+        claims[owner] = None if layers is None else tuple(layers)
 
     def _kept_states(self, states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None,
                      keep: int) -> torch.Tensor:
