@@ -17,7 +17,7 @@ from specdraft.models.fast_layers import StackedAttention
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.gguf_config import LLAMA3_ROPE, gguf_config
 from specdraft.models.gguf_native import FlatLinear, build_native_model, describe_packing
-from specdraft.models.quantize import int4_kernel_available
+from specdraft.models.quantize import five_bit_tiles_run, int4_kernel_available
 
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
 
@@ -64,6 +64,10 @@ def test_packed_family_matches_the_float32_reference(files, family, mix):
     model = build_native_model(path, reference.config, torch.bfloat16)
     if gguf_matmul.available():  # else (no tile kernel: the PyTorch level) Q6_K is unpacked to bf16
         assert not any(isinstance(m, FlatLinear) for m in model.modules()), describe_packing(model)
+    if mix == "Q5_K_M" and int4_kernel_available():  # its Q5_K rows: 5-bit tiles where the kernel has them, else halves
+        five_bit = five_bit_tiles_run(reference.config.hidden_size, reference.config.hidden_size)
+        assert ("5-bit kernels" in describe_packing(model)) == five_bit, describe_packing(model)
+        assert ("split in two halves" in describe_packing(model)) != five_bit, describe_packing(model)
     if family in STACKED and gguf_matmul.available():
         assert all(isinstance(layer.self_attn, StackedAttention) for layer in model.model.layers)
     with torch.inference_mode():

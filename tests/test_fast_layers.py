@@ -21,8 +21,8 @@ from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES
-from specdraft.models.gguf_blocks import split_affine
-from specdraft.models.quantize import Int4Linear, SplitInt4Linear, quantize_int4
+from specdraft.models.gguf_blocks import five_bit_affine, split_affine
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, quantize_int4
 from specdraft.models import fast_layers
 from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers
 
@@ -225,6 +225,29 @@ def q8_0_split_linear(linear: nn.Linear) -> SplitInt4Linear:
     return split
 
 
+def q5_0_linear(linear: nn.Linear) -> Int4Linear:
+    """A float linear written as Q5_0 blocks and read back as 5-bit tiles (`gguf_blocks.five_bit_affine`)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(linear.weight.detach().float().numpy(), GGMLQuantizationType.Q5_0)  # [N, K / 32 · 22]
+    return Int4Linear.from_affine(*five_bit_affine(torch.from_numpy(raw), "Q5_0"),
+                                  None if linear.bias is None else linear.bias.detach().float(), bits=5)
+
+
+def five_bit_model() -> Qwen2ForCausalLM:
+    """`int4_model` with some projections in Q5_0 as 5-bit tiles: q and down of the first layer (q stacks beside
+    4-bit k and v as runs of two widths), v of the second, and the second's down as Q8_0 split halves."""
+    model = int4_model(seed=9)
+    reference = Qwen2ForCausalLM(model.config).bfloat16().eval()
+    first, second = model.model.layers
+    first.self_attn.q_proj = q5_0_linear(reference.model.layers[0].self_attn.q_proj)
+    first.mlp.down_proj = q5_0_linear(reference.model.layers[0].mlp.down_proj)
+    second.self_attn.v_proj = q5_0_linear(reference.model.layers[1].self_attn.v_proj)
+    second.mlp.down_proj = q8_0_split_linear(reference.model.layers[1].mlp.down_proj)
+    return model
+
+
 def split_model() -> Qwen2ForCausalLM:
     """`int4_model` with some projections in Q8_0 (split halves): v and down of the first layer, q of the second."""
     model = int4_model(seed=8)
@@ -294,6 +317,26 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decode
     want = pass_sequence(model)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+@fused_run
+@pytest.mark.skipif(not five_bit_tiles_run(64, 128), reason="no tile kernel with 5-bit tiles here (AMX)")
+def test_fused_layers_run_five_bit_tiles_bit_for_bit(decoder_build, monkeypatch):
+    """5-bit runs (Q5_0 as stored), stacked beside 4-bit ones and beside split halves, on the fused stack as on the
+    PyTorch path, bit for bit."""
+    if decoder_build != "avx512":
+        pytest.skip("5-bit tiles run on AMX, under the AVX-512 decoder's AMX build")
+    model = five_bit_model()
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None
+    kinds = [[run.kind for run in entry.qkv.run[:entry.qkv.runs]] for entry in fused.table]
+    assert kinds == [[decoder_layers.INT5_AMX, decoder_layers.INT4_AMX],
+                     [decoder_layers.INT4_AMX, decoder_layers.INT5_AMX]]
+    assert fused.table[0].down.run[0].kind == decoder_layers.INT5_AMX
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
 
 
 @tiles_run

@@ -18,7 +18,8 @@ from specdraft.exactness import compare_greedy
 from specdraft.kernels import gguf_matmul, int4_layout, isa, numerics, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
-from specdraft.models.gguf_blocks import dequantize, q4_affine, q4k_affine, q6k_unpack, split_affine, unpack_rows
+from specdraft.models.gguf_blocks import (dequantize, five_bit_affine, q4_affine, q4k_affine, q6k_unpack, split_affine,
+                                          unpack_rows)
 from specdraft.models.architectures import architecture_for
 from specdraft.models.gguf_header import read_header
 from specdraft.models.gguf_native import FlatLinear, PackedEmbedding, build_native_model
@@ -286,6 +287,23 @@ def test_split_halves_sum_to_gguf_reference(type_name):
     assert codes.shape == (6, 1024) and int(codes.max()) <= 15
     halves = (codes.view(6, 32, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(6, 2, 512)
     assert torch.equal(halves.sum(1), gguf_values(raw, kind))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_five_bit_codes_are_the_gguf_reference(type_name):
+    """Q5_0, Q5_1 and Q5_K read as their own 5-bit codes (what 5-bit tiles hold): scale · codes − minimum is gguf's
+    dequantization bit for bit."""
+    rng = np.random.default_rng(7)
+    kind = GGMLQuantizationType[type_name]
+    raw = random_q5k(6, 2, rng) if type_name == "Q5_K" else gguf_quantize(
+        rng.normal(size=(6, 512)).astype(np.float32), kind)
+    codes, scale, minimum = five_bit_affine(torch.from_numpy(raw), type_name)  # [6, 512], [6, 16], [6, 16]
+    assert codes.shape == (6, 512) and 16 <= int(codes.max()) <= 31
+    weights = (codes.view(6, 16, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(6, 512)
+    assert torch.equal(weights, gguf_values(raw, kind))
+    with pytest.raises(ValueError, match="5-bit codes are those of"):
+        five_bit_affine(torch.from_numpy(gguf_quantize(rng.normal(size=(6, 64)).astype(np.float32),
+                                                       GGMLQuantizationType.Q8_0)), "Q8_0")
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K"])

@@ -9,7 +9,7 @@ import torch
 from conftest import activations_as_multiplied, avx2_library, avx512_library
 from test_gguf_native import random_q6k
 from specdraft.kernels import bindings, gguf_matmul, int4_layout, numerics, prompt_pass, tiles
-from specdraft.models.quantize import Int4Linear
+from specdraft.models.quantize import Int4Linear, five_bit_tiles_run
 
 
 def affine_matrix(n: int, k: int, seed: int = 0):
@@ -154,6 +154,44 @@ def test_a_matrix_made_a_slice_of_rows_at_a_time_packs_as_the_whole_one(monkeypa
     assert (sliced.tiles is None) != kernel_runs
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, sliced.state_dict()[name]), name
+
+
+@pytest.mark.skipif(not five_bit_tiles_run(64, 256), reason="no tile kernel with 5-bit tiles here (AMX)")
+def test_five_bit_tiles_hold_each_code_and_compute_each_token_alone():
+    """5-bit tiles (`pack_rows(bits=5)`): x · W to float32 rounding, W = s·(q − 16) + z with s and z rounded to bf16;
+    a pass of 16 tokens gives each token's bits alone; one flipped fifth bit moves its row's outputs by 16 s x."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 64, 256
+    codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.1 + 1e-3
+    minimum = (torch.rand(n, k // 32, generator=g) - 0.3) * 0.5
+    linear = Int4Linear.from_affine(codes, scale, minimum, bits=5)
+    assert linear.tiles.bits == 5 and linear.tiles.tiles.numel() == n * k * 5 // 8  # 320 bytes a tile
+    s = scale.bfloat16().float().repeat_interleave(32, 1)
+    weight = s * (codes.float() - 16) + (16 * scale - minimum).bfloat16().float().repeat_interleave(32, 1)
+    x = torch.randn(16, k, generator=g).bfloat16()
+    got = tiles.tile_kernel().matmul(linear.tiles, x)  # [16, N] float32
+    want = x.double() @ weight.double().T
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert all(torch.equal(tiles.tile_kernel().matmul(linear.tiles, x[t:t + 1])[0], got[t]) for t in range(16))
+    flipped = codes.clone()
+    flipped[5, 70] ^= 16
+    moved = tiles.tile_kernel().matmul(Int4Linear.from_affine(flipped, scale, minimum, bits=5).tiles, x) - got
+    sign = 1 if flipped[5, 70] > codes[5, 70] else -1
+    expected = sign * 16 * s[5, 70] * x[:, 70].float()  # [16]
+    torch.testing.assert_close(moved[:, 5], expected, rtol=1e-3, atol=1e-4)
+    assert moved[:, [i for i in range(n) if i != 5]].abs().max() == 0
+
+
+def test_five_bit_codes_need_a_kernel_that_has_them(monkeypatch):
+    """Where the tile kernel has no 5-bit tiles (AVX-512, AVX2, PyTorch's), asking for them is an error, not a
+    silent 4-bit matrix; the loader splits such codes into 4-bit halves there instead."""
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: tiles.AVX2)
+    codes, scale, minimum, _ = affine_matrix(32, 64, seed=3)
+    with pytest.raises(ValueError, match="5-bit"):
+        Int4Linear.from_affine(codes, scale, minimum, bits=5)
+    with pytest.raises(ValueError, match="5-bit ones in the pairs layout"):
+        int4_layout.pack_rows(int4_layout.affine_rows(codes, scale, minimum), 32, 64, 32, int4_layout.QUADS, bits=5)
 
 
 def test_the_bf16_dots_are_a_build_option_of_the_avx512_library():

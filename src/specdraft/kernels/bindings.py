@@ -43,6 +43,7 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
 }
 AMX_SLOTS = {  # the AVX-512 library's build with AMX adds these (and `amx_tiles_init`, which returns 0 when granted)
     "int4_amx_matmul": SLOTS["int4_matmul"],
+    "int5_amx_matmul": SLOTS["int4_matmul"],
     "q6k_amx_matmul": SLOTS["q6k_matmul"],
 }
 

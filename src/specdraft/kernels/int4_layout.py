@@ -12,19 +12,28 @@
 
 Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16], with w = s·(q − 8) + z. The integer sums the kernels
 take are exact whatever the order of their terms, so both layouts give the same bits.
+
+5-bit tiles (`bits` 5: Q5_0, Q5_1 and Q5_K as stored, for the kernels that have them, `TileKernel.int5`) are 320
+bytes: a 4-bit tile of the codes' low nibbles (`PAIRS`), then for each 64 of its bytes two little-endian 64-bit masks,
+bit m of mask v the fifth bit of byte m of the pair vector v that unpacking those 64 bytes makes
+(`fifth_bit_sources`; a masked byte add puts it in place). Offsets are z = 16s − m, with w = s·(q − 16) + z: 6 bits
+a weight with the scales, where two 4-bit halves took 10.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
+import numpy as np
 import torch
 
 PAIRS, QUADS = "pairs", "quads"  # the layouts (module doc)
 GROUP = 32  # inputs per scale and minimum
 BLOCK_ROWS = 16  # outputs per tile
 _PACK_ROWS = 4096  # rows packed at a time (a multiple of BLOCK_ROWS)
+TILE_BYTES = {4: 256, 5: 320}  # bytes of a tile of 16 rows x 32 inputs, by code width
 
 
 def fits(out_features: int, in_features: int, group_size: int) -> bool:
@@ -34,8 +43,9 @@ def fits(out_features: int, in_features: int, group_size: int) -> bool:
 
 @dataclass
 class PackedInt4:
-    """A matrix in a kernel's layout: tile bytes `[N/16 · K/32 · 256]` (uint8) laid out as `layout` says, scale and
-    zero `[N/16, K/32, 16]` (bf16) with w = scale · (q − 8) + zero (zero = 8 · scale − minimum)."""
+    """A matrix in a kernel's layout: tile bytes `[N/16 · K/32 · TILE_BYTES[bits]]` (uint8) laid out as `layout` says,
+    scale and zero `[N/16, K/32, 16]` (bf16) with w = scale · (q − 2^(bits−1)) + zero (zero = 2^(bits−1) · scale −
+    minimum)."""
 
     tiles: torch.Tensor
     scale: torch.Tensor
@@ -43,6 +53,7 @@ class PackedInt4:
     out_features: int
     in_features: int
     layout: str = PAIRS
+    bits: int = 4
 
 
 def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
@@ -99,25 +110,54 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout
     return pack_rows(affine_rows(codes, scale, minimum), *codes.shape, codes.shape[1] // scale.shape[1], layout)
 
 
-def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = PAIRS) -> PackedInt4:
-    """An `[n, k]` matrix in groups of `group_size`, asked of `rows` a slice at a time, as tiles in `layout`."""
+@lru_cache(maxsize=1)
+def fifth_bit_sources() -> torch.Tensor:
+    """For each bit of a 5-bit tile's masks, the (row · 32 + input) whose fifth bit it is, `[4 chunks, 2 vectors, 64]`:
+    unpacking a chunk's 64 nibble bytes (`native/avx512/tile_unpack.h`) makes pair vector v's byte m = 16·L + 2u + e
+    the code of row 4·L + u % 4, input 2·(4·chunk + 2·v + u // 4) + e (the `PAIRS` layout read back)."""
+    m = np.arange(64)
+    lane, u, e = m // 16, (m % 16) // 2, m % 2
+    sources = [[(4 * lane + u % 4) * GROUP + 2 * (4 * chunk + 2 * vector + u // 4) + e for vector in range(2)]
+               for chunk in range(4)]
+    return torch.from_numpy(np.array(sources, dtype=np.int64))
+
+
+def _fifth_bit_masks(high: torch.Tensor) -> torch.Tensor:
+    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a 5-bit tile's mask bytes `[rows / 16, K / 32, 64]`."""
+    rows, k = high.shape
+    tiled = high.to(torch.uint8).view(rows // BLOCK_ROWS, BLOCK_ROWS, k // GROUP, GROUP).permute(0, 2, 1, 3)
+    bits = tiled.reshape(rows // BLOCK_ROWS, k // GROUP, BLOCK_ROWS * GROUP)[..., fifth_bit_sources().view(-1)]
+    bits = bits.view(rows // BLOCK_ROWS, k // GROUP, 64, 8)  # [.., mask byte, bit]: little-endian masks
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
+
+
+def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = PAIRS, bits: int = 4) -> PackedInt4:
+    """An `[n, k]` matrix in groups of `group_size`, asked of `rows` a slice at a time, as tiles in `layout` of
+    `bits`-bit codes (4, or 5 for `PAIRS`: module doc)."""
     to_bytes = tile_bytes(layout)
     if not fits(n, k, group_size):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
+    if bits not in TILE_BYTES or (bits == 5 and layout != PAIRS):
+        raise ValueError(f"tiles hold 4-bit codes, or 5-bit ones in the {PAIRS} layout; not {bits} bits in {layout}")
     blocks, groups = n // BLOCK_ROWS, k // GROUP
-    tiles = torch.empty(n * k // 2, dtype=torch.uint8)
+    tile_width = TILE_BYTES[bits]
+    tiles = torch.empty((blocks, groups, tile_width), dtype=torch.uint8)
     tile_scale = torch.empty((blocks, groups, BLOCK_ROWS), dtype=torch.bfloat16)
     tile_zero = torch.empty_like(tile_scale)
     for start in range(0, n, _PACK_ROWS):  # in row slices: the temporaries stay small (a draft's LM head is 136M weights)
         stop = min(start + _PACK_ROWS, n)
         codes, scale, minimum = rows(start, stop)
         part_blocks = (stop - start) // BLOCK_ROWS
-        tiles[start * k // 2: stop * k // 2] = to_bytes(codes).view(-1)
         block_range = slice(start // BLOCK_ROWS, stop // BLOCK_ROWS)
+        tiles[block_range, :, :256] = to_bytes(codes & 0x0F).view(part_blocks, groups, 256)
+        if bits == 5:
+            tiles[block_range, :, 256:] = _fifth_bit_masks(codes >> 4)
         scale = scale.float()
         tile_scale[block_range] = scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
-        tile_zero[block_range] = (8 * scale - minimum.float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
-    return PackedInt4(tiles, tile_scale, tile_zero, n, k, layout)
+        middle = 1 << (bits - 1)
+        tile_zero[block_range] = (middle * scale - minimum.float()).view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
+    return PackedInt4(tiles.view(-1), tile_scale, tile_zero, n, k, layout, bits)
 
 
 def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor, layout: str) -> torch.Tensor:

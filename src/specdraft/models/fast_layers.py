@@ -57,6 +57,12 @@ def _run_kind(linear: nn.Module) -> str | None:
     return None
 
 
+def _run_key(part: nn.Module) -> tuple:
+    """What parts must share to be one run: their kind, whether they are split halves, and their code width."""
+    packed = getattr(getattr(part, "halves", part), "tiles", None)
+    return _run_kind(part), isinstance(part, SplitInt4Linear), getattr(packed, "bits", None)
+
+
 class StackedProjection(nn.Module):
     """Projections of one input stacked by rows: `forward(x [..., K])` -> float32 `[..., ΣN]`, biases added.
 
@@ -70,9 +76,9 @@ class StackedProjection(nn.Module):
         self.runs: list[tuple[object, object]] = []  # (kernel function, packed matrix)
         start = 0
         while start < len(parts):
-            kind = _run_kind(parts[start]), isinstance(parts[start], SplitInt4Linear)
+            kind = _run_key(parts[start])
             stop = start + 1
-            while stop < len(parts) and (_run_kind(parts[stop]), isinstance(parts[stop], SplitInt4Linear)) == kind:
+            while stop < len(parts) and _run_key(parts[stop]) == kind:
                 stop += 1
             self.runs.append(self._stack(kind[0], [getattr(p, "halves", p) for p in parts[start:stop]], len(self.runs)))
             start = stop
@@ -86,7 +92,8 @@ class StackedProjection(nn.Module):
         n = sum(part.out_features for part in parts)
         if kind == "int4":
             packed = PackedInt4(torch.cat([p.tiles.tiles for p in parts]), torch.cat([p.tiles.scale for p in parts]),
-                                torch.cat([p.tiles.zero for p in parts]), n, parts[0].in_features, parts[0].tiles.layout)
+                                torch.cat([p.tiles.zero for p in parts]), n, parts[0].in_features, parts[0].tiles.layout,
+                                parts[0].tiles.bits)
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"run{index}_{name}", getattr(packed, name))
             return parts[0].tile_matmul, packed

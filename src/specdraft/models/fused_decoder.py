@@ -37,8 +37,10 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
     if isinstance(projection, StackedProjection):
         runs = []
         for matmul, packed in projection.runs:
-            if matmul in int4_kinds and isinstance(packed, PackedInt4):
-                runs.append((int4_kinds[matmul], packed))
+            affine = matmul in int4_kinds and isinstance(packed, PackedInt4)
+            kind = _affine_kind(int4_kinds[matmul], packed) if affine else None
+            if kind is not None:
+                runs.append((kind, packed))
             elif matmul is gguf_matmul.block_matmul and q6k_kind is not None:
                 runs.append((q6k_kind, packed))
             else:
@@ -50,10 +52,19 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
     if isinstance(projection, Int4Linear):
         if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in int4_kinds:
             return None
-        return [(int4_kinds[projection.tile_matmul], projection.tiles)], bias
+        kind = _affine_kind(int4_kinds[projection.tile_matmul], projection.tiles)
+        return None if kind is None else ([(kind, projection.tiles)], bias)
     if isinstance(projection, gguf_matmul.BlockLinear) and q6k_kind is not None:
         return [(q6k_kind, projection.packed)], bias
     return None
+
+
+def _affine_kind(int4_kind: int, packed: PackedInt4) -> int | None:
+    """The run kind of a 4- or 5-bit matrix on the kernel whose 4-bit kind is `int4_kind` (None: the C stack has no
+    5-bit tiles there)."""
+    if packed.bits == 4:
+        return int4_kind
+    return decoder_layers.INT5_AMX if int4_kind == decoder_layers.INT4_AMX else None
 
 
 def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None,
@@ -63,7 +74,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
         slot.doubled = int(packed.in_features == 2 * in_features)  # split 4-bit halves read [x, x]
-        if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX):
+        if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX, decoder_layers.INT5_AMX):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0

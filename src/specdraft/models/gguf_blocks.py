@@ -94,13 +94,10 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     return bits.flatten(-2)
 
 
-def split_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A matrix of 5- or 8-bit codes (`SPLIT_INTO_4BIT`, raw bytes `[rows, bytes per row]`) as two 4-bit affine
-    matrices side by side, `W = W_high + W_low`: codes `[rows, 2K]` (high parts' columns first), scales and
-    mins `[rows, 2K / 32]` as `q4k_affine` returns them, so `[x, x] · [W_high | W_low]ᵀ = x · Wᵀ`.
-
-    A code q = 16 h + l (h the top bits, l the low nibble, both 0..15 after an offset) makes w = s · q − m into
-    (16 s) · h − m and s · l: exact (each scale a product of an fp16 value and small integers)."""
+def _code_parts(raw: torch.Tensor, type_name: str):
+    """A 5- or 8-bit matrix's codes q = 16 h + l as their top bits h and low nibbles l `[rows, K / 32, 32]` (both
+    0..15 after an offset), each group's step s and the minimums m_h, m_l `[rows, K / 32]` of w = s·q − m split as
+    (16 s)·h − m_h + s·l − m_l."""
     block_bytes = _SPLIT_BLOCK_BYTES[type_name]
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
         raise ValueError(f"{type_name} data must be uint8 [rows, blocks * {block_bytes}], got {tuple(raw.shape)} {raw.dtype}")
@@ -131,12 +128,35 @@ def split_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch
         step = (d.unsqueeze(-1) * sc).reshape(rows, nb * 8)  # [rows, K / 32]
         low_min = (dmin.unsqueeze(-1) * mn).reshape(rows, nb * 8)
         high_min = torch.zeros_like(low_min)
-        high, low = high.reshape(rows, nb * 8, 32), low.reshape(rows, nb * 8, 32)
     groups = step.numel() // rows
+    return (high.reshape(rows, groups, 32), low.reshape(rows, groups, 32), step.reshape(rows, groups),
+            high_min.reshape(rows, groups), low_min.reshape(rows, groups))
+
+
+def split_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A matrix of 5- or 8-bit codes (`SPLIT_INTO_4BIT`, raw bytes `[rows, bytes per row]`) as two 4-bit affine
+    matrices side by side, `W = W_high + W_low`: codes `[rows, 2K]` (high parts' columns first), scales and
+    mins `[rows, 2K / 32]` as `q4k_affine` returns them, so `[x, x] · [W_high | W_low]ᵀ = x · Wᵀ`.
+
+    A code q = 16 h + l (h the top bits, l the low nibble, both 0..15 after an offset) makes w = s · q − m into
+    (16 s) · h − m and s · l: exact (each scale a product of an fp16 value and small integers)."""
+    high, low, step, high_min, low_min = _code_parts(raw, type_name)
+    rows = raw.shape[0]
     codes = torch.cat([high.reshape(rows, -1), low.reshape(rows, -1)], dim=1).to(torch.uint8)  # [rows, 2K]
-    scale = torch.cat([16 * step.reshape(rows, groups), step.reshape(rows, groups)], dim=1)  # [rows, 2K / 32]
-    minimum = torch.cat([high_min.reshape(rows, groups), low_min.reshape(rows, groups)], dim=1)
-    return codes, scale, minimum
+    return codes, torch.cat([16 * step, step], dim=1), torch.cat([high_min, low_min], dim=1)  # [rows, 2K / 32]
+
+
+FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")  # the types whose codes 5-bit tiles hold as they are (`five_bit_affine`)
+
+
+def five_bit_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_0, Q5_1 or Q5_K matrix (raw bytes `[rows, bytes per row]`) as its own 5-bit codes `[rows, K]` (0..31),
+    scales and mins `[rows, K / 32]`, w = scale · codes − minimum: exact (as `split_affine`)."""
+    if type_name not in FIVE_BIT:
+        raise ValueError(f"5-bit codes are those of {', '.join(FIVE_BIT)}, not {type_name}")
+    high, low, step, high_min, low_min = _code_parts(raw, type_name)
+    codes = (16 * high + low).to(torch.uint8).reshape(raw.shape[0], -1)  # [rows, K]
+    return codes, step, high_min + low_min
 
 
 def q6k_unpack(raw: torch.Tensor) -> torch.Tensor:

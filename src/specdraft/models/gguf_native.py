@@ -6,8 +6,10 @@
   of each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
   tile kernels where they build and run; elsewhere they are unpacked.
-- Q8_0, Q5_0, Q5_1 and Q5_K linears split each code into its top bits and low nibble: two 4-bit
-  matrices side by side (`SplitInt4Linear`), exact like the 4-bit ones, on the same kernels.
+- Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
+  the tile kernel has them (AMX); elsewhere they, and Q8_0 linears everywhere, split each code into its top bits and
+  low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the 4-bit ones, on
+  the same kernels.
 - Other linears (F16, BF16, F32, Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).
@@ -36,10 +38,11 @@ from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS,
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.gguf_layout import Q4K_GROUP  # every affine type groups 32 weights
-from specdraft.models.gguf_blocks import AFFINE_4BIT, SPLIT_INTO_4BIT, q4_affine, split_affine, unpack_rows
+from specdraft.models.gguf_blocks import (AFFINE_4BIT, FIVE_BIT, SPLIT_INTO_4BIT, five_bit_affine, q4_affine,
+                                          split_affine, unpack_rows)
 from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
-from specdraft.models.quantize import Int4Linear, SplitInt4Linear, int4_kernel_available
+from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, int4_kernel_available
 
 _EMBEDDING = "model.embed_tokens"
 _ROWS_PER_SLICE = 16384  # rows unpacked at a time, so no whole float32 copy of a big matrix exists
@@ -156,6 +159,9 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
         return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)
+    if pack and split and weight.type_name in FIVE_BIT and five_bit_tiles_run(out_features, in_features):
+        return Int4Linear(_affine_rows(raw, weight.type_name, five_bit_affine), out_features, in_features, Q4K_GROUP,
+                          bias, bits=5)
     if pack and split and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
         halves = Int4Linear(_affine_rows(raw, weight.type_name, split_affine), out_features, 2 * in_features,
                             Q4K_GROUP, bias)
@@ -218,11 +224,12 @@ def describe_packing(model: nn.Module) -> str:
             for matmul, packed in module.runs:
                 split = packed.in_features != module.in_features
                 kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else
-                      "4-bit kernels, split in two halves" if split else "4-bit kernels"] += 1
+                      "4-bit kernels, split in two halves" if split else f"{packed.bits}-bit kernels"] += 1
         elif isinstance(module, SplitInt4Linear):
             kinds["4-bit kernels, split in two halves"] += 1
         elif isinstance(module, Int4Linear):
-            kinds["4-bit kernels" if module.dense_weight is None else "unpacked"] += 1
+            kinds[f"{module.tiles.bits if module.tiles is not None else 4}-bit kernels"
+                  if module.dense_weight is None else "unpacked"] += 1
         elif isinstance(module, gguf_matmul.BlockLinear):
             kinds["Q6_K kernels"] += 1
         elif isinstance(module, FlatLinear):

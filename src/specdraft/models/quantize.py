@@ -3,13 +3,14 @@ else AVX-512 VNNI, else AVX2, else PyTorch's CPU kernel (`_weight_int4pack_mm_fo
 
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K, Q4_0 or Q4_1 matrix's own codes, scales and mins (exact up to
-  the kernel's bf16 scale and offset), so the target computes what its file says; `SplitInt4Linear`
-  does the same for Q8_0, Q5_0, Q5_1 and Q5_K, whose codes split into two 4-bit halves;
+  the kernel's bf16 scale and offset), so the target computes what its file says; Q5_0, Q5_1 and Q5_K keep their
+  5-bit codes (`bits=5`) where the tile kernel has 5-bit tiles (AMX), and `SplitInt4Linear` splits their codes,
+  and Q8_0's, into two 4-bit halves elsewhere;
 - `Int4Linear.quantize`: re-quantizing a float weight (lossy), for drafts only. A lossy
   draft never changes what is emitted: verification uses what the draft sampled from.
 
 A row is cut into groups of `group_size` input features; each group stores 4-bit codes
-q in 0..15 with w = (q − 8) · scale + zero (PyTorch's layout).
+q in 0..15 with w = (q − 8) · scale + zero (PyTorch's layout; 5-bit: q in 0..31, w = (q − 16) · scale + zero).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ _PACK_ROWS = 8192  # a multiple of PyTorch's int4 packing's 64-row blocks (slice
 # about 8 on 2 cores, so wider passes go through it in slices of this many tokens, or through
 # the dense weight when one is kept. Our tile kernels take any width (8 or 16 tokens a pass).
 PASS_WIDTH = 8
+
+
+def five_bit_tiles_run(out_features: int, in_features: int, group_size: int = 32) -> bool:
+    """Whether a matrix of this shape can run here on 5-bit tiles (`int4_layout`: the tile kernel has them)."""
+    kernel = tiles.tile_kernel()
+    return kernel is not None and kernel.int5 is not None and fits(out_features, in_features, group_size)
 
 
 def int4_kernel_available() -> bool:
@@ -62,6 +69,7 @@ class Int4Linear(nn.Module):
         group_size: int,  # G; w = scale · codes − minimum per group
         bias: torch.Tensor | None = None,  # [N]
         dense_weight: torch.Tensor | None = None,  # [N, K]
+        bits: int = 4,  # 5: codes in 0..31, on a tile kernel that has 5-bit tiles (`five_bit_tiles_run`)
     ) -> None:
         super().__init__()
         n, k = self.out_features, self.in_features = out_features, in_features
@@ -69,8 +77,10 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.dense_weight = dense_weight
         kernel, self.tiles = tiles.tile_kernel(), None
+        if bits != 4 and not five_bit_tiles_run(n, k, group_size):
+            raise ValueError(f"5-bit codes need a tile kernel with 5-bit tiles and a {n}x{k} matrix they fit")
         if kernel is not None and fits(n, k, group_size):
-            self.tiles = pack_rows(rows, n, k, group_size, kernel.layout)
+            self.tiles = pack_rows(rows, n, k, group_size, kernel.layout, bits)
             self.tile_matmul = kernel.matmul
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"tile_{name}", getattr(self.tiles, name))
@@ -89,11 +99,11 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_affine(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> "Int4Linear":
-        """From a file's own 4-bit groups (e.g. Q4_K): `w = scale · codes − minimum` per group, codes `[N, K]`,
-        scale and minimum `[N, K / G]`."""
+                    bias: torch.Tensor | None = None, bits: int = 4) -> "Int4Linear":
+        """From a file's own 4-bit (or 5-bit: `bits`) groups (e.g. Q4_K): `w = scale · codes − minimum` per group,
+        codes `[N, K]`, scale and minimum `[N, K / G]`."""
         n, k = codes.shape
-        return cls(affine_rows(codes, scale, minimum), n, k, k // scale.shape[1], bias)
+        return cls(affine_rows(codes, scale, minimum), n, k, k // scale.shape[1], bias, bits=bits)
 
     @classmethod
     def quantize(cls, linear: nn.Linear, group_size: int = 32, keep_dense: bool = False) -> "Int4Linear":

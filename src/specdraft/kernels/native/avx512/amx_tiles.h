@@ -12,6 +12,8 @@
  * The scales are applied to the tokens x 16 result in float32, with S = Σ x over the group:
  *   4-bit (`int4_layout`, w = s·(q − 8) + z, groups of 32, one tile of 16 pairs):
  *       y += s ⊙ C − (136 s − z) ⊙ S
+ *   5-bit (`int4_layout`, bits 5: a 4-bit tile's nibbles, then the codes' fifth bits as byte masks; w = s·(q − 16) + z):
+ *       y += s ⊙ C − (144 s − z) ⊙ S
  *   Q6_K (`gguf_matmul.pack_q6k`, w = d·sc·(q − 32), sub-blocks of 16 inputs, one tile of 8 pairs
  *   each, since every sub-block has its own scale):
  *       y += s ⊙ C − 160 s ⊙ S,  s = d·sc
@@ -38,6 +40,7 @@
 #define GROUP 32
 #define SUB 16
 #define Q6_TILE_BYTES 416
+#define INT5_TILE_BYTES 320
 #ifndef AMX_PREFETCH_BYTES
 #define AMX_PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
 #endif
@@ -82,6 +85,24 @@ static inline __attribute__((always_inline)) void int4_b_tile(const uint8_t *til
     for (int chunk = 0; chunk < 4; chunk++) {
         __m512i rows[4];
         unpack_pairs(tile + chunk * 64, BF16_CODES, rows);
+        store_rows(b_tile + chunk * 4 * 32, rows);
+    }
+}
+
+/* The 5-bit B tile (16 pairs x 16 outputs) of a group, from its 320 bytes: the low nibbles as a 4-bit tile's, then per
+ * 64 of them two 64-bit masks whose bit m adds 16 to code byte m of the chunk's first or second pair vector
+ * (`int4_layout.fifth_bit_sources`). */
+static inline __attribute__((always_inline)) void int5_b_tile(const uint8_t *tile, uint16_t *b_tile) {
+    for (int line = 0; line < INT5_TILE_BYTES; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    for (int chunk = 0; chunk < 4; chunk++) {
+        __m512i pairs[2], rows[4];
+        uint64_t masks[2];
+        memcpy(masks, tile + 256 + chunk * 16, sizeof(masks));
+        nibble_pairs(tile + chunk * 64, pairs);
+        pairs[0] = _mm512_mask_add_epi8(pairs[0], _cvtu64_mask64(masks[0]), pairs[0], fifth);
+        pairs[1] = _mm512_mask_add_epi8(pairs[1], _cvtu64_mask64(masks[1]), pairs[1], fifth);
+        code_pair_rows(pairs, BF16_CODES, rows);
         store_rows(b_tile + chunk * 4 * 32, rows);
     }
 }
@@ -155,10 +176,13 @@ static void input_sums(const uint16_t *x, int64_t K, int tokens, int width, floa
     SCALE(steps - 2)                                                                        \
     SCALE(steps - 1)
 
-/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles; tokens <= AMX_TOKENS, K % 64 == 0. */
-static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                           const uint16_t *x, float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles, or 5-bit where `bits` is 5;
+ * tokens <= AMX_TOKENS, K % 64 == 0. */
+static void affine_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                             const uint16_t *x, float *y, int64_t N, int64_t K, int tokens, int64_t ldy, int bits) {
     const int64_t steps = K / GROUP, blocks = N / 16;
+    const int64_t tile_bytes = bits == 5 ? INT5_TILE_BYTES : 256;
+    const float offset = bits == 5 ? 144.0f : 136.0f;  /* 128 + the codes' middle */
     float sums[AMX_TOKENS * steps];  /* S_g of token t at [t · steps + g] */
     input_sums(x, K, tokens, GROUP, sums);
 #pragma omp parallel
@@ -170,18 +194,19 @@ static void int4_amx_chunk(const uint8_t *tiles, const uint16_t *scale, const ui
         for (int64_t nb = 0; nb < blocks; nb++) {
             __m512 acc[AMX_TOKENS];
             for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
-            const uint8_t *codes = tiles + nb * steps * 256;
+            const uint8_t *codes = tiles + nb * steps * tile_bytes;
             const uint16_t *block_scale = scale + nb * steps * 16, *block_zero = zero + nb * steps * 16;
 #define BUILD(G, B_TILE)                                                                                          \
     {                                                                                                             \
-        int4_b_tile(codes + (G) * 256, B_TILE);                                                                   \
+        if (bits == 5) int5_b_tile(codes + (G) * INT5_TILE_BYTES, B_TILE);                                       \
+        else int4_b_tile(codes + (G) * 256, B_TILE);                                                              \
         _mm_prefetch((const char *)(block_scale + (G) * 16 + AMX_PREFETCH_BYTES / 8), _MM_HINT_T0);               \
         _mm_prefetch((const char *)(block_zero + (G) * 16 + AMX_PREFETCH_BYTES / 8), _MM_HINT_T0);                \
     }
 #define SCALE(G)                                                                                                  \
     {                                                                                                             \
         const __m512 s = bf16x16_to_ps(block_scale + (G) * 16), z = bf16x16_to_ps(block_zero + (G) * 16);        \
-        scale_into(c_tiles[(G) & 1], s, _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z), sums + (G), steps, tokens, acc); \
+        scale_into(c_tiles[(G) & 1], s, _mm512_fmsub_ps(s, _mm512_set1_ps(offset), z), sums + (G), steps, tokens, acc); \
     }
             AMX_ALL_STEPS(GROUP)  /* steps is even (K % 64) */
 #undef BUILD
@@ -226,12 +251,23 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
 #undef AMX_STEP
 #undef AMX_ALL_STEPS
 
-void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                     const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+static void affine_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                              const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens, int bits) {
     for (int64_t t0 = 0; t0 < tokens; t0 += AMX_TOKENS) {
         int chunk = (int)(tokens - t0 < AMX_TOKENS ? tokens - t0 : AMX_TOKENS);
-        int4_amx_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
+        affine_amx_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N, bits);
     }
+}
+
+void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                     const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_amx_matmul(tiles, scale, zero, x, y, N, K, tokens, 4);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as 5-bit tiles (`int4_layout.pack_rows`, bits 5). */
+void int5_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                     const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_amx_matmul(tiles, scale, zero, x, y, N, K, tokens, 5);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */

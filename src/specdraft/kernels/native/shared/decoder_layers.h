@@ -27,10 +27,10 @@
 /* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
 typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
-                             2, 3: 4-bit, Q6_K tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only) */
+                             2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only) */
     const uint8_t *tiles;
-    const void *scale;    /* 4-bit: bf16 scales; Q6_K: float32 d */
-    const uint16_t *zero; /* 4-bit: bf16 zeros; Q6_K: unused */
+    const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d */
+    const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q6_K: unused */
     int64_t rows;         /* output features of this run */
     int64_t doubled;      /* 1: 4-bit halves side by side (`SplitInt4Linear`), multiplied by [x, x] */
 } Run;
@@ -80,7 +80,7 @@ static void add_output(uint16_t *hidden, const float *out, const void *norm, uin
 
 /* Projections of 4-bit and Q6_K runs on int8 activations (`q8_passes`) while set: every pass of a model whose
  * matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path computes.
- * Runs on the AMX kernels (kinds 2 and 3) keep their own way. */
+ * Runs on the AMX kernels (kinds 2-4) keep their own way. */
 static int int8_activations = 0;
 
 void use_int8_activations(int64_t on) { int8_activations = (int)on; }
@@ -129,8 +129,9 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
             else if (run->kind == 1)
                 q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
 #ifdef WITH_AMX
-            else if (run->kind == 2)
-                int4_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+            else if (run->kind == 2 || run->kind == 4)
+                affine_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in,
+                                 chunk, out, run->kind == 4 ? 5 : 4);
             else
                 q6k_amx_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
 #endif
