@@ -319,21 +319,27 @@ def test_fused_layers_compute_the_pytorch_path_bit_for_bit(build, kernel, decode
         assert torch.equal(w, g)
 
 
+@tiles_run
 @fused_run
-@pytest.mark.skipif(not five_bit_tiles_run(64, 128), reason="no tile kernel with 5-bit tiles here (AMX)")
-def test_fused_layers_run_five_bit_tiles_bit_for_bit(decoder_build, monkeypatch):
+@pytest.mark.parametrize("kernel", [None, tiles.AVX512], ids=["fastest", "avx512"])
+def test_fused_layers_run_five_bit_tiles_bit_for_bit(kernel, decoder_build, monkeypatch):
     """5-bit runs (Q5_0 as stored), stacked beside 4-bit ones and beside split halves, on the fused stack as on the
-    PyTorch path, bit for bit."""
+    PyTorch path, bit for bit: on AMX, and on AVX-512 (every pass on int8 activations there, by default)."""
     if decoder_build != "avx512":
-        pytest.skip("5-bit tiles run on AMX, under the AVX-512 decoder's AMX build")
+        pytest.skip("5-bit tiles run on AMX and AVX-512, under the AVX-512 decoder")
+    if kernel is not None:
+        monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
+    if not five_bit_tiles_run(64, 128):
+        pytest.skip("no tile kernel with 5-bit tiles here")
     model = five_bit_model()
     fast_decoder_layers(model)
     fused = fused_decoder(model)
     assert fused is not None
+    amx = kernel is None and tiles.AMX.available()
+    four, five = (decoder_layers.INT4_AMX, decoder_layers.INT5_AMX) if amx else (decoder_layers.INT4, decoder_layers.INT5)
     kinds = [[run.kind for run in entry.qkv.run[:entry.qkv.runs]] for entry in fused.table]
-    assert kinds == [[decoder_layers.INT5_AMX, decoder_layers.INT4_AMX],
-                     [decoder_layers.INT4_AMX, decoder_layers.INT5_AMX]]
-    assert fused.table[0].down.run[0].kind == decoder_layers.INT5_AMX
+    assert kinds == [[five, four], [four, five]]
+    assert fused.table[0].down.run[0].kind == five
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
     assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))

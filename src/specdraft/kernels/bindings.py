@@ -41,6 +41,10 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
     + [_POINTER, _SIZE, _POINTER],  # layers, count, hidden, tokens, sizes, eps, scaling, softcap, cache_len,
     #                                 norm_gains, activation, mask, feature layers, their count, features
 }
+FIVE_BIT_SLOTS = {  # the AVX-512 library adds these (5-bit tiles: HAS_INT5_TILES); the AVX2 one has none
+    "int5_matmul": SLOTS["int4_matmul"],
+    "int5_q8_matmul": SLOTS["int4_q8_matmul"],
+}
 AMX_SLOTS = {  # the AVX-512 library's build with AMX adds these (and `amx_tiles_init`, which returns 0 when granted)
     "int4_amx_matmul": SLOTS["int4_matmul"],
     "int5_amx_matmul": SLOTS["int4_matmul"],
@@ -108,7 +112,7 @@ def library(build: Build) -> ctypes.CDLL | None:
                               name=build.name())
     if loaded is None or (build.amx and loaded.amx_tiles_init() != 0):
         return None
-    bind(loaded, SLOTS | (AMX_SLOTS if build.amx else {}))
+    bind(loaded, SLOTS | (FIVE_BIT_SLOTS if build.level == "avx512" else {}) | (AMX_SLOTS if build.amx else {}))
     exp = _torch_exp(spec.torch_exp)
     if exp is not None:
         loaded.use_exp(exp)

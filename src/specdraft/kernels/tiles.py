@@ -87,7 +87,7 @@ class TileKernel:
 
 
 AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "q6k_amx_matmul", int8=False, int5="int5_amx_matmul")
-AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "q6k_matmul", int8=True)
+AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "q6k_matmul", int8=True, int5="int5_matmul")
 AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "q6k_matmul", int8=True)
 KERNELS = (AMX, AVX512, AVX2)  # fastest first
 

@@ -64,7 +64,9 @@ def _affine_kind(int4_kind: int, packed: PackedInt4) -> int | None:
     5-bit tiles there)."""
     if packed.bits == 4:
         return int4_kind
-    return decoder_layers.INT5_AMX if int4_kind == decoder_layers.INT4_AMX else None
+    if int4_kind == decoder_layers.INT4_AMX:
+        return decoder_layers.INT5_AMX
+    return decoder_layers.INT5 if decoder_layers.level() == "avx512" else None
 
 
 def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None,
@@ -74,7 +76,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
     for slot, (kind, packed) in zip(target.run, runs):
         slot.kind, slot.tiles, slot.rows = kind, packed.tiles.data_ptr(), packed.out_features
         slot.doubled = int(packed.in_features == 2 * in_features)  # split 4-bit halves read [x, x]
-        if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX, decoder_layers.INT5_AMX):
+        if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX, decoder_layers.INT5_AMX, decoder_layers.INT5):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0

@@ -4,8 +4,8 @@ else AVX-512 VNNI, else AVX2, else PyTorch's CPU kernel (`_weight_int4pack_mm_fo
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K, Q4_0 or Q4_1 matrix's own codes, scales and mins (exact up to
   the kernel's bf16 scale and offset), so the target computes what its file says; Q5_0, Q5_1 and Q5_K keep their
-  5-bit codes (`bits=5`) where the tile kernel has 5-bit tiles (AMX), and `SplitInt4Linear` splits their codes,
-  and Q8_0's, into two 4-bit halves elsewhere;
+  5-bit codes (`bits=5`) where the tile kernel has 5-bit tiles (AMX, AVX-512), and `SplitInt4Linear` splits their
+  codes, and Q8_0's, into two 4-bit halves elsewhere (AVX2);
 - `Int4Linear.quantize`: re-quantizing a float weight (lossy), for drafts only. A lossy
   draft never changes what is emitted: verification uses what the draft sampled from.
 

@@ -40,7 +40,6 @@
 #define GROUP 32
 #define SUB 16
 #define Q6_TILE_BYTES 416
-#define INT5_TILE_BYTES 320
 #ifndef AMX_PREFETCH_BYTES
 #define AMX_PREFETCH_BYTES 4096  /* codes are fetched this far ahead, every line of a tile */
 #endif
@@ -89,20 +88,12 @@ static inline __attribute__((always_inline)) void int4_b_tile(const uint8_t *til
     }
 }
 
-/* The 5-bit B tile (16 pairs x 16 outputs) of a group, from its 320 bytes: the low nibbles as a 4-bit tile's, then per
- * 64 of them two 64-bit masks whose bit m adds 16 to code byte m of the chunk's first or second pair vector
- * (`int4_layout.fifth_bit_sources`). */
+/* The 5-bit B tile (16 pairs x 16 outputs) of a group, from its 320 bytes (`five_unpack_pairs`). */
 static inline __attribute__((always_inline)) void int5_b_tile(const uint8_t *tile, uint16_t *b_tile) {
     for (int line = 0; line < INT5_TILE_BYTES; line += 64) _mm_prefetch((const char *)(tile + AMX_PREFETCH_BYTES + line), _MM_HINT_T0);
-    const __m512i fifth = _mm512_set1_epi8(0x10);
     for (int chunk = 0; chunk < 4; chunk++) {
-        __m512i pairs[2], rows[4];
-        uint64_t masks[2];
-        memcpy(masks, tile + 256 + chunk * 16, sizeof(masks));
-        nibble_pairs(tile + chunk * 64, pairs);
-        pairs[0] = _mm512_mask_add_epi8(pairs[0], _cvtu64_mask64(masks[0]), pairs[0], fifth);
-        pairs[1] = _mm512_mask_add_epi8(pairs[1], _cvtu64_mask64(masks[1]), pairs[1], fifth);
-        code_pair_rows(pairs, BF16_CODES, rows);
+        __m512i rows[4];
+        five_unpack_pairs(tile, chunk, BF16_CODES, rows);
         store_rows(b_tile + chunk * 4 * 32, rows);
     }
 }

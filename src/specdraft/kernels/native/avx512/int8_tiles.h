@@ -86,16 +86,25 @@ static inline __attribute__((always_inline)) void int4_block_q8(const uint8_t *c
                                                                const uint16_t *block_zero, const int8_t *xq,
                                                                const float *act_scale, const float *sums16, int64_t K,
                                                                int64_t groups, int tokens, float *y, int64_t ldy,
-                                                               int ahead) {
+                                                               int ahead, int bits) {
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[VNNI_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES, ahead);
+        const uint8_t *group_codes = codes + g * tile_bytes;
+        prefetch_ahead(group_codes, tile_bytes, ahead);
         __m512i quads[8];
-        for (int chunk = 0; chunk < 4; chunk++) int4_quads(group_codes + chunk * 64, quads + 2 * chunk);
+        for (int chunk = 0; chunk < 4; chunk++) {
+            if (bits == 5) {  /* 5-bit codes (< 128, as `vpdpbusd`'s unsigned operand needs) */
+                __m512i pairs[2];
+                five_code_pairs(group_codes, chunk, pairs);
+                pairs_to_quads(pairs, quads + 2 * chunk);
+            } else {
+                int4_quads(group_codes + chunk * 64, quads + 2 * chunk);
+            }
+        }
         const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
-        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(8.0f), z);
+        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(bits == 5 ? 16.0f : 8.0f), z);
         for (int t = 0; t < tokens; t++) {
             __m512i dot;
             DOT_QUADS(dot, quads, 8, xq + t * K + g * GROUP);
@@ -158,10 +167,10 @@ static void release(QuantizedActivations act) {
     free(act.sums16);
 }
 
-/* y [tokens][ldy] float32 (columns 0 .. N - 1) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or
- * Q6_K tiles (`zero` NULL, `scale` its d), passes of up to VNNI_TOKENS tokens. */
-static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+/* y [tokens][ldy] float32 (columns 0 .. N - 1) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given; 5-bit
+ * where `bits` is 5) or Q6_K tiles (`zero` NULL, `scale` its d), passes of up to VNNI_TOKENS tokens. */
+static void affine_q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                             int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy, int bits) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     QuantizedActivations act = quantized(x, K, tokens);
     const int ahead = tokens - first <= PREFETCH_FAR_TOKENS ? PREFETCH_BYTES : PREFETCH_NEAR_BYTES;
@@ -172,10 +181,16 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
             float *out = y + t0 * ldy + nb * 16;
-            if (zero != NULL) {
+            if (zero != NULL && bits == 5) {
+                const uint8_t *codes = tiles + nb * groups * INT5_TILE_BYTES;
+                const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+#define INT5_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy, ahead, 5)
+                WITH_CONSTANT_TOKENS_16(chunk, INT5_Q8_BLOCK)
+#undef INT5_Q8_BLOCK
+            } else if (zero != NULL) {
                 const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                 const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy, ahead)
+#define INT4_Q8_BLOCK(T) int4_block_q8(codes, bs, bz, xq, a, sums, K, groups, T, out, ldy, ahead, 4)
                 WITH_CONSTANT_TOKENS_16(chunk, INT4_Q8_BLOCK)
 #undef INT4_Q8_BLOCK
             } else {
@@ -188,4 +203,15 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
         }
     }
     release(act);
+}
+
+static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 4);
+}
+
+/* `q8_passes` for 5-bit tiles. */
+static void int5_q8_passes(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                           float *y, int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 5);
 }

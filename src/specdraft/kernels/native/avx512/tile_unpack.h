@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 /* 64 bytes of nibbles -> the code pairs of four pair vectors as bytes: `pairs[0]` holds those of
  * pairs 4·chunk and 4·chunk + 1 of a tile, `pairs[1]` of 4·chunk + 2 and 4·chunk + 3. */
@@ -35,6 +36,27 @@ static inline __attribute__((always_inline)) void code_pair_rows(const __m512i p
 static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *bytes, int high, __m512i rows[4]) {
     __m512i pairs[2];
     nibble_pairs(bytes, pairs);
+    code_pair_rows(pairs, high, rows);
+}
+
+/* ----- 5-bit tiles (320 bytes: a 4-bit tile's low nibbles, then per 64 of them two 64-bit masks of fifth bits) ----- */
+#define INT5_TILE_BYTES 320
+
+/* The 5-bit code bytes of pairs 4·chunk .. 4·chunk + 3 of a 5-bit tile, as `nibble_pairs` lays them out: bit m of the
+ * chunk's mask v adds 16 to byte m of pair vector v (`int4_layout.fifth_bit_sources`). */
+static inline __attribute__((always_inline)) void five_code_pairs(const uint8_t *tile, int chunk, __m512i pairs[2]) {
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    uint64_t masks[2];
+    memcpy(masks, tile + 256 + chunk * 16, sizeof(masks));
+    nibble_pairs(tile + chunk * 64, pairs);
+    pairs[0] = _mm512_mask_add_epi8(pairs[0], _cvtu64_mask64(masks[0]), pairs[0], fifth);
+    pairs[1] = _mm512_mask_add_epi8(pairs[1], _cvtu64_mask64(masks[1]), pairs[1], fifth);
+}
+
+/* Four vectors of 16-bit code pairs (high byte `high`), pairs 4·chunk .. 4·chunk + 3 of a 5-bit tile. */
+static inline __attribute__((always_inline)) void five_unpack_pairs(const uint8_t *tile, int chunk, int high, __m512i rows[4]) {
+    __m512i pairs[2];
+    five_code_pairs(tile, chunk, pairs);
     code_pair_rows(pairs, high, rows);
 }
 

@@ -92,6 +92,16 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
         case 7: call(7); break; default: call(8); break;                                       \
     }
 
+/* Four vectors of 16-bit code pairs (high byte `high`), pairs 4·chunk .. 4·chunk + 3 of a 4-bit tile, or of a 5-bit
+ * one where `bits` is 5. */
+static inline __attribute__((always_inline)) void unpack_tile_chunk(const uint8_t *tile, int chunk, int bits, int high,
+                                                                   __m512i rows[4]) {
+    if (bits == 5)
+        five_unpack_pairs(tile, chunk, high, rows);
+    else
+        unpack_pairs(tile + chunk * 64, high, rows);
+}
+
 /* ----- the two dot flavours: activations, one dot-product step, 4-bit blocks, Q6_K scales -------------- */
 #ifndef TILE_DOTS_BF16
 /* int16 (`vpdpwssd`): codes as int16 q; sums of a half-group or sub-block exact in int32. */
@@ -132,23 +142,26 @@ static void release_activations(TileActivations act) {
     free(act.sums);
 }
 
-/* One block of 16 output rows of 4-bit tiles against `tokens` tokens (a constant after inlining): w = s·(q − 8) + z, the
- * group's inputs 0-15 and 16-31 in two chains (each has its own power of two). */
+/* One block of 16 output rows of 4-bit tiles (or 5-bit where `bits` is 5) against `tokens` tokens (both constants after
+ * inlining): w = s·(q − 8) + z (5-bit: s·(q − 16) + z), the group's inputs 0-15 and 16-31 in two chains (each has its own
+ * power of two; a 5-bit half-group's sum stays below 16·31·2^15 < 2^24, exact in float32 too). */
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
                                                             const uint16_t *block_zero, const TileActivations *act,
-                                                            int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
+                                                            int64_t K, int64_t groups, int tokens, float *y, int64_t ldy,
+                                                            int bits) {
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES, PREFETCH_BYTES);
+        const uint8_t *group_codes = codes + g * tile_bytes;
+        prefetch_ahead(group_codes, tile_bytes, PREFETCH_BYTES);
         DotSum first[MAX_TOKENS], second[MAX_TOKENS];  /* inputs 0-15 (chunks 0, 1) and 16-31 (chunks 2, 3) */
         for (int t = 0; t < tokens; t++) first[t] = second[t] = DOT_ZERO();
         const TileInput *xg = act->x + g * GROUP;
         for (int chunk = 0; chunk < 2; chunk++) {
             __m512i rows_a[4], rows_b[4];
-            unpack_pairs(group_codes + chunk * 64, TILE_CODES, rows_a);
-            unpack_pairs(group_codes + (chunk + 2) * 64, TILE_CODES, rows_b);
+            unpack_tile_chunk(group_codes, chunk, bits, TILE_CODES, rows_a);
+            unpack_tile_chunk(group_codes, chunk + 2, bits, TILE_CODES, rows_b);
             for (int j = 0; j < 4; j++)
                 for (int t = 0; t < tokens; t++) {
                     const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
@@ -157,7 +170,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
                 }
         }
         const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
-        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(8.0f), z);
+        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(bits == 5 ? 16.0f : 8.0f), z);
         for (int t = 0; t < tokens; t++) {
             const float *scale = act->scale + t * 2 * groups + 2 * g, *sums = act->sums + t * 2 * groups + 2 * g;
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(scale[0])), _mm512_cvtepi32_ps(first[t]), acc[t]);
@@ -199,23 +212,26 @@ static TileActivations tile_activations(const uint16_t *x, int64_t K, int tokens
 
 static void release_activations(TileActivations act) { free(act.sums); }
 
-/* One block of 16 output rows of 4-bit tiles against `tokens` tokens (a constant after inlining): w = s·(128 + q) −
- * (136 s − z), in two chains (pair vectors 0, 2 and 1, 3 of each chunk; one chunk's codes unpacked at a time: at 4
- * tokens 0.287 ms where the int16 flavour's loop order took 0.31, 8960x1536 on Zen 4). */
+/* One block of 16 output rows of 4-bit tiles (or 5-bit where `bits` is 5) against `tokens` tokens (both constants after
+ * inlining): w = s·(128 + q) − (136 s − z) (5-bit: 144 s − z), in two chains (pair vectors 0, 2 and 1, 3 of each chunk;
+ * one chunk's codes unpacked at a time: at 4 tokens 0.287 ms where the int16 flavour's loop order took 0.31, 8960x1536
+ * on Zen 4). */
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *codes, const uint16_t *block_scale,
                                                             const uint16_t *block_zero, const TileActivations *act,
-                                                            int64_t K, int64_t groups, int tokens, float *y, int64_t ldy) {
+                                                            int64_t K, int64_t groups, int tokens, float *y, int64_t ldy,
+                                                            int bits) {
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(group_codes, INT4_TILE_BYTES, PREFETCH_BYTES);
+        const uint8_t *group_codes = codes + g * tile_bytes;
+        prefetch_ahead(group_codes, tile_bytes, PREFETCH_BYTES);
         DotSum even[MAX_TOKENS], odd[MAX_TOKENS];
         for (int t = 0; t < tokens; t++) even[t] = odd[t] = DOT_ZERO();
         const TileInput *xg = act->x + g * GROUP;
         for (int chunk = 0; chunk < 4; chunk++) {
             __m512i rows[4];
-            unpack_pairs(group_codes + chunk * 64, TILE_CODES, rows);
+            unpack_tile_chunk(group_codes, chunk, bits, TILE_CODES, rows);
             for (int j = 0; j < 4; j += 2)
                 for (int t = 0; t < tokens; t++) {
                     const int32_t *xp = (const int32_t *)(xg + t * K + 2 * (4 * chunk + j));
@@ -224,7 +240,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *code
                 }
         }
         const __m512 s = bf16x16_to_ps(block_scale + g * 16), z = bf16x16_to_ps(block_zero + g * 16);
-        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(136.0f), z);
+        const __m512 offset = _mm512_fmsub_ps(s, _mm512_set1_ps(bits == 5 ? 144.0f : 136.0f), z);
         for (int t = 0; t < tokens; t++) {
             const float *sums = act->sums + t * 2 * groups + 2 * g;
             acc[t] = _mm512_fmadd_ps(s, _mm512_add_ps(even[t], odd[t]), acc[t]);
@@ -271,30 +287,60 @@ static inline __attribute__((always_inline)) void q6_block(const uint8_t *tiles,
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
-/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
-static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+/* ----- 4- and 5-bit tiles (`int4_layout`) --------------------------------------------------- */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles, or 5-bit where `bits` is 5;
+ * tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+static void affine_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                         float *y, int64_t N, int64_t K, int tokens, int64_t ldy, int bits) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     const TileActivations act = tile_activations(x, K, tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < blocks; nb++) {
-        const uint8_t *codes = tiles + nb * groups * 256;
         const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
         float *out = y + nb * 16;
-#define INT4_BLOCK(T) block_rows(codes, bs, bz, &act, K, groups, T, out, ldy)
-        WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
+        if (bits == 5) {
+            const uint8_t *codes = tiles + nb * groups * INT5_TILE_BYTES;
+#define INT5_BLOCK(T) block_rows(codes, bs, bz, &act, K, groups, T, out, ldy, 5)
+            WITH_CONSTANT_TOKENS(tokens, INT5_BLOCK)
+#undef INT5_BLOCK
+        } else {
+            const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
+#define INT4_BLOCK(T) block_rows(codes, bs, bz, &act, K, groups, T, out, ldy, 4)
+            WITH_CONSTANT_TOKENS(tokens, INT4_BLOCK)
 #undef INT4_BLOCK
+        }
     }
     release_activations(act);
 }
 
-void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                        const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 4);
+}
+
+static void int5_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 5);
+}
+#define HAS_INT5_TILES  /* this library's tile kernels take 5-bit tiles (`int5_chunk`, `int5_matmul`) */
+
+static void affine_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                          const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens, int bits) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
+        affine_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N, bits);
     }
+}
+
+void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                 const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_matmul(tiles, scale, zero, x, y, N, K, tokens, 4);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 5-bit tiles (`int4_layout`, bits 5). */
+void int5_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                 const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_matmul(tiles, scale, zero, x, y, N, K, tokens, 5);
 }
 
 /* ----- Q6_K tiles ----------------------------------------------------------------------------- */

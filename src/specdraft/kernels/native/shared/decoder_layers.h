@@ -27,7 +27,8 @@
 /* A projection's rows in up to MAX_RUNS runs of one kind each (stacked q|k|v may mix 4-bit and Q6_K). */
 typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
-                             2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only) */
+                             2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only),
+                             5: 5-bit tiles (where the library has them: HAS_INT5_TILES, AVX-512) */
     const uint8_t *tiles;
     const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q6_K: unused */
@@ -87,6 +88,12 @@ void use_int8_activations(int64_t on) { int8_activations = (int)on; }
 
 /* 1 where the run's rows y [tokens][ldy] were computed here, on int8 activations; else 0 (the tile kernels' loop). */
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
+#ifdef HAS_INT5_TILES
+    if (int8_activations && run->kind == 5) {
+        int5_q8_passes(run->tiles, (const uint16_t *)run->scale, run->zero, x, y, run->rows, in, 0, tokens, ldy);
+        return 1;
+    }
+#endif
     if (!int8_activations || run->kind > 1) return 0;
     q8_passes(run->tiles, run->scale, run->kind == 0 ? run->zero : NULL, x, y, run->rows, in, 0, tokens, ldy);
     return 1;
@@ -117,7 +124,7 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
             continue;
         }
 #ifdef WITH_AMX
-        const int64_t width = run->kind >= 2 ? AMX_TOKENS : MAX_TOKENS;
+        const int64_t width = run->kind >= 2 && run->kind <= 4 ? AMX_TOKENS : MAX_TOKENS;  /* kinds 2-4: AMX */
 #else
         const int64_t width = MAX_TOKENS;
 #endif
@@ -128,6 +135,10 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
                 int4_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
             else if (run->kind == 1)
                 q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
+#ifdef HAS_INT5_TILES
+            else if (run->kind == 5)
+                int5_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+#endif
 #ifdef WITH_AMX
             else if (run->kind == 2 || run->kind == 4)
                 affine_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in,

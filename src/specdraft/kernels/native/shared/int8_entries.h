@@ -20,3 +20,13 @@ void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, floa
     q6k_matmul(tiles, d, x, y, N, K, precise_tokens);
     q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
 }
+
+#ifdef HAS_INT5_TILES
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 5-bit tiles (`int4_layout`, bits 5). */
+void int5_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                    int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
+    precise_tokens = precise_tokens < tokens ? precise_tokens : tokens;
+    int5_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
+    int5_q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
+}
+#endif
