@@ -264,7 +264,7 @@ def test_longrope_files_run_with_their_factors(longrope_file, tmp_path):
         _refuse_unread_frequency_factors(odd, config)
 
 
-def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(longrope_file):
+def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(longrope_file, monkeypatch):
     """A context above the pretraining length (`hold_context`, as `load_model(max_context=)` and `--context` ask for
     it) takes the long factors for every position of every pass, fixed at load, as llama.cpp does: a prompt read in
     chunks that stay under the length, and passes over its cache (fused), compute what transformers computes in one
@@ -287,6 +287,9 @@ def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(lon
         assert fused_decoder(target.model) is not None
     ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(5))  # past the 256 positions
     reference = file_reference(longrope_file)
+    # the logits on 16-bit activations: int8 ones on every pass (the AVX2 and AVX-512 default) put these 300 positions
+    # 5.8% from the float32 reference where 16-bit ones put them 3.7% (measured), and the factors are what is tested
+    monkeypatch.setenv(numerics.INT8_VARIABLE, "none")
     with torch.inference_mode():
         want = reference(ids).logits  # [1, 300, V]: one pass that crosses 256, so the long factors at every position
         short = reference(ids[:, :200]).logits  # [1, 200, V]: a pass under it, the short factors
@@ -298,6 +301,7 @@ def test_longrope_context_past_the_pretraining_length_takes_the_long_factors(lon
     # position counts as decided from 0.2 here (0.1 over the 33 short positions above)
     assert assert_agrees(got, want, tie=0.2) >= 100
     assert ((got[:, :200] - want[:, :200]).norm() / want[:, :200].norm()).item() < 0.05  # under 256: long too
+    monkeypatch.undo()  # speculation is exact on each machine's own passes
 
     draft = build_native_model(longrope_file, gguf_config(longrope_file), torch.bfloat16)
     hold_context(draft, 1024, "phi-draft")  # the same weights at the same positions (its whole prompt read): drafts agree
