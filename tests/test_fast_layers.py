@@ -2,6 +2,7 @@
 fused layer stack (one C call a pass) change no output bit."""
 
 import copy
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -235,28 +236,27 @@ def q5_0_linear(linear: nn.Linear) -> Int4Linear:
                                   None if linear.bias is None else linear.bias.detach().float(), bits=5)
 
 
+def int4_model_with(seed: int, replaced: dict[str, Callable[[nn.Linear], nn.Module]]) -> Qwen2ForCausalLM:
+    """`int4_model(seed)` with the projections named (`layers.0.mlp.down_proj`) made anew by `replaced[name]` from a
+    float model's projection of that name."""
+    model = int4_model(seed=seed)
+    reference = Qwen2ForCausalLM(model.config).bfloat16().eval()
+    for name, make in replaced.items():
+        model.model.set_submodule(name, make(reference.model.get_submodule(name)))
+    return model
+
+
 def five_bit_model() -> Qwen2ForCausalLM:
     """`int4_model` with some projections in Q5_0 as 5-bit tiles: q and down of the first layer (q stacks beside
     4-bit k and v as runs of two widths), v of the second, and the second's down as Q8_0 split halves."""
-    model = int4_model(seed=9)
-    reference = Qwen2ForCausalLM(model.config).bfloat16().eval()
-    first, second = model.model.layers
-    first.self_attn.q_proj = q5_0_linear(reference.model.layers[0].self_attn.q_proj)
-    first.mlp.down_proj = q5_0_linear(reference.model.layers[0].mlp.down_proj)
-    second.self_attn.v_proj = q5_0_linear(reference.model.layers[1].self_attn.v_proj)
-    second.mlp.down_proj = q8_0_split_linear(reference.model.layers[1].mlp.down_proj)
-    return model
+    return int4_model_with(9, {"layers.0.self_attn.q_proj": q5_0_linear, "layers.0.mlp.down_proj": q5_0_linear,
+                               "layers.1.self_attn.v_proj": q5_0_linear, "layers.1.mlp.down_proj": q8_0_split_linear})
 
 
 def split_model() -> Qwen2ForCausalLM:
     """`int4_model` with some projections in Q8_0 (split halves): v and down of the first layer, q of the second."""
-    model = int4_model(seed=8)
-    reference = Qwen2ForCausalLM(model.config).bfloat16().eval()
-    first, second = model.model.layers
-    first.self_attn.v_proj = q8_0_split_linear(reference.model.layers[0].self_attn.v_proj)
-    first.mlp.down_proj = q8_0_split_linear(reference.model.layers[0].mlp.down_proj)
-    second.self_attn.q_proj = q8_0_split_linear(reference.model.layers[1].self_attn.q_proj)
-    return model
+    return int4_model_with(8, {name: q8_0_split_linear for name in ("layers.0.self_attn.v_proj", "layers.0.mlp.down_proj",
+                                                                    "layers.1.self_attn.q_proj")})
 
 
 def pass_sequence(model: Qwen2ForCausalLM, tree: bool = True) -> list[torch.Tensor]:

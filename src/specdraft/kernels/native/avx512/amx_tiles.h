@@ -33,6 +33,7 @@
 
 #include "vectors.h"
 #include "tile_unpack.h"
+#include "tiles.h"  /* affine_passes */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -242,23 +243,15 @@ static void q6k_amx_chunk(const uint8_t *tiles, const float *d, const uint16_t *
 #undef AMX_STEP
 #undef AMX_ALL_STEPS
 
-static void affine_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                              const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens, int bits) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += AMX_TOKENS) {
-        int chunk = (int)(tokens - t0 < AMX_TOKENS ? tokens - t0 : AMX_TOKENS);
-        affine_amx_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N, bits);
-    }
-}
-
 void int4_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    affine_amx_matmul(tiles, scale, zero, x, y, N, K, tokens, 4);
+    affine_passes(affine_amx_chunk, AMX_TOKENS, tiles, scale, zero, x, y, N, K, tokens, 4);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as 5-bit tiles (`int4_layout.pack_rows`, bits 5). */
 void int5_amx_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    affine_amx_matmul(tiles, scale, zero, x, y, N, K, tokens, 5);
+    affine_passes(affine_amx_chunk, AMX_TOKENS, tiles, scale, zero, x, y, N, K, tokens, 5);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W as Q6_K tiles; K % 256 == 0, N % 16 == 0. */

@@ -324,23 +324,29 @@ static void int5_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16
 }
 #define HAS_INT5_TILES  /* this library's tile kernels take 5-bit tiles (`int5_chunk`, `int5_matmul`) */
 
-static void affine_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                          const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens, int bits) {
-    for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
-        int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        affine_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N, bits);
+/* One pass of a 4- or 5-bit kernel (`affine_chunk`, `affine_amx_chunk`): `tokens` rows of x, y rows `ldy` apart. */
+typedef void (*AffineChunk)(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                            float *y, int64_t N, int64_t K, int tokens, int64_t ldy, int bits);
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T in passes of up to `width` tokens of `chunk`. */
+static void affine_passes(AffineChunk chunk, int width, const uint8_t *tiles, const uint16_t *scale,
+                          const uint16_t *zero, const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens,
+                          int bits) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += width) {
+        const int count = (int)(tokens - t0 < width ? tokens - t0 : width);
+        chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, count, N, bits);
     }
 }
 
 void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                  const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    affine_matmul(tiles, scale, zero, x, y, N, K, tokens, 4);
+    affine_passes(affine_chunk, MAX_TOKENS, tiles, scale, zero, x, y, N, K, tokens, 4);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 5-bit tiles (`int4_layout`, bits 5). */
 void int5_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
                  const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
-    affine_matmul(tiles, scale, zero, x, y, N, K, tokens, 5);
+    affine_passes(affine_chunk, MAX_TOKENS, tiles, scale, zero, x, y, N, K, tokens, 5);
 }
 
 /* ----- Q6_K tiles ----------------------------------------------------------------------------- */
