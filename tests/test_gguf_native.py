@@ -581,6 +581,8 @@ def test_tied_head_is_built_from_the_embedding(models):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     """A draft's int4 pass (`quantize_int4`) re-quantizes the unpacked linears too: lossy, yet mostly the same argmax."""
+    if backend == "native" and not gguf_matmul.available():
+        pytest.skip("the Q6_K block kernel does not run here")
     kinds = gguf_files[False][1]
     model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend, stacked=False)
     assert quantize_int4(model) > 0

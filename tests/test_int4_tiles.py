@@ -141,6 +141,8 @@ def test_a_matrix_made_a_slice_of_rows_at_a_time_packs_as_the_whole_one(monkeypa
     """A file's big matrix (a 262k-row head) is asked of its blocks a slice at a time, never whole: the same packing."""
     if not kernel_runs:
         monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: None)
+    elif tiles.tile_kernel() is None:
+        pytest.skip("no tile kernel runs here")
     codes, scale, minimum, _ = affine_matrix(192, 128, seed=8)
     whole = Int4Linear.from_affine(codes, scale, minimum)
     asked = []
