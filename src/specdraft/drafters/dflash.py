@@ -49,7 +49,7 @@ class DFlashDrafter(CatchUpDrafter):
         super().__init__(target, config.hidden_size, None, min_confidence, head=full_target_head(target))
         self.features_width = len(config.target_layers) * config.hidden_size  # the layers' states side by side
         self.feature_layers = tuple(config.target_layers)
-        self.attach(target, model)  # `_real`: context rows in the caches
+        self.attach(model)  # `_real`: context rows in the caches
         self.claim_features()
 
     @torch.inference_mode()

@@ -31,7 +31,7 @@ class EagleDrafter(CatchUpDrafter):
     def __init__(self, target: CausalLM, model: EagleDrafterModel, vocab_ids: torch.Tensor,
                  min_confidence: float = 0.0) -> None:
         super().__init__(target, model.config.hidden_size, vocab_ids, min_confidence)
-        self.attach(target, model)
+        self.attach(model)
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Feed pairs (features[i], tokens[i]) at positions start.. and return the predicted next features. # [n, H]"""

@@ -42,5 +42,5 @@ class Eagle3Drafter(LayerHeadDrafter):
         super().__init__(target, config.target_hidden_size, None, min_confidence, head=model.lm_head)
         self.feature_layers = config.resolved_aux_layers(target.config.num_hidden_layers)
         self.features_width = len(self.feature_layers) * config.target_hidden_size  # the layers' states side by side
-        self.attach(target, model)
+        self.attach(model)
         self.claim_features()

@@ -46,10 +46,10 @@ class FeatureDrafter(Drafter):
         self.target = target
 
     def claim_features(self) -> None:
-        """Make the target's passes return the states this drafter reads (`CausalLM.read_features_at`): when it is
-        made, and anew before each request's prompt pass (the engines call it), so drafters reading different states
-        take turns on one target (the methods of one bench run, a server's requests one after another); drafting at
-        once with both is refused (`checked`)."""
+        """Make the target's passes return the states this drafter reads (`CausalLM.read_features_at`): anew before
+        each request's prompt pass (the engines call it, for a batch's siblings too), so drafters reading different
+        states take turns on one target (the methods of one bench run, a server's requests one after another);
+        drafting at once with both is refused (`checked`). `eagle3` and `dflash` also claim when made."""
         self.target.read_features_at(self, self.feature_layers)
 
     def checked(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,9 +67,7 @@ class FeatureDrafter(Drafter):
         weights are loaded and packed once, however many sequences draft with them. Its state is its own once
         `begin` sets it, which every request does first; a drafter that keeps state in its weights' module (a
         cache) makes that its own here."""
-        twin = copy.copy(self)
-        twin.claim_features()
-        return twin
+        return copy.copy(self)
 
     def draw_chain(self, ctx: DraftContext, depth: int,
                    row_logits: Callable[[int, torch.Tensor | None], torch.Tensor]) -> Draft:
@@ -110,12 +108,12 @@ class CatchUpDrafter(FeatureDrafter):
     the last draft wait in `_pending` until `propose` catches up on them; `_real` counts the cached positions built
     from the target's own states. A subclass calls `attach` once its vocabulary head is set."""
 
-    def attach(self, target: CausalLM, model: torch.nn.Module) -> None:
-        """Draft with `model` (the trained weights, in int4 where `run_in_int4` does so) and `target`'s input
+    def attach(self, model: torch.nn.Module) -> None:
+        """Draft with `model` (the trained weights, in int4 where `run_in_int4` does so) and the target's input
         embeddings; nothing pending yet."""
-        self.target, self.model = target, model
+        self.model = model
         self.run_in_int4(self.model)
-        self.embed = target.model.get_input_embeddings()
+        self.embed = self.target.model.get_input_embeddings()
         self._pending: list[torch.Tensor] = []  # [n, features_width] states not yet in the cache
         self._real = 0  # cache positions built from the target's own states
 

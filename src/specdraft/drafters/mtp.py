@@ -25,4 +25,4 @@ class MtpDrafter(LayerHeadDrafter):
         self.check_made_for(target, config.hidden_size, config.vocab_size, "a model",
                             "Point --trained at the target's own checkpoint folder.")
         super().__init__(target, config.hidden_size, None, min_confidence, head=model.lm_head)
-        self.attach(target, model)
+        self.attach(model)

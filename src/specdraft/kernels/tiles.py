@@ -67,11 +67,10 @@ class TileKernel:
     def matmul(self, packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
         """`x @ W^T` for 4-bit (or 5-bit: `packed.bits`) tiles: x `[tokens, K]` (rounded to bf16) -> float32
         `[tokens, N]`."""
-        if packed.bits == 5:
-            if self.int5 is None:
-                raise ValueError(f"the {self.name} tile kernels have no 5-bit tiles")
-            return run_tile_kernel(self._function(self.int5), packed, x, self.layout)
-        return run_tile_kernel(self._function(self.int4), packed, x, self.layout)
+        name = self.int4 if packed.bits == 4 else self.int5
+        if name is None:
+            raise ValueError(f"the {self.name} tile kernels have no 5-bit tiles")
+        return run_tile_kernel(self._function(name), packed, x, self.layout)
 
     def q6k_matmul(self, tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32
