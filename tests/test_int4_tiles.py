@@ -27,6 +27,13 @@ def affine_matrix(n: int, k: int, seed: int = 0):
     return codes, scale, minimum, weight
 
 
+def five_bit_packs(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> dict:
+    """5-bit codes `[N, K]` (0..31) as tiles in each layout, by layout."""
+    rows = int4_layout.affine_rows(codes, scale, minimum)
+    return {layout: int4_layout.pack_rows(rows, *codes.shape, 32, layout, bits=5)
+            for layout in (int4_layout.PAIRS, int4_layout.QUADS)}
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("inputs", [64, 192, 256])  # groups of 32: 2, 6, 8 (the AMX kernel unrolls by 4, then 2)
 def test_matches_the_dequantized_weight(tile_kernel, tokens, inputs):
@@ -162,11 +169,10 @@ def test_a_matrix_made_a_slice_of_rows_at_a_time_packs_as_the_whole_one(monkeypa
 
 @pytest.mark.parametrize("int8", [False, True], ids=["16-bit", "int8"])
 def test_five_bit_tiles_hold_each_code_and_compute_each_token_alone(tile_kernel, int8):
-    """5-bit tiles (`pack_rows(bits=5)`), on each kernel that has them (AMX; AVX-512 in both dot flavours and on int8
-    activations): x · W within the kernel's rounding, W = s·(q − 16) + z with s and z rounded to bf16; a pass of 16
-    tokens gives each token's bits alone; one flipped fifth bit moves that row's outputs alone, by 16 s x."""
-    if tile_kernel.int5 is None:
-        pytest.skip(f"the {tile_kernel.name} tile kernels have no 5-bit tiles")
+    """5-bit tiles (`pack_rows(bits=5)`) in each kernel's layout (AMX; AVX-512 in both dot flavours; AVX2; the last
+    two also on int8 activations, AVX2's widening its int16 sums twice a group): x · W within the kernel's rounding,
+    W = s·(q − 16) + z with s and z rounded to bf16; a pass of 16 tokens gives each token's bits alone; one flipped
+    fifth bit moves that row's outputs alone, by 16 s x."""
     if int8 and not tile_kernel.int8:
         pytest.skip(f"the {tile_kernel.name} tile kernels take no int8 activations")
     g = torch.Generator().manual_seed(11)
@@ -174,7 +180,8 @@ def test_five_bit_tiles_hold_each_code_and_compute_each_token_alone(tile_kernel,
     codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.1 + 1e-3
     minimum = (torch.rand(n, k // 32, generator=g) - 0.3) * 0.5
-    packed = int4_layout.pack_rows(int4_layout.affine_rows(codes, scale, minimum), n, k, 32, bits=5)
+    layout = tile_kernel.layout
+    packed = int4_layout.pack_rows(int4_layout.affine_rows(codes, scale, minimum), n, k, 32, layout, bits=5)
     assert packed.bits == 5 and packed.tiles.numel() == n * k * 5 // 8  # 320 bytes a tile
     s = scale.bfloat16().float().repeat_interleave(32, 1)
     weight = s * (codes.float() - 16) + (16 * scale - minimum).bfloat16().float().repeat_interleave(32, 1)
@@ -185,7 +192,7 @@ def test_five_bit_tiles_hold_each_code_and_compute_each_token_alone(tile_kernel,
         flipped = codes.clone()
         flipped[5, 70] ^= 16
         moved = tile_kernel.matmul(int4_layout.pack_rows(int4_layout.affine_rows(flipped, scale, minimum), n, k, 32,
-                                                         bits=5), x) - got
+                                                         layout, bits=5), x) - got
     want = x.double() @ weight.double().T
     bound = 2e-2 if int8 else 1e-4  # int8: activations on about 8 bits per group of 32
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < bound
@@ -194,17 +201,27 @@ def test_five_bit_tiles_hold_each_code_and_compute_each_token_alone(tile_kernel,
     expected = sign * 16 * s[5, 70] * x[:, 70].float()  # [16]
     torch.testing.assert_close(moved[:, 5], expected, rtol=bound, atol=bound * expected.abs().max().item())
     assert moved[:, [i for i in range(n) if i != 5]].abs().max() <= 1e-5 * want.abs().max()
+    # the largest integer sums: every code 31 against equal activations (int8: 127 each, eight words of 2 * 31 * 127 a
+    # group, past an int16), still x · W
+    top = torch.full((n, k), 31, dtype=torch.uint8)
+    full = int4_layout.pack_rows(int4_layout.affine_rows(top, scale, minimum), n, k, 32, layout, bits=5)
+    ones = torch.ones(3, k, dtype=torch.bfloat16)
+    with prompt_pass.prompt_pass() if int8 else contextlib.nullcontext():
+        got = tile_kernel.matmul(full, ones)
+    want = ones.double() @ (s * 15 + (16 * scale - minimum).bfloat16().float().repeat_interleave(32, 1)).double().T
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < bound
 
 
-def test_five_bit_codes_need_a_kernel_that_has_them(monkeypatch):
-    """Where the tile kernel has no 5-bit tiles (AVX-512, AVX2, PyTorch's), asking for them is an error, not a
-    silent 4-bit matrix; the loader splits such codes into 4-bit halves there instead."""
-    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: tiles.AVX2)
+def test_five_bit_codes_need_a_tile_kernel(monkeypatch):
+    """Where no tile kernel runs (PyTorch's int4 kernel), asking for 5-bit codes is an error, not a silent 4-bit
+    matrix; the loader splits such codes into 4-bit halves there instead. Tiles hold 4- or 5-bit codes only."""
     codes, scale, minimum, _ = affine_matrix(32, 64, seed=3)
-    with pytest.raises(ValueError, match="5-bit"):
+    with pytest.raises(ValueError, match="4- or 5-bit codes, not 6-bit"):
+        int4_layout.pack_rows(int4_layout.affine_rows(codes, scale, minimum), 32, 64, 32, int4_layout.QUADS, bits=6)
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: None)
+    assert not five_bit_tiles_run(32, 64)
+    with pytest.raises(ValueError, match="5-bit codes need a tile kernel"):
         Int4Linear.from_affine(codes, scale, minimum, bits=5)
-    with pytest.raises(ValueError, match="5-bit ones in the pairs layout"):
-        int4_layout.pack_rows(int4_layout.affine_rows(codes, scale, minimum), 32, 64, 32, int4_layout.QUADS, bits=5)
 
 
 def test_the_bf16_dots_are_a_build_option_of_the_avx512_library():
@@ -233,14 +250,17 @@ def test_the_two_flavours_are_two_builds_of_one_function():
                     reason="needs the AVX2 and the AVX-512 int16 tile kernels on one CPU")
 @pytest.mark.parametrize("tokens", [1, 3, 6, 11])
 def test_avx2_gives_the_avx512_int16_bits(tokens):
-    """The AVX2 kernels do the AVX-512 int16 flavour's arithmetic in the same order: the same bits, 4-bit (each
-    kernel on its own tile layout) and Q6_K."""
+    """The AVX2 kernels do the AVX-512 int16 flavour's arithmetic in the same order: the same bits, 4-bit and 5-bit
+    (each kernel on its own tile layout) and Q6_K."""
     codes, scale, minimum, _ = affine_matrix(64, 256, seed=10)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
     x[0, :16] *= 300.0  # a huge activation (an attention sink's) coarsens its 16's grid alone
     wide = int4_layout.run_tile_kernel(avx512_library("int16").int4_matmul,
                                        int4_layout.pack(codes, scale, minimum), x, int4_layout.PAIRS)
     assert torch.equal(tiles.AVX2.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+    five = five_bit_packs(codes * 2 + (codes > 7), scale, minimum)
+    wide = int4_layout.run_tile_kernel(avx512_library("int16").int5_matmul, five[int4_layout.PAIRS], x, int4_layout.PAIRS)
+    assert torch.equal(tiles.AVX2.matmul(five[int4_layout.QUADS], x), wide)
     raw = torch.from_numpy(random_q6k(32, 1, np.random.default_rng(tokens)))  # [32, 210]: K = 256
     q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
     wide = torch.empty(tokens, 32)
@@ -254,15 +274,18 @@ def test_avx2_gives_the_avx512_int16_bits(tokens):
 @pytest.mark.parametrize("tokens", [1, 5, 19])
 def test_avx2_prompt_kernels_give_the_vnni_bits(monkeypatch, tokens):
     """The AVX2 prompt kernels compute the AVX-512 library's `int8_tiles.h` function in its order: the same bits (int16 tiles for the
-    leading precise row on both), 4-bit and Q6_K, each kernel on its own tile layout."""
+    leading precise row on both), 4-bit, 5-bit and Q6_K, each kernel on its own tile layout."""
     codes, scale, minimum, _ = affine_matrix(96, 512, seed=tokens)
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     monkeypatch.setenv("SPECDRAFT_TILE_DOTS", "int16")
     raw = torch.from_numpy(random_q6k(32, 2, np.random.default_rng(tokens)))  # [32, 420]: K = 512
     q6_pairs, q6_quads = (gguf_matmul.pack_q6k(raw, layout) for layout in (int4_layout.PAIRS, int4_layout.QUADS))
+    five = five_bit_packs(31 - codes * 2, scale, minimum)  # high codes: the int16 sums of AVX2's 5-bit words
     with prompt_pass.prompt_pass(starts_sequence=True):
         wide = tiles.AVX512.matmul(int4_layout.pack(codes, scale, minimum), x)
+        wide_five = tiles.AVX512.matmul(five[int4_layout.PAIRS], x)
         wide_q6 = tiles.AVX512.q6k_matmul(q6_pairs.tiles, q6_pairs.d, x, 32)
         monkeypatch.setenv(numerics.ISA_VARIABLE, "avx2")
         assert torch.equal(tiles.AVX2.matmul(int4_layout.pack(codes, scale, minimum, int4_layout.QUADS), x), wide)
+        assert torch.equal(tiles.AVX2.matmul(five[int4_layout.QUADS], x), wide_five)
         assert torch.equal(tiles.AVX2.q6k_matmul(q6_quads.tiles, q6_quads.d, x, 32), wide_q6)

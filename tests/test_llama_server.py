@@ -267,7 +267,13 @@ def test_a_build_whose_smoke_run_crashes_is_replaced_and_the_kept_one_recorded(t
     monkeypatch.setattr(peer_setup, "smoke_bench", smoke_bench)
     monkeypatch.setattr(peer_setup, "smoke_server", lambda binary, model, threads: "8 tokens")
     monkeypatch.setattr(peer_setup, "installed_version", lambda: installed[-1] if installed else None)
-    monkeypatch.setattr(peer_setup, "sdist", lambda: tmp_path / "llama_cpp_python-0.3.36.tar.gz")
+    fetched = []  # the tools' builds done when the sdist was asked for: the tools build from its source too
+
+    def sdist():
+        fetched.append(len(built))
+        return tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+
+    monkeypatch.setattr(peer_setup, "sdist", sdist)
     monkeypatch.setattr(peer_setup, "pip_install", lambda source, build, jobs: installed.append(peer_setup.PINNED))
     python_runs = iter([SpecdraftError("llama-cpp-python crashed (SIGSEGV)"), ("'x' -> 'y'", "CPU : AVX512 = 1")])
 
@@ -279,7 +285,7 @@ def test_a_build_whose_smoke_run_crashes_is_replaced_and_the_kept_one_recorded(t
 
     monkeypatch.setattr(peer_setup, "smoke_python", smoke_python)
     record = peer_setup.setup_peers(tmp_path / "m.gguf", threads=2, say=lambda text: None)
-    assert built == ["native", "no-amx"]
+    assert built == ["native", "no-amx"] and fetched[0] == 0
     tools = record["tools"]
     assert tools["build"] == "no-amx" and "-DGGML_AMX_INT8=OFF" in tools["cmake_args"]
     assert tools["failed"][0]["build"] == "native" and "SIGSEGV" in tools["failed"][0]["why"]

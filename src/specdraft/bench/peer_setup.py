@@ -182,11 +182,13 @@ def up_to_date(part: str) -> bool:
 
 
 def setup_peers(model: Path, threads: int, jobs: int = 2, force: bool = False, say=print) -> dict:
-    """Both parts (module doc), each skipped when it is up to date (unless `force`); the record."""
+    """Both parts (module doc), each skipped when it is up to date (unless `force`); the record. The sdist is found
+    or downloaded before either part is built: the tools build from its vendored source too."""
     for part, setup in (("tools", setup_tools), ("llama_cpp_python", setup_python)):
         if not force and up_to_date(part):
             say(f"{part}: kept build {kept()[part]['build']!r} is in place ({llama_cpp_build.llama_cpp_dir() / llama_cpp_build.KEPT})")
             continue
+        sdist()
         keep(part, setup(model, threads, jobs, say))
     return kept()
 

@@ -41,7 +41,7 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
     + [_POINTER, _SIZE, _POINTER],  # layers, count, hidden, tokens, sizes, eps, scaling, softcap, cache_len,
     #                                 norm_gains, activation, mask, feature layers, their count, features
 }
-FIVE_BIT_SLOTS = {  # the AVX-512 library adds these (5-bit tiles: HAS_INT5_TILES); the AVX2 one has none
+SLOTS |= {  # 5-bit tiles (`int4_layout`, bits 5) take the 4-bit tiles' arguments
     "int5_matmul": SLOTS["int4_matmul"],
     "int5_q8_matmul": SLOTS["int4_q8_matmul"],
 }
@@ -112,7 +112,7 @@ def library(build: Build) -> ctypes.CDLL | None:
                               name=build.name())
     if loaded is None or (build.amx and loaded.amx_tiles_init() != 0):
         return None
-    bind(loaded, SLOTS | (FIVE_BIT_SLOTS if build.level == "avx512" else {}) | (AMX_SLOTS if build.amx else {}))
+    bind(loaded, SLOTS | (AMX_SLOTS if build.amx else {}))
     exp = _torch_exp(spec.torch_exp)
     if exp is not None:
         loaded.use_exp(exp)

@@ -13,11 +13,15 @@
 Scales s and offsets z = 8s − m: bf16 [N/16][K/32][16], with w = s·(q − 8) + z. The integer sums the kernels
 take are exact whatever the order of their terms, so both layouts give the same bits.
 
-5-bit tiles (`bits` 5: Q5_0, Q5_1 and Q5_K as stored, for the kernels that have them, `TileKernel.int5`) are 320
-bytes: a 4-bit tile of the codes' low nibbles (`PAIRS`), then for each 64 of its bytes two little-endian 64-bit masks,
-bit m of mask v the fifth bit of byte m of the pair vector v that unpacking those 64 bytes makes
-(`fifth_bit_sources`; a masked byte add puts it in place). Offsets are z = 16s − m, with w = s·(q − 16) + z: 6 bits
-a weight with the scales, where two 4-bit halves took 10.
+5-bit tiles (`bits` 5: Q5_0, Q5_1 and Q5_K as stored, `TileKernel.int5`) are 320 bytes: a 4-bit tile of the codes'
+low nibbles, then 64 bytes of their fifth bits, placed for the layout's unpacking:
+
+- `PAIRS`: for each 64 nibble bytes two little-endian 64-bit masks, bit m of mask v the fifth bit of byte m of the
+  pair vector v that unpacking those 64 bytes makes (`fifth_bit_sources`; a masked byte add puts it in place);
+- `QUADS`: for chunks 2p and 2p + 1 (64 nibble bytes each) 32 bytes, bit 4·(j % 2) + 2h + e of byte i the fifth
+  bit of nibble e of byte 64·j + 32·h + i (a shift and a mask put it in place, as Q6_K's top bits).
+
+Offsets are z = 16s − m, with w = s·(q − 16) + z: 6 bits a weight with the scales, where two 4-bit halves took 10.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def fifth_bit_sources() -> torch.Tensor:
 
 
 def _fifth_bit_masks(high: torch.Tensor) -> torch.Tensor:
-    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a 5-bit tile's mask bytes `[rows / 16, K / 32, 64]`."""
+    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a `PAIRS` 5-bit tile's mask bytes `[rows / 16, K / 32, 64]`."""
     rows, k = high.shape
     tiled = high.to(torch.uint8).view(rows // BLOCK_ROWS, BLOCK_ROWS, k // GROUP, GROUP).permute(0, 2, 1, 3)
     bits = tiled.reshape(rows // BLOCK_ROWS, k // GROUP, BLOCK_ROWS * GROUP)[..., fifth_bit_sources().view(-1)]
@@ -132,14 +136,28 @@ def _fifth_bit_masks(high: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
+def _fifth_bit_quads(high: torch.Tensor) -> torch.Tensor:
+    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a `QUADS` 5-bit tile's last bytes `[rows / 16, K / 32, 64]`
+    (module doc)."""
+    rows, k = high.shape
+    # high[n0 + 8h + c, k0 + 16p + 8(j % 2) + 4e + b] -> bit 4·(j % 2) + 2h + e of byte 32p + 4c + b
+    split = high.to(torch.uint8).view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2, 2, 2, 4)  # [nb, h, c, g, p, j%2, e, b]
+    planes = split.permute(0, 3, 4, 2, 7, 5, 1, 6).reshape(rows // BLOCK_ROWS, k // GROUP, 64, 8)  # [.., byte, bit]
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (planes * weights).sum(-1, dtype=torch.uint8)
+
+
+_FIFTH_BITS = {PAIRS: _fifth_bit_masks, QUADS: _fifth_bit_quads}
+
+
 def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = PAIRS, bits: int = 4) -> PackedInt4:
     """An `[n, k]` matrix in groups of `group_size`, asked of `rows` a slice at a time, as tiles in `layout` of
-    `bits`-bit codes (4, or 5 for `PAIRS`: module doc)."""
+    `bits`-bit codes (4 or 5: module doc)."""
     to_bytes = tile_bytes(layout)
     if not fits(n, k, group_size):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
-    if bits not in TILE_BYTES or (bits == 5 and layout != PAIRS):
-        raise ValueError(f"tiles hold 4-bit codes, or 5-bit ones in the {PAIRS} layout; not {bits} bits in {layout}")
+    if bits not in TILE_BYTES:
+        raise ValueError(f"tiles hold 4- or 5-bit codes, not {bits}-bit ones")
     blocks, groups = n // BLOCK_ROWS, k // GROUP
     tile_width = TILE_BYTES[bits]
     tiles = torch.empty((blocks, groups, tile_width), dtype=torch.uint8)
@@ -152,7 +170,7 @@ def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = P
         block_range = slice(start // BLOCK_ROWS, stop // BLOCK_ROWS)
         tiles[block_range, :, :256] = to_bytes(codes & 0x0F).view(part_blocks, groups, 256)
         if bits == 5:
-            tiles[block_range, :, 256:] = _fifth_bit_masks(codes >> 4)
+            tiles[block_range, :, 256:] = _FIFTH_BITS[layout](codes >> 4)
         scale = scale.float()
         tile_scale[block_range] = scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
         middle = 1 << (bits - 1)

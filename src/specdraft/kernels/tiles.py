@@ -29,16 +29,15 @@ from specdraft.kernels.numerics import NumericConfig
 @dataclass(frozen=True)
 class TileKernel:
     """One tile kernel: its name, the level of the library that has it, the tile layout it reads, the library
-    functions for 4-bit and Q6_K tiles, whether its int8 passes run on the library's int8 tiles, and its function for
-    5-bit tiles (None where it has none: 5-bit types then run as two 4-bit halves)."""
+    functions for 4-bit, 5-bit and Q6_K tiles, and whether its int8 passes run on the library's int8 tiles."""
 
     name: str  # amx | avx512 | avx2
     level: str
     layout: str
     int4: str
+    int5: str
     q6k: str
     int8: bool
-    int5: str | None = None
 
     def library(self, config: NumericConfig | None = None) -> ctypes.CDLL | None:
         """The library that runs this kernel under `config` (default: `numerics.current()`), or None."""
@@ -67,10 +66,7 @@ class TileKernel:
     def matmul(self, packed: PackedInt4, x: torch.Tensor) -> torch.Tensor:
         """`x @ W^T` for 4-bit (or 5-bit: `packed.bits`) tiles: x `[tokens, K]` (rounded to bf16) -> float32
         `[tokens, N]`."""
-        name = self.int4 if packed.bits == 4 else self.int5
-        if name is None:
-            raise ValueError(f"the {self.name} tile kernels have no 5-bit tiles")
-        return run_tile_kernel(self._function(name), packed, x, self.layout)
+        return run_tile_kernel(self._function(self.int4 if packed.bits == 4 else self.int5), packed, x, self.layout)
 
     def q6k_matmul(self, tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32
@@ -85,9 +81,9 @@ class TileKernel:
         return kernel_named, (self.name,)
 
 
-AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "q6k_amx_matmul", int8=False, int5="int5_amx_matmul")
-AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "q6k_matmul", int8=True, int5="int5_matmul")
-AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "q6k_matmul", int8=True)
+AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "int5_amx_matmul", "q6k_amx_matmul", int8=False)
+AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
+AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 KERNELS = (AMX, AVX512, AVX2)  # fastest first
 
 

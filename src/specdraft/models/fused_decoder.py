@@ -37,10 +37,8 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
     if isinstance(projection, StackedProjection):
         runs = []
         for matmul, packed in projection.runs:
-            affine = matmul in int4_kinds and isinstance(packed, PackedInt4)
-            kind = _affine_kind(int4_kinds[matmul], packed) if affine else None
-            if kind is not None:
-                runs.append((kind, packed))
+            if matmul in int4_kinds and isinstance(packed, PackedInt4):
+                runs.append((_affine_kind(int4_kinds[matmul], packed), packed))
             elif matmul is gguf_matmul.block_matmul and q6k_kind is not None:
                 runs.append((q6k_kind, packed))
             else:
@@ -52,21 +50,17 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
     if isinstance(projection, Int4Linear):
         if projection.tiles is None or projection.dense_weight is not None or projection.tile_matmul not in int4_kinds:
             return None
-        kind = _affine_kind(int4_kinds[projection.tile_matmul], projection.tiles)
-        return None if kind is None else ([(kind, projection.tiles)], bias)
+        return [(_affine_kind(int4_kinds[projection.tile_matmul], projection.tiles), projection.tiles)], bias
     if isinstance(projection, gguf_matmul.BlockLinear) and q6k_kind is not None:
         return [(q6k_kind, projection.packed)], bias
     return None
 
 
-def _affine_kind(int4_kind: int, packed: PackedInt4) -> int | None:
-    """The run kind of a 4- or 5-bit matrix on the kernel whose 4-bit kind is `int4_kind` (None: the C stack has no
-    5-bit tiles there)."""
+def _affine_kind(int4_kind: int, packed: PackedInt4) -> int:
+    """The run kind of a 4- or 5-bit matrix on the kernel whose 4-bit kind is `int4_kind`."""
     if packed.bits == 4:
         return int4_kind
-    if int4_kind == decoder_layers.INT4_AMX:
-        return decoder_layers.INT5_AMX
-    return decoder_layers.INT5 if decoder_layers.level() == "avx512" else None
+    return decoder_layers.INT5_AMX if int4_kind == decoder_layers.INT4_AMX else decoder_layers.INT5
 
 
 def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]], bias: torch.Tensor | None,

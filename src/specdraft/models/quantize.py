@@ -4,8 +4,8 @@ else AVX-512 VNNI, else AVX2, else PyTorch's CPU kernel (`_weight_int4pack_mm_fo
 Two ways in:
 - `Int4Linear.from_affine`: a GGUF Q4_K, Q4_0 or Q4_1 matrix's own codes, scales and mins (exact up to
   the kernel's bf16 scale and offset), so the target computes what its file says; Q5_0, Q5_1 and Q5_K keep their
-  5-bit codes (`bits=5`) where the tile kernel has 5-bit tiles (AMX, AVX-512), and `SplitInt4Linear` splits their
-  codes, and Q8_0's, into two 4-bit halves elsewhere (AVX2);
+  5-bit codes (`bits=5`) where a tile kernel runs, and `SplitInt4Linear` splits Q8_0's codes (and 5-bit ones where
+  only PyTorch's kernel runs) into two 4-bit halves;
 - `Int4Linear.quantize`: re-quantizing a float weight (lossy), for drafts only. A lossy
   draft never changes what is emitted: verification uses what the draft sampled from.
 
@@ -32,9 +32,8 @@ PASS_WIDTH = 8
 
 
 def five_bit_tiles_run(out_features: int, in_features: int, group_size: int = 32) -> bool:
-    """Whether a matrix of this shape can run here on 5-bit tiles (`int4_layout`: the tile kernel has them)."""
-    kernel = tiles.tile_kernel()
-    return kernel is not None and kernel.int5 is not None and fits(out_features, in_features, group_size)
+    """Whether a matrix of this shape can run here on 5-bit tiles (`int4_layout`: a tile kernel runs here)."""
+    return tiles.tile_kernel() is not None and fits(out_features, in_features, group_size)
 
 
 def int4_kernel_available() -> bool:
@@ -69,7 +68,7 @@ class Int4Linear(nn.Module):
         group_size: int,  # G; w = scale · codes − minimum per group
         bias: torch.Tensor | None = None,  # [N]
         dense_weight: torch.Tensor | None = None,  # [N, K]
-        bits: int = 4,  # 5: codes in 0..31, on a tile kernel that has 5-bit tiles (`five_bit_tiles_run`)
+        bits: int = 4,  # 5: codes in 0..31, where a tile kernel runs (`five_bit_tiles_run`)
     ) -> None:
         super().__init__()
         n, k = self.out_features, self.in_features = out_features, in_features
@@ -78,7 +77,8 @@ class Int4Linear(nn.Module):
         self.dense_weight = dense_weight
         kernel, self.tiles = tiles.tile_kernel(), None
         if bits != 4 and not five_bit_tiles_run(n, k, group_size):
-            raise ValueError(f"5-bit codes need a tile kernel with 5-bit tiles and a {n}x{k} matrix they fit")
+            raise ValueError(f"5-bit codes need a tile kernel (AVX2 or more, not SPECDRAFT_ISA=torch) and a {n}x{k} matrix "
+                             "their tiles fit (N % 16 == 0, K % 64 == 0, groups of 32)")
         if kernel is not None and fits(n, k, group_size):
             self.tiles = pack_rows(rows, n, k, group_size, kernel.layout, bits)
             self.tile_matmul = kernel.matmul

@@ -4,13 +4,15 @@
  * Numerics (as `avx512/int8_tiles.h`): each token's activations quantized per group of 32 inputs, â = round(x · 127 /
  * max|x|), a = max|x| / 127; the integer sums Σ q·â exact, then scaled in float32 in the same order:
  *   4-bit (w = s·(q − 8) + z):  y += (s·a) ⊙ Σ q·â − (8s − z) ⊙ a·Σâ
+ *   5-bit (w = s·(q − 16) + z): the same with 16s − z
  *   Q6_K  (w = d·sc·(q − 32)):  y += (s·a) ⊙ Σ q·â − 32 s ⊙ a·Σâ  per sub-block of 16, s = d·sc
  * Prompt passes use it (`prompt_pass.py`), and on AVX2 every pass by default (one function for decoding and
  * verifying, so speculation stays exact; `SPECDRAFT_INT8_ACTIVATIONS` chooses).
  *
  * `vpmaddubsw` multiplies a code byte (unsigned) by an activation byte (signed) and adds neighbouring products
  * into int16 without saturating here: a 4-bit word is at most 2·15·127 = 3810, so the 8 words of a group sum
- * below 2^15; a Q6_K word at most 2·63·127 = 16002, so two are summed before `vpmaddwd` widens them. A vector holds
+ * below 2^15; a 5-bit word at most 2·31·127 = 7874, so a group's are widened four at a time (two chunks); a Q6_K word
+ * at most 2·63·127 = 16002, so two are summed before `vpmaddwd` widens them. A vector holds
  * 8 rows (a tile's half), each dword lane the codes of 4 consecutive inputs of one row: 32 multiply-adds an
  * instruction, against 16 for the int16 kernels' `vpmaddwd`.
  *
@@ -67,14 +69,16 @@ static void quantize_token(const uint16_t *x, int64_t K, int8_t *q, float *scale
 /* int16 sums of q·â over the quads against one token's activation dwords -> int32 per row. */
 static inline __m256i widen16(__m256i words) { return _mm256_madd_epi16(words, _mm256_set1_epi16(1)); }
 
-/* One chunk (8 inputs) of a group of a 4-bit block of 16 rows against `tokens` tokens, added into their int16 (int32
- * with AVX-VNNI) sums `words` [token][half]; `first` (a constant after inlining): the group's first chunk, whose
- * products start the sums. `x` points at the chunk's activations of the first token, K bytes from one to the next. */
-static inline __attribute__((always_inline)) void int4_chunk_q8(const uint8_t *chunk_codes, const int8_t *x, int64_t K,
-                                                               int tokens, int first, __m256i words[][2]) {
+/* Chunk `chunk` (8 inputs) of a group's tile of a 4-bit (5-bit where `bits` is 5) block of 16 rows against `tokens`
+ * tokens, added into their int16 (int32 with AVX-VNNI) sums `words` [token][half]; `first` (a constant after
+ * inlining): the chunk whose products start the sums. `x` points at the chunk's activations of the first token, K
+ * bytes from one to the next. */
+static inline __attribute__((always_inline)) void affine_chunk_q8(const uint8_t *tile, int chunk, int bits,
+                                                                 const int8_t *x, int64_t K, int tokens, int first,
+                                                                 __m256i words[][2]) {
     __m256i low[2], high[2];  /* the quads of rows 0-7 and 8-15 */
-    int4_quads8(chunk_codes, low);
-    int4_quads8(chunk_codes + 32, high);
+    affine_quads8(tile, chunk, 0, bits, low);
+    affine_quads8(tile, chunk, 1, bits, high);
     for (int t = 0; t < tokens; t++)
         for (int j = 0; j < 2; j++) {
             const __m256i x4 = _mm256_set1_epi32(((const int32_t *)(x + t * K))[j]);
@@ -91,34 +95,52 @@ static inline __attribute__((always_inline)) void int4_chunk_q8(const uint8_t *c
         }
 }
 
-/* Both halves of a block of 16 rows of a 4-bit matrix against `tokens` tokens (a constant after inlining): one
- * activation broadcast feeds both halves, and each token's int16 sums stay in registers through a group. */
-static inline __attribute__((always_inline)) void int4_rows16_q8(const uint8_t *codes, const uint16_t *block_scale,
-                                                                const uint16_t *block_zero, const int8_t *xq,
-                                                                const float *act_scale, const float *sums, int64_t K,
-                                                                int64_t groups, int tokens, float *y, int64_t ldy) {
+/* Both halves of a block of 16 rows of a 4-bit (5-bit where `bits` is 5) matrix against `tokens` tokens (constants
+ * after inlining): one activation broadcast feeds both halves, and each token's int16 sums stay in registers through
+ * a group (5-bit: through two chunks). */
+static inline __attribute__((always_inline)) void affine_rows16_q8(const uint8_t *codes, const uint16_t *block_scale,
+                                                                  const uint16_t *block_zero, const int8_t *xq,
+                                                                  const float *act_scale, const float *sums, int64_t K,
+                                                                  int64_t groups, int tokens, float *y, int64_t ldy,
+                                                                  int bits) {
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m256 acc[Q8_WIDEST][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_tile(group_codes, INT4_TILE_BYTES, 0);
+        const uint8_t *group_codes = codes + g * tile_bytes;
+        const int8_t *xg = xq + g * GROUP;
+        prefetch_tile(group_codes, tile_bytes, 0);
         if (g % 2 == 0) {  /* and the scales and offsets, a line (two groups) at a time */
             _mm_prefetch((const char *)(block_scale + g * 16) + PREFETCH_BYTES / 8, _MM_HINT_T0);
             _mm_prefetch((const char *)(block_zero + g * 16) + PREFETCH_BYTES / 8, _MM_HINT_T0);
         }
         __m256i words[Q8_WIDEST][2];
-        int4_chunk_q8(group_codes, xq + g * GROUP, K, tokens, 1, words);
+#ifndef __AVXVNNI__
+        __m256i first_half[Q8_WIDEST][2];  /* 5-bit: the int32 sums of chunks 0-1 */
+#endif
+        affine_chunk_q8(group_codes, 0, bits, xg, K, tokens, 1, words);
 #pragma GCC unroll 1
-        for (int chunk = 1; chunk < 4; chunk++) int4_chunk_q8(group_codes + chunk * 64, xq + g * GROUP + 8 * chunk, K, tokens, 0, words);
+        for (int chunk = 1; chunk < 4; chunk++) {
+#ifndef __AVXVNNI__
+            if (bits == 5 && chunk == 2) {  /* four 5-bit words fill an int16: widen, start again */
+                for (int t = 0; t < tokens; t++)
+                    for (int h = 0; h < 2; h++) first_half[t][h] = widen16(words[t][h]);
+                affine_chunk_q8(group_codes, chunk, bits, xg + 8 * chunk, K, tokens, 1, words);
+                continue;
+            }
+#endif
+            affine_chunk_q8(group_codes, chunk, bits, xg + 8 * chunk, K, tokens, 0, words);
+        }
         for (int h = 0; h < 2; h++) {
             const __m256 s = bf16x8_to_ps(block_scale + g * 16 + h * 8), z = bf16x8_to_ps(block_zero + g * 16 + h * 8);
-            const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
+            const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(bits == 5 ? 16.0f : 8.0f), z);
             for (int t = 0; t < tokens; t++) {
                 const float a = act_scale[t * groups + g], sum = sums[(t * groups + g) * SUMS + 2];
 #ifdef __AVXVNNI__
                 const __m256i dot = words[t][h];
 #else
-                const __m256i dot = widen16(words[t][h]);
+                const __m256i dot = bits == 5 ? _mm256_add_epi32(first_half[t][h], widen16(words[t][h]))
+                                              : widen16(words[t][h]);
 #endif
                 acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a)), _mm256_cvtepi32_ps(dot), acc[t][h]);
                 acc[t][h] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sum), acc[t][h]);
@@ -180,12 +202,12 @@ static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *ti
     }
 }
 
-/* y [tokens, N] float32 (rows `ldy` apart) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given) or Q6_K
- * tiles (`zero` NULL, `scale` its d). The tokens are taken in spans whose int8 activations fit in L2 (Q8_SPAN_BYTES);
+/* y [tokens, N] float32 (rows `ldy` apart) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given; 5-bit where
+ * `bits` is 5) or Q6_K tiles (`zero` NULL, `scale` its d). The tokens are taken in spans whose int8 activations fit in L2 (Q8_SPAN_BYTES);
  * in a span each block of 16 rows meets Q8_BLOCK tokens at a time (a last 5 to Q8_WIDEST at once) while its codes
  * stay in L1/L2. */
-static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+static void affine_q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                             int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy, int bits) {
     const int64_t groups = K / GROUP, blocks = N / 16;
     const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     int8_t *q = malloc((size_t)(tokens * K));
@@ -201,10 +223,16 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
                 const int8_t *xq = q + t0 * K;
                 const float *at = a + t0 * groups, *st = sums + t0 * SUMS * groups;
                 float *out = y + t0 * ldy + nb * 16;
-                if (zero != NULL) {
+                if (zero != NULL && bits == 5) {
+                    const uint8_t *codes = tiles + nb * groups * INT5_TILE_BYTES;
+                    const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
+#define INT5_Q8_ROWS(T) affine_rows16_q8(codes, bs, bz, xq, at, st, K, groups, T, out, ldy, 5)
+                    WITH_CONSTANT_Q8_TOKENS(chunk, INT5_Q8_ROWS)
+#undef INT5_Q8_ROWS
+                } else if (zero != NULL) {
                     const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
                     const uint16_t *bs = (const uint16_t *)scale + nb * groups * 16, *bz = zero + nb * groups * 16;
-#define INT4_Q8_ROWS(T) int4_rows16_q8(codes, bs, bz, xq, at, st, K, groups, T, out, ldy)
+#define INT4_Q8_ROWS(T) affine_rows16_q8(codes, bs, bz, xq, at, st, K, groups, T, out, ldy, 4)
                     WITH_CONSTANT_Q8_TOKENS(chunk, INT4_Q8_ROWS)
 #undef INT4_Q8_ROWS
                 } else {
@@ -219,4 +247,15 @@ static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *z
     free(q);
     free(a);
     free(sums);
+}
+
+static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
+                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 4);
+}
+
+/* `q8_passes` for 5-bit tiles. */
+static void int5_q8_passes(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                           float *y, int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
+    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 5);
 }

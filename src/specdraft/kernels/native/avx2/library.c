@@ -1,9 +1,10 @@
 /* The AVX2 kernels as one library (`kernels/bindings.py` builds and binds it): every slot of the kernel layer, filled
  * with AVX2 + FMA + F16C code (and AVX-VNNI's 256-bit `vpdpbusd` in the build made with -mavxvnni: `NumericConfig.avx_vnni`).
  *
- *   tiles.h        4-bit and Q6_K tiles times bf16 activations on an int16 grid: int4_matmul, q6k_matmul
- *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`; the entry points in
- *                  ../shared/int8_entries.h): int4_q8_matmul, q6k_q8_matmul
+ *   tiles.h        4-bit, 5-bit and Q6_K tiles times bf16 activations on an int16 grid: int4_matmul, int5_matmul,
+ *                  q6k_matmul
+ *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`, `int5_q8_passes`; the entry points in
+ *                  ../shared/int8_entries.h): int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals

@@ -1,12 +1,13 @@
 /* AVX2 kernels for weights kept in 4-bit and 6-bit tiles: y = x W^T without unpacking W to float,
  * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
  *
- * 4-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the int8
+ * 4-bit, 5-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the int8
  * kernels of `avx2/int8_tiles.h` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
  * int16 flavour (`avx512/tiles.h`): each token's 16 inputs at a time on an
  * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
  * float32 in the same order:
  *   4-bit (w = s·(q − 8) + z, groups of 32):  y += (s·2^e₀) ⊙ Σ₀ q·x̂ + (s·2^e₁) ⊙ Σ₁ q·x̂ − (8 s − z) ⊙ S
+ *   5-bit (w = s·(q − 16) + z): the same with 16 s − z
  *   Q6_K  (w = d·sc·(q − 32), sub-blocks of 16): y += (s·2^e) ⊙ Σ q·x̂ − 32 s ⊙ S,  s = d·sc
  * so every output is bit for bit what the AVX-512 int16 build gives (tested where both run).
  *
@@ -33,6 +34,7 @@
 #define SUB 16
 #define MAX_TOKENS 4
 #define INT4_TILE_BYTES 256
+#define INT5_TILE_BYTES 320
 #define Q6_TILE_BYTES 416
 /* Codes are fetched this far ahead. One-token passes stream the weights once: at 4 KB an 8960 x 1536 matrix was read
  * at 46-64 GB/s where the memory streamed 89; at 8 KB the bundled target's one-token pass ran 11-22% faster and the
@@ -109,6 +111,30 @@ static inline __attribute__((always_inline)) void q6_quads8(const uint8_t *tile,
     quads[1] = _mm256_or_si256(quads[1], _mm256_and_si256(second, top));
 }
 
+/* The 5-bit codes of chunk j of a `QUADS` 5-bit tile, rows of `half`, arranged as `int4_quads8` arranges 4-bit ones: the
+ * nibbles with their fifth bits, which byte i of the tile's 32-byte vector j / 2 holds at bit 4·(j % 2) + 2·half + e
+ * for byte i of quads[e] (`int4_layout._fifth_bit_quads`), moved to bit 4 by a shift and a mask. A 16-bit shift moves
+ * a neighbouring byte's bits into this byte's bits 0-3 or 5-7 only, which the mask drops. */
+static inline __attribute__((always_inline)) void int5_quads8(const uint8_t *tile, int chunk, int half, __m256i quads[2]) {
+    const __m256i fifth = _mm256_set1_epi8(0x10);
+    int4_quads8(tile + chunk * 64 + half * 32, quads);
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + 256 + (chunk / 2) * 32));
+    for (int e = 0; e < 2; e++) {
+        const int bit = 4 * (chunk % 2) + 2 * half + e;
+        const __m256i moved = bit < 4 ? _mm256_slli_epi16(high, 4 - bit) : _mm256_srli_epi16(high, bit - 4);
+        quads[e] = _mm256_or_si256(quads[e], _mm256_and_si256(moved, fifth));
+    }
+}
+
+/* The codes of chunk j of a 4-bit tile, or a 5-bit one where `bits` is 5 (a constant after inlining), rows of `half`. */
+static inline __attribute__((always_inline)) void affine_quads8(const uint8_t *tile, int chunk, int half, int bits,
+                                                               __m256i quads[2]) {
+    if (bits == 5)
+        int5_quads8(tile, chunk, half, quads);
+    else
+        int4_quads8(tile + chunk * 64 + half * 32, quads);
+}
+
 /* `vpmaddubsw` operands of 8 rows -> four vectors of int16 code pairs: dword lane c of rows[b] = (q[c][8j + b],
  * q[c][8j + 4 + b]), the pairs of the int16 kernels (activations stored to match: `tile_activations`). A 4 x 4 byte
  * transpose per 16-byte lane makes the bytes pair-major (byte 4·b + c % 4), then bytes are interleaved and widened. */
@@ -136,15 +162,18 @@ static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *t
 #define WITH_CONSTANT_TOKENS(tokens, call) \
     switch (tokens) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); break; }
 
-/* Half `half` (8 rows) of a block of 16 output rows of 4-bit tiles against `tokens` tokens (a constant after inlining). */
-static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes, const uint16_t *block_scale,
-                                                           const uint16_t *block_zero, const TileActivations *act, int64_t K,
-                                                           int64_t groups, int tokens, int half, float *y, int64_t ldy) {
+/* Half `half` (8 rows) of a block of 16 output rows of 4-bit tiles (5-bit where `bits` is 5) against `tokens` tokens
+ * (constants after inlining). */
+static inline __attribute__((always_inline)) void affine_half(const uint8_t *codes, const uint16_t *block_scale,
+                                                             const uint16_t *block_zero, const TileActivations *act,
+                                                             int64_t K, int64_t groups, int tokens, int half, float *y,
+                                                             int64_t ldy, int bits) {
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m256 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_codes = codes + g * INT4_TILE_BYTES;
-        prefetch_tile(group_codes, INT4_TILE_BYTES, half * 32);
+        const uint8_t *group_codes = codes + g * tile_bytes;
+        prefetch_tile(group_codes, tile_bytes, half * 32);
         const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
         const int16_t *xg = act->x + g * GROUP;
         for (int part = 0; part < 2; part++) {  /* inputs 16·part .. 16·part + 15: chunks 2·part, 2·part + 1 */
@@ -152,7 +181,7 @@ static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes
             for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
             for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
                 __m256i quads[2], rows[4];
-                int4_quads8(group_codes + chunk * 64 + half * 32, quads);
+                affine_quads8(group_codes, chunk, half, bits, quads);
                 quads_to_pair_rows8(quads, rows);
                 for (int j = 0; j < 4; j++)
                     for (int t = 0; t < tokens; t++) {  /* x̂ in pair order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
@@ -165,7 +194,7 @@ static inline __attribute__((always_inline)) void int4_half(const uint8_t *codes
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
             }
         }
-        const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(8.0f), z);
+        const __m256 offset = _mm256_fmsub_ps(s, _mm256_set1_ps(bits == 5 ? 16.0f : 8.0f), z);
         for (int t = 0; t < tokens; t++) {
             const float *sums = act->sums + t * 2 * groups + 2 * g;
             acc[t] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(sums[0] + sums[1]), acc[t]);
@@ -209,32 +238,62 @@ static inline __attribute__((always_inline)) void q6_half(const uint8_t *tiles, 
     for (int t = 0; t < tokens; t++) _mm256_storeu_ps(y + t * ldy + half * 8, acc[t]);
 }
 
-/* ----- 4-bit tiles (`int4_layout`) ---------------------------------------------------------- */
-/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
-static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+/* ----- 4- and 5-bit tiles (`int4_layout`) --------------------------------------------------- */
+/* x [tokens, K] bf16 -> y [tokens, N] float32 (rows `ldy` apart); 4-bit tiles, or 5-bit where `bits` is 5;
+ * tokens <= MAX_TOKENS, K % 32 == 0, N % 16 == 0. */
+static void affine_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                         float *y, int64_t N, int64_t K, int tokens, int64_t ldy, int bits) {
     const int64_t groups = K / GROUP, items = 2 * (N / 16);
     const TileActivations act = tile_activations(x, K, tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t nb = item / 2;
         const int half = (int)(item % 2);
-        const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
         const uint16_t *bs = scale + nb * groups * 16, *bz = zero + nb * groups * 16;
         float *out = y + nb * 16;
-#define INT4_HALF(T) int4_half(codes, bs, bz, &act, K, groups, T, half, out, ldy)
-        WITH_CONSTANT_TOKENS(tokens, INT4_HALF)
+        if (bits == 5) {
+            const uint8_t *codes = tiles + nb * groups * INT5_TILE_BYTES;
+#define INT5_HALF(T) affine_half(codes, bs, bz, &act, K, groups, T, half, out, ldy, 5)
+            WITH_CONSTANT_TOKENS(tokens, INT5_HALF)
+#undef INT5_HALF
+        } else {
+            const uint8_t *codes = tiles + nb * groups * INT4_TILE_BYTES;
+#define INT4_HALF(T) affine_half(codes, bs, bz, &act, K, groups, T, half, out, ldy, 4)
+            WITH_CONSTANT_TOKENS(tokens, INT4_HALF)
 #undef INT4_HALF
+        }
     }
     release_activations(act);
 }
 
-void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
-                      const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 4);
+}
+
+static void int5_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
+    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 5);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T in passes of up to MAX_TOKENS tokens. */
+static void affine_passes(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
+                          float *y, int64_t N, int64_t K, int64_t tokens, int bits) {
     for (int64_t t0 = 0; t0 < tokens; t0 += MAX_TOKENS) {
         const int chunk = (int)(tokens - t0 < MAX_TOKENS ? tokens - t0 : MAX_TOKENS);
-        int4_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N);
+        affine_chunk(tiles, scale, zero, x + t0 * K, y + t0 * N, N, K, chunk, N, bits);
     }
+}
+
+void int4_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                 const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_passes(tiles, scale, zero, x, y, N, K, tokens, 4);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 5-bit tiles (`int4_layout`, bits 5). */
+void int5_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero,
+                 const uint16_t *x, float *y, int64_t N, int64_t K, int64_t tokens) {
+    affine_passes(tiles, scale, zero, x, y, N, K, tokens, 5);
 }
 
 /* ----- Q6_K tiles ----------------------------------------------------------------------------- */

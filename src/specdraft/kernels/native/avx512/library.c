@@ -1,11 +1,12 @@
 /* The AVX-512 kernels as one library (`kernels/bindings.py` builds and binds it): every slot of the kernel layer,
  * filled with AVX-512 (F, BW, DQ, VL, VNNI, BF16) code, and AMX's bf16 tiles in the build made with -DWITH_AMX.
  *
- *   tiles.h        4-bit and Q6_K tiles times bf16 activations: int4_matmul, q6k_matmul (int16 or, with
- *                  -DTILE_DOTS_BF16, bf16 dot products: `tile_dots.py`)
- *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`; the entry points in
- *                  ../shared/int8_entries.h), on VNNI: int4_q8_matmul, q6k_q8_matmul
- *   amx_tiles.h    (WITH_AMX) the same tiles on AMX: amx_tiles_init, int4_amx_matmul, q6k_amx_matmul
+ *   tiles.h        4-bit, 5-bit and Q6_K tiles times bf16 activations: int4_matmul, int5_matmul, q6k_matmul
+ *                  (int16 or, with -DTILE_DOTS_BF16, bf16 dot products: `tile_dots.py`)
+ *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`, `int5_q8_passes`; the entry points in
+ *                  ../shared/int8_entries.h), on VNNI: int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
+ *   amx_tiles.h    (WITH_AMX) the same tiles on AMX: amx_tiles_init, int4_amx_matmul, int5_amx_matmul,
+ *                  q6k_amx_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals

@@ -1,6 +1,7 @@
-/* The int8-activation slots `int4_q8_matmul` and `q6k_q8_matmul`, written once over the including library's
- * `q8_passes` (its `int8_tiles.h`: the tokens from `first` on, on int8 activations) and its 16-bit `int4_matmul` /
- * `q6k_matmul` (the leading `precise_tokens`: a sequence's first token, see `prompt_pass.py`). */
+/* The int8-activation slots `int4_q8_matmul`, `int5_q8_matmul` and `q6k_q8_matmul`, written once over the including
+ * library's `q8_passes` / `int5_q8_passes` (its `int8_tiles.h`: the tokens from `first` on, on int8 activations) and its
+ * 16-bit `int4_matmul` / `int5_matmul` / `q6k_matmul` (the leading `precise_tokens`: a sequence's first token, see
+ * `prompt_pass.py`). */
 #pragma once
 
 #include <stdint.h>
@@ -21,7 +22,6 @@ void q6k_q8_matmul(const uint8_t *tiles, const float *d, const uint16_t *x, floa
     q8_passes(tiles, d, NULL, x, y, N, K, precise_tokens, tokens, N);
 }
 
-#ifdef HAS_INT5_TILES
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in 5-bit tiles (`int4_layout`, bits 5). */
 void int5_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x, float *y,
                     int64_t N, int64_t K, int64_t tokens, int64_t precise_tokens) {
@@ -29,4 +29,3 @@ void int5_q8_matmul(const uint8_t *tiles, const uint16_t *scale, const uint16_t 
     int5_matmul(tiles, scale, zero, x, y, N, K, precise_tokens);
     int5_q8_passes(tiles, scale, zero, x, y, N, K, precise_tokens, tokens, N);
 }
-#endif
