@@ -248,14 +248,3 @@ static void affine_q8_passes(const uint8_t *tiles, const void *scale, const uint
     free(a);
     free(sums);
 }
-
-static void q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
-                      int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
-    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 4);
-}
-
-/* `q8_passes` for 5-bit tiles. */
-static void int5_q8_passes(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                           float *y, int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy) {
-    affine_q8_passes(tiles, scale, zero, x, y, N, K, first, tokens, ldy, 5);
-}

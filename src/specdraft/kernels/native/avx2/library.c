@@ -3,7 +3,7 @@
  *
  *   tiles.h        4-bit, 5-bit and Q6_K tiles times bf16 activations on an int16 grid: int4_matmul, int5_matmul,
  *                  q6k_matmul
- *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`, `int5_q8_passes`; the entry points in
+ *   int8_tiles.h   the same tiles times int8 activations (its `affine_q8_passes`; the entry points in
  *                  ../shared/int8_entries.h): int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)

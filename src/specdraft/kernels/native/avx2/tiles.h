@@ -266,16 +266,6 @@ static void affine_chunk(const uint8_t *tiles, const uint16_t *scale, const uint
     release_activations(act);
 }
 
-static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
-    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 4);
-}
-
-static void int5_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
-    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 5);
-}
-
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T in passes of up to MAX_TOKENS tokens. */
 static void affine_passes(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
                           float *y, int64_t N, int64_t K, int64_t tokens, int bits) {

@@ -3,7 +3,7 @@
  *
  *   tiles.h        4-bit, 5-bit and Q6_K tiles times bf16 activations: int4_matmul, int5_matmul, q6k_matmul
  *                  (int16 or, with -DTILE_DOTS_BF16, bf16 dot products: `tile_dots.py`)
- *   int8_tiles.h   the same tiles times int8 activations (its `q8_passes`, `int5_q8_passes`; the entry points in
+ *   int8_tiles.h   the same tiles times int8 activations (its `affine_q8_passes`; the entry points in
  *                  ../shared/int8_entries.h), on VNNI: int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
  *   amx_tiles.h    (WITH_AMX) the same tiles on AMX: amx_tiles_init, int4_amx_matmul, int5_amx_matmul,
  *                  q6k_amx_matmul

@@ -313,16 +313,6 @@ static void affine_chunk(const uint8_t *tiles, const uint16_t *scale, const uint
     release_activations(act);
 }
 
-static void int4_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
-    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 4);
-}
-
-static void int5_chunk(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
-                       float *y, int64_t N, int64_t K, int tokens, int64_t ldy) {
-    affine_chunk(tiles, scale, zero, x, y, N, K, tokens, ldy, 5);
-}
-
 /* One pass of a 4- or 5-bit kernel (`affine_chunk`, `affine_amx_chunk`): `tokens` rows of x, y rows `ldy` apart. */
 typedef void (*AffineChunk)(const uint8_t *tiles, const uint16_t *scale, const uint16_t *zero, const uint16_t *x,
                             float *y, int64_t N, int64_t K, int tokens, int64_t ldy, int bits);

@@ -6,13 +6,13 @@
  * (`rms_norm_gain_bf16`, float32 gains 1 + w). On the way the stack copies out the rows entering the layers a caller
  * names (`keep_features`: an EAGLE-3 head's low, middle and high layers), so such a drafter keeps the fused path.
  *
- * The including file provides, for its instruction set: the tile kernels `int4_chunk`, `int5_chunk` and `q6_chunk` (and
+ * The including file provides, for its instruction set: the tile kernels `affine_chunk` (4- or 5-bit) and `q6_chunk` (and
  * MAX_TOKENS, the tokens they take a call), `rms_norm_bf16`, `rms_norm_gain_bf16`, `rotary_bf16`, `attend_heads`
  * (and through its attention file `shared/attention_items.h`: which query heads a work item takes together),
  * `silu_mul_bf16`, `act_mul_bf16` (an activation read from a table, times up), `add_bias` (y += bias, float32),
  * `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))), `add_residual_bf16`
- * (hidden = bf16(hidden + src), src bf16), and `q8_passes` and `int5_q8_passes` (a 4-bit or Q6_K, or a 5-bit,
- * matrix times int8 activations: `avx2/int8_tiles.h`, `avx512/int8_tiles.h`).
+ * (hidden = bf16(hidden + src), src bf16), and `affine_q8_passes` (a 4- or 5-bit or Q6_K matrix times int8
+ * activations: `avx2/int8_tiles.h`, `avx512/int8_tiles.h`).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
@@ -79,7 +79,7 @@ static void add_output(uint16_t *hidden, const float *out, const void *norm, uin
     add_residual_bf16(hidden, scratch, tokens * hidden_size);
 }
 
-/* Projections of 4-bit, 5-bit and Q6_K runs on int8 activations (`q8_passes`, `int5_q8_passes`) while set: every
+/* Projections of 4-bit, 5-bit and Q6_K runs on int8 activations (`affine_q8_passes`) while set: every
  * pass of a model whose matmuls run so (`SPECDRAFT_INT8_ACTIVATIONS`), so that the fused layers compute what the PyTorch path computes.
  * Runs on the AMX kernels (kinds 2-4) keep their own way. */
 static int int8_activations = 0;
@@ -88,12 +88,9 @@ void use_int8_activations(int64_t on) { int8_activations = (int)on; }
 
 /* 1 where the run's rows y [tokens][ldy] were computed here, on int8 activations; else 0 (the tile kernels' loop). */
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
-    if (int8_activations && run->kind == 5) {
-        int5_q8_passes(run->tiles, (const uint16_t *)run->scale, run->zero, x, y, run->rows, in, 0, tokens, ldy);
-        return 1;
-    }
-    if (!int8_activations || run->kind > 1) return 0;
-    q8_passes(run->tiles, run->scale, run->kind == 0 ? run->zero : NULL, x, y, run->rows, in, 0, tokens, ldy);
+    if (!int8_activations || (run->kind > 1 && run->kind != 5)) return 0;
+    affine_q8_passes(run->tiles, run->scale, run->kind == 1 ? NULL : run->zero, x, y, run->rows, in, 0, tokens, ldy,
+                     run->kind == 5 ? 5 : 4);
     return 1;
 }
 
@@ -129,12 +126,11 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
         for (int64_t t0 = 0; t0 < tokens; t0 += width) {
             const int chunk = (int)(tokens - t0 < width ? tokens - t0 : width);
             float *dest = y + t0 * out + column;
-            if (run->kind == 0)
-                int4_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
+            if (run->kind == 0 || run->kind == 5)
+                affine_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk,
+                             out, run->kind == 5 ? 5 : 4);
             else if (run->kind == 1)
                 q6_chunk(run->tiles, (const float *)run->scale, x + t0 * in, dest, run->rows, in, chunk, out);
-            else if (run->kind == 5)
-                int5_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in, chunk, out);
 #ifdef WITH_AMX
             else if (run->kind == 2 || run->kind == 4)
                 affine_amx_chunk(run->tiles, (const uint16_t *)run->scale, run->zero, x + t0 * in, dest, run->rows, in,
