@@ -7,9 +7,9 @@
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
   tile kernels where they build and run; elsewhere they are unpacked.
 - Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
-  the tile kernel has them (AMX, AVX-512); elsewhere (AVX2) they, and Q8_0 linears everywhere, split each code into its top bits and
-  low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the 4-bit ones, on
-  the same kernels.
+  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears (and 5-bit ones on PyTorch's kernel) split each code into its
+  top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
+  4-bit ones, on the same kernels.
 - Other linears (F16, BF16, F32, Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).

@@ -203,8 +203,8 @@ static inline __attribute__((always_inline)) void q6_rows16_q8(const uint8_t *ti
 }
 
 /* y [tokens, N] float32 (rows `ldy` apart) for tokens first .. tokens - 1, W as 4-bit tiles (`zero` given; 5-bit where
- * `bits` is 5) or Q6_K tiles (`zero` NULL, `scale` its d). The tokens are taken in spans whose int8 activations fit in L2 (Q8_SPAN_BYTES);
- * in a span each block of 16 rows meets Q8_BLOCK tokens at a time (a last 5 to Q8_WIDEST at once) while its codes
+ * `bits` is 5) or Q6_K tiles (`zero` NULL, `scale` its d). The tokens are taken in spans whose int8 activations fit in
+ * L2 (Q8_SPAN_BYTES); in a span each block of 16 rows meets Q8_BLOCK tokens at a time (a last 5 to Q8_WIDEST at once) while its codes
  * stay in L1/L2. */
 static void affine_q8_passes(const uint8_t *tiles, const void *scale, const uint16_t *zero, const uint16_t *x, float *y,
                              int64_t N, int64_t K, int64_t first, int64_t tokens, int64_t ldy, int bits) {

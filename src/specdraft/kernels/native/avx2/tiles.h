@@ -1,8 +1,8 @@
-/* AVX2 kernels for weights kept in 4-bit and 6-bit tiles: y = x W^T without unpacking W to float,
+/* AVX2 kernels for weights kept in 4-, 5- and 6-bit tiles: y = x W^T without unpacking W to float,
  * for x86-64 CPUs without AVX-512 (AMD before Zen 4, most Intel desktops and laptops).
  *
- * 4-bit, 5-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the int8
- * kernels of `avx2/int8_tiles.h` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
+ * 4-bit, 5-bit and Q6_K tiles in the `QUADS` layout (`int4_layout.py`, `gguf_matmul.pack_q6k`: their own, which the
+ * int8 kernels of `avx2/int8_tiles.h` unpack with masks and shifts alone), and the same arithmetic as the AVX-512 kernels'
  * int16 flavour (`avx512/tiles.h`): each token's 16 inputs at a time on an
  * int16 grid x = 2^e · x̂ (max|x̂| in [2^14, 2^15)), exact integer sums Σ q·x̂, then the scales in
  * float32 in the same order:
