@@ -148,6 +148,26 @@ def test_a_batch_size_where_drafting_gave_less_steps_plain_and_answers_as_alone(
     assert any(k > 0 for size, k in drafted if size == 1)  # alone, the identical draft drafts
 
 
+def test_after_the_rule_chose_plain_the_next_steps_do_not_ask(tiny_target, drafts, make_lm, monkeypatch):
+    """Planning (each sequence's policy, the goodput rule) is host work a plain batch never does: once every
+    sequence of a batch size stepped plain though asked, the next PAUSE_STEPS steps there step plain without asking,
+    and the answers are as alone."""
+    from specdraft import step
+    from specdraft.goodput import PAUSE_STEPS
+
+    target = make_lm(tiny_target)
+    expected = [alone(target, p, 30) for p in PROMPTS[:2]]
+    batch = BatchedDecoder(make_lm(tiny_target), lambda: ModelDrafter(make_lm(drafts["identical"], name="draft")),
+                           max_batch=2)
+    asked, choose_source = [], step.choose_source
+    monkeypatch.setattr(step, "choose_source", lambda *args: (asked.append(1), choose_source(*args))[1])
+    monkeypatch.setattr(BatchedDecoder, "_choose", lambda self, stepping, plans: [0] * len(plans))  # the rule: plain
+    got = batch.generate_all([BatchRequest(p, SamplingParams(temperature=0.0), 30) for p in PROMPTS[:2]])
+    assert [c.token_ids for c in got] == expected and sum(c.stats.drafted for c in got) == 0
+    steps = max(c.stats.steps for c in got)
+    assert 2 * (steps // (PAUSE_STEPS + 1)) <= len(asked) <= 2 * (steps // (PAUSE_STEPS + 1) + 2)  # both, 1 step in 5
+
+
 def test_plain_sampled_requests_draw_what_they_draw_alone(tiny_target, make_lm):
     """Each sequence samples from its own seeded generator: plain batched sampling reproduces the single runs."""
     target = make_lm(tiny_target)
@@ -417,6 +437,58 @@ def test_a_batch_on_static_caches_answers_as_alone(tiny_target, drafts, monkeypa
         assert sum(c.stats.accepted for c in got) > 0
         assert packed_static and all(packed_static)
         assert not batch._draft_caches  # every sequence left, and the packed draft cache with the last of them
+
+
+def test_a_packed_draft_cache_with_captured_passes_outlives_an_empty_batch(tiny_target, drafts, make_lm,
+                                                                            monkeypatch):
+    """A draft model's packed cache whose passes replay captured graphs (a GPU's) is kept when the batch empties, so
+    the next request drafting with those weights does not capture them again; one that captures none goes. Answers
+    stay as alone."""
+    made, init = [], PackedCache.__init__
+    monkeypatch.setattr(PackedCache, "__init__", lambda self, lm: (made.append(self), init(self, lm))[1])
+    target = make_lm(tiny_target)
+    draft = make_lm(drafts["close"], name="draft")
+    expected = [alone(target, p, b) for p, b in zip(PROMPTS[:2], BUDGETS[:2])]
+    for captures, caches in ((False, 2), (True, 1)):
+        made.clear()
+        if captures:
+            monkeypatch.setattr(CausalLM, "widest_graph", property(lambda self: 64))
+        batch = BatchedDecoder(target, lambda: ModelDrafter(CausalLM(draft.model, name="draft")), max_batch=1)
+        for prompt, budget, answer in zip(PROMPTS[:2], BUDGETS[:2], expected):  # one after the other
+            assert batch.generate_all([BatchRequest(prompt, SamplingParams(temperature=0.0), budget)])[0].token_ids == answer
+        assert len(made) == caches and len(batch._draft_caches) == int(captures)  # kept idle where it captures
+        assert all(packed.lm.cache_len == 0 for packed in batch._draft_caches.values())
+
+
+def test_a_batch_drafts_within_the_widest_captured_pass(tiny_target, make_lm, monkeypatch):
+    """On a GPU a pass wider than the widest captured graph runs eagerly, at several times its cost: a batch's
+    drafts keep every step within it (here 5 tokens for 3 sequences, whose drafters would each draft more), from
+    the first step on, and the answers are as alone."""
+    from specdraft.drafters.oracle import OracleDrafter
+
+    target = make_lm(tiny_target)
+    monkeypatch.setattr(CausalLM, "widest_graph", property(lambda self: 5))
+    greedy = SamplingParams(temperature=0.0)
+    prompts, budget = PROMPTS[:3], 16
+    answers = [alone(target, prompt, budget) for prompt in prompts]
+
+    def oracle(prompt: list[int], answer: list[int]):
+        def make():
+            drafter = OracleDrafter(alpha=1.0, seed=0)
+            drafter.record(prompt + answer)
+            return drafter
+        return make
+
+    batch = BatchedDecoder(target, None, max_batch=3)
+    widths, step = [], batch.step
+    batch.step = lambda: (events := step(), widths.append(batch.last_step and (batch.last_step.sequences,
+                                                                               batch.last_step.width)))[0]
+    got = batch.generate_all([BatchRequest(p, greedy, budget, make_drafter=oracle(p, a))
+                              for p, a in zip(prompts, answers)])
+    assert [c.token_ids for c in got] == answers
+    full = [width for size_width in widths if size_width and size_width[0] == 3 for width in size_width[1:]]
+    assert full and max(full) == 5  # drafting, and never past the widest graph
+    assert sum(c.stats.accepted for c in got) > 0
 
 
 @pytest.mark.parametrize("static,tree_budget", [(False, 0), (False, 6), (True, 0), (True, 6)])

@@ -8,7 +8,8 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specdraft.goodput import MAX_RETRY_STEPS, REALIZED_STEPS, RETRY_STEPS, RealizedGoodput, batch_rate, choose_batch_k
+from specdraft.goodput import (MAX_RETRY_STEPS, PAUSE_STEPS, REALIZED_STEPS, RETRY_STEPS,
+                               RealizedGoodput, batch_rate, choose_batch_k)
 from specdraft.policy import AutoK
 
 
@@ -40,9 +41,14 @@ def test_the_choice_is_the_best_of_every_combination(data):
     def verify_seconds(width: int) -> float:  # any non-decreasing pass cost
         return base + sum(steps[: width - 1])
 
+    max_width = data.draw(st.none() | st.integers(batch, batch * (max_k + 1)))  # a GPU's widest captured pass
+
     beside = [per_token(c, curve) for c, curve in zip(draft_costs, curves)]
-    chosen = choose_batch_k(curves, beside, verify_seconds)
-    best = max(batch_rate(ks, curves, beside, verify_seconds) for ks in itertools.product(range(max_k + 1), repeat=batch))
+    chosen = choose_batch_k(curves, beside, verify_seconds, max_width=max_width)
+    allowed = [ks for ks in itertools.product(range(max_k + 1), repeat=batch)
+               if max_width is None or sum(k + 1 for k in ks) <= max_width]
+    best = max(batch_rate(ks, curves, beside, verify_seconds) for ks in allowed)
+    assert max_width is None or sum(k + 1 for k in chosen) <= max_width
     assert batch_rate(chosen, curves, beside, verify_seconds) == pytest.approx(best, rel=1e-9)
 
 
@@ -100,6 +106,19 @@ def test_where_a_pass_costs_nearly_the_same_for_any_width_every_good_sequence_dr
     assert all(k >= 6 for k in ks[:12]) and all(k <= 1 for k in ks[12:])
 
 
+def test_a_batch_on_a_gpu_stays_within_its_widest_captured_pass():
+    """Flat passes up to 64 tokens, an estimate that knows nothing of the eager pass beyond: the widest-graph bound
+    keeps 16 good sequences to 64 tokens in all (3 draft tokens each), where unbounded they would draft more."""
+    def gpu_pass(width: int) -> float:
+        return 0.002 + 0.00001 * width
+
+    curves = [chain_curve([0.8] * 8)] * 16
+    beside = [per_token(0.0, curve) for curve in curves]
+    assert sum(k + 1 for k in choose_batch_k(curves, beside, gpu_pass)) > 64  # unbounded: past the widest graph
+    assert choose_batch_k(curves, beside, gpu_pass, max_width=64) == [3] * 16
+    assert choose_batch_k(curves, beside, gpu_pass, max_width=16) == [0] * 16  # no room: plain
+
+
 def test_a_batch_with_nothing_to_gain_steps_plain_and_sizes_must_match():
     assert choose_batch_k([], [], cpu_pass) == []
     assert choose_batch_k([[1.0]] * 3, [[0.0]] * 3, cpu_pass) == [0, 0, 0]  # no drafter: nothing to choose
@@ -154,3 +173,24 @@ def test_each_try_that_loses_doubles_the_wait_and_a_try_that_pays_resets_it():
         realized.record(4, True, 1, 0.10)  # and then drafting loses again
     assert not realized.drafting_pays(4)
     assert _plain_steps_until_a_try(realized, 4) == RETRY_STEPS  # the wait starts over
+
+
+def _paused_steps(realized: RealizedGoodput, size: int) -> int:
+    """Plain steps a batch size takes before it may ask again."""
+    steps = 0
+    while not realized.allows_drafting(size):
+        realized.record(size, False, size, 0.01)
+        steps += 1
+    return steps
+
+
+def test_a_decline_pauses_the_asking_at_its_batch_size():
+    realized = RealizedGoodput()
+    assert realized.allows_drafting(4)
+    for _ in range(3):
+        realized.declined(4)
+        assert not realized.allows_drafting(4) and realized.allows_drafting(2) and realized.allows_drafting(8)
+        assert _paused_steps(realized, 4) == PAUSE_STEPS
+    realized.declined(4)
+    realized.record(4, True, 8, 0.01)  # a step that drafted (a fixed k) leaves the pause as it was
+    assert _paused_steps(realized, 4) == PAUSE_STEPS

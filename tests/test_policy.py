@@ -95,7 +95,7 @@ def test_a_pass_timed_once_at_a_slow_moment_does_not_keep_drafting_out():
     anew, and an estimate that rests on one timing takes the next at half weight."""
     policy = AutoK(max_k=3)
     assert policy.choose(3) == 3  # nothing timed: the first draft
-    policy.observe(3, 3, draft_seconds=0.066, verify_seconds=0.0425)
+    policy.observe(3, 3, draft_seconds=0.066, verify_seconds=0.0425, unread=16)  # a draft model's first read too
     assert policy.choose(3) >= 1
     policy.observe(1, 0, draft_seconds=0.0089, verify_seconds=0.0277)  # the slow moment
     choices = []
@@ -262,7 +262,7 @@ def test_draft_cost_ignores_the_catch_up_after_plain_steps():
     policy = calibrated([100] * 7, 10, alpha=0.9)
     policy.last_source = DEFAULT_SOURCE
     policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.1)  # a plain step
-    policy.observe(2, 2, draft_seconds=2.0, verify_seconds=0.1)  # the draft re-read what it missed
+    policy.observe(2, 2, draft_seconds=2.0, verify_seconds=0.1, unread=199)  # the draft re-read what it missed
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)
 
 
@@ -272,11 +272,27 @@ def test_a_requests_first_draft_does_not_set_the_draft_cost():
     policy = AutoK(max_k=4)
     policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.03)  # a plain step: costs are known
     policy.begin_request()
-    policy.observe(3, 3, draft_seconds=1.5, verify_seconds=0.04)  # prompt read + 3 tokens
+    policy.observe(3, 3, draft_seconds=1.5, verify_seconds=0.04, unread=300)  # prompt read + 3 tokens
     assert policy.estimates().draft_seconds_per_token is None
     assert policy.choose(8) > 0  # guessed at a third of a target step a token, with a fair prior: worth a draft
-    policy.observe(3, 3, draft_seconds=0.03, verify_seconds=0.04)  # caught up: timed
+    policy.observe(3, 3, draft_seconds=0.03, verify_seconds=0.04, unread=1)  # caught up: timed
     assert policy.estimates().draft_seconds_per_token == pytest.approx(0.01)
+
+
+def test_a_source_that_reads_nothing_is_timed_from_its_first_draft_though_the_pass_captured_a_graph():
+    """Prompt lookup or the oracle read nothing before drafting, so their first draft is a draft's cost; a step
+    whose target pass captured a CUDA graph (`timed=False`) still times its drafts. Before, a GPU batch's first
+    drafting step captured a graph, its drafts went untimed, and the rule priced them by the guess (a third of a
+    target step a token) for good: with the oracle at α 0.8, 4 to 16 requests never drafted."""
+    policy = AutoK(max_k=4)
+    policy.observe(0, 0, draft_seconds=0.0, verify_seconds=0.03)
+    policy.begin_request()
+    policy.observe(3, 3, draft_seconds=0.0003, verify_seconds=0.5, timed=False, drafts_timed=True)
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.0001)
+    assert policy.verify_seconds[4] is None  # the pass that captured is not learnt
+    policy.begin_request()
+    policy.observe(3, 3, draft_seconds=0.0009, verify_seconds=0.04, timed=False, drafts_timed=False)
+    assert policy.estimates().draft_seconds_per_token == pytest.approx(0.0001)  # neither is learnt
 
 
 def test_a_draft_models_catch_up_is_shared_over_the_steps_left():

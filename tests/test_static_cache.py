@@ -140,41 +140,62 @@ def test_what_cannot_run_on_a_static_cache_is_named(model, monkeypatch):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_a_step_that_captured_a_graph_teaches_the_policy_none_of_its_times(tiny_target, drafts, monkeypatch, batched):
+def test_a_part_of_a_step_that_captured_a_graph_teaches_the_policy_none_of_its_times(tiny_target, drafts, monkeypatch,
+                                                                                   batched):
     """A CUDA graph's capture (a width's first pass after the cache grew, a batch's cache made as requests came)
     takes far longer than the pass: timed as one, it priced that width out of the policy's choices (seen on an H200,
-    where a batch stopped drafting). Here every target pass "captures" one: nothing is learnt of pass or draft times,
-    and answers stay the same; without the captures the same runs learn them."""
+    where a batch stopped drafting). Here every target pass, or every draft pass, "captures" one: nothing is learnt of
+    that part's times, the other part's are, and answers stay the same; without the captures the same runs learn
+    both. (Before, a capture anywhere kept the whole step untimed, and a GPU batch whose first drafting step captured
+    never timed its oracle's drafts.)"""
     from specdraft.batch_engine import BatchedDecoder, BatchRequest
     from specdraft.models import graph_decoder
     from specdraft.sampling import SamplingParams
 
-    def learnt(capturing: bool):
-        target = CausalLM(tiny_target)
-        if capturing:
-            forward = target.forward
+    def capturing(lm: CausalLM) -> CausalLM:
+        forward = lm.forward
 
-            def capturing_forward(*args, **kwargs):
-                graph_decoder._captured += 1
-                return forward(*args, **kwargs)
-            monkeypatch.setattr(target, "forward", capturing_forward)
-        make = lambda: ModelDrafter(CausalLM(drafts["identical"]))  # noqa: E731
+        def capturing_forward(*args, **kwargs):
+            graph_decoder._captured += 1
+            return forward(*args, **kwargs)
+        monkeypatch.setattr(lm, "forward", capturing_forward)
+        return lm
+
+    def learnt(captures: str | None):
+        target = CausalLM(tiny_target)
+        if captures == "target":
+            capturing(target)
+
+        def make():
+            draft = CausalLM(drafts["identical"])
+            return ModelDrafter(capturing(draft) if captures == "draft" else draft)
         if batched:
+            if captures == "draft":  # a batch runs its drafts' passes on its packed draft cache
+                from specdraft.models.packed_cache import PackedCache
+
+                run = PackedCache.run
+                monkeypatch.setattr(PackedCache, "run", lambda self, *args, **kwargs: (
+                    setattr(graph_decoder, "_captured", graph_decoder._captured + 1), run(self, *args, **kwargs))[1])
             batch = BatchedDecoder(target, make, max_batch=2)
             done = batch.generate_all([BatchRequest([5, 17, 42, 8], SamplingParams(temperature=0.0), 40),
                                        BatchRequest([7, 7, 1], SamplingParams(temperature=0.0), 40)])
-            costs, realized = batch.costs, len(batch.realized._sizes)  # batch sizes with realized rates
+            costs = batch.costs
+            realized = sum(sum(rates.steps) for rates in batch.realized._sizes.values())  # steps with their rates
             tokens = [c.token_ids for c in done]
         else:
             decoder = SpeculativeDecoder(target, make(), k="auto")
             tokens = [decoder.generate([5, 17, 42, 8], max_new_tokens=40).token_ids]
             costs, realized = decoder.policy.costs, 0
-        drafts_timed = [t for c in costs.sources.values() for t in (c.draft_seconds_per_token, c.read_seconds_per_token)]
-        return tokens, [s for s in costs.verify_seconds if s is not None], drafts_timed, realized
+        draft_times = [t for c in costs.sources.values() for t in (c.draft_seconds_per_token, c.read_seconds_per_token)]
+        return tokens, [s for s in costs.verify_seconds if s is not None], draft_times, realized
 
-    tokens, passes, drafted, realized = learnt(capturing=True)
-    assert not passes and all(d is None for d in drafted) and realized == 0
-    plain_tokens, plain_passes, plain_drafted, plain_realized = learnt(capturing=False)
-    assert tokens == plain_tokens and plain_passes
+    plain_tokens, plain_passes, plain_drafted, plain_realized = learnt(captures=None)
+    assert plain_passes
     # a batch's choice to draft rests on wall-clock rates, so only the single request surely drafts caught up
     assert (plain_realized > 0) if batched else any(d is not None for d in plain_drafted)
+    tokens, passes, drafted, realized = learnt(captures="target")
+    assert tokens == plain_tokens and not passes and realized == 0
+    assert batched or any(d is not None for d in drafted)  # its drafts captured nothing: timed
+    tokens, passes, drafted, realized = learnt(captures="draft")
+    assert tokens == plain_tokens and all(d is None for d in drafted)
+    assert passes  # its passes captured nothing: timed

@@ -42,7 +42,9 @@ policy first picks its source and k as if it ran alone (`step.choose_source`: pr
 goodput rule sets the k of those it chose to draft for the batch as a whole, so a batch of one steps as a single
 request does. At two sequences and more, a batch size where the steps that drafted have given fewer committed
 tokens per second than plain steps steps plain for a while (`goodput.RealizedGoodput`: the costs the rule does
-not model, such as a draft's reads stalling every sequence, show there).
+not model, such as a draft's reads stalling every sequence, show there); where the policies and the rule chose plain
+for every sequence, the next few steps of that size step plain without asking (`RealizedGoodput.declined`:
+planning is host work plain batching never does).
 
 Draft models are batched too: the sequences drafting with the same weights share one packed draft cache
 (`models.packed_cache`: each drafter's model becomes a view of it as its sequence joins), and the drafters' model
@@ -129,6 +131,18 @@ def megabytes(size: int) -> str:
 
 
 DEFAULT_DRAFTER = "default"  # a request's drafter: the decoder's `make_drafter`
+
+
+def _within(ks: list[int], free: list[bool], widest: int | None) -> list[int]:
+    """`ks` with the largest of the `free` ones lowered a token at a time until the pass, Σ (k + 1), fits in `widest`
+    tokens (None: as they are)."""
+    ks = list(ks)
+    while widest is not None and sum(k + 1 for k in ks) > widest:
+        lowered = [i for i, k in enumerate(ks) if free[i] and k > 0]
+        if not lowered:
+            break
+        ks[max(lowered, key=ks.__getitem__)] -= 1
+    return ks
 
 
 @dataclass
@@ -253,20 +267,26 @@ class BatchedDecoder:
             lm = part.model
             if not isinstance(lm, CausalLM):
                 continue
-            packed = self._draft_caches.get(id(lm.model))
+            packed = self._draft_caches.pop(id(lm.model), None)
             if packed is None:  # on the cache the device wants (a GPU's static one, with its captured passes)
                 packed = PackedCache(CausalLM(lm.model, lm.tokenizer, name=lm.name, warm=False))
-                self._draft_caches[id(lm.model)] = packed
+            self._draft_caches[id(lm.model)] = packed  # the last used last
             part.model = packed.view(ident)
 
     def _release_drafts(self, *idents: int) -> None:
         """These sequences are gone: their draft rows leave the packed caches, and a cache no sequence uses goes (a
-        drafter whose weights are its own, e.g. an early-exit view made per sequence, leaves none behind)."""
+        drafter whose weights are its own, e.g. an early-exit view made per sequence, leaves none behind), but the
+        last used one whose passes replay captured CUDA graphs: the next request drafting with those weights would
+        capture them all again (about a second of a GPU request's time). It holds its weights, so their id names no
+        other module while it is kept."""
         for packed in self._draft_caches.values():
             for ident in idents:
                 packed.release(ident)
             packed.compact()
-        self._draft_caches = {key: packed for key, packed in self._draft_caches.items() if packed.owners}
+        idle = [key for key, packed in self._draft_caches.items() if not packed.owners]
+        kept = idle[-1:] if idle and self._draft_caches[idle[-1]].lm.widest_graph is not None else []
+        self._draft_caches = {key: packed for key, packed in self._draft_caches.items()
+                              if packed.owners or key in kept}
 
     def kv_need(self, prompt_tokens: int, max_new_tokens: int, drafter: Drafter | None = None) -> int:
         """Bytes of cache a sequence may fill: prompt + max_new_tokens rows of the target's KV cache and of its
@@ -436,10 +456,10 @@ class BatchedDecoder:
         The cap: the alone choice already weighed each token against the pass it widens, and beside other blocks
         a token costs no less where passes are bound by compute, while the estimate of a width not yet timed is
         optimistic (measured: a sequence whose policy chose 1 drafted 6 into a 9-token pass that cost 2.9x a
-        3-token one)."""
-        ks = [plan.k for plan in plans]
-        if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft
-            return ks
+        3-token one). On a GPU the step's pass stays within the widest captured graph (`CausalLM.widest_graph`)."""
+        ks, widest = [plan.k for plan in plans], self.target.widest_graph
+        if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft, within the widest graph
+            return _within(ks, [seq.fixed is None for seq in stepping], widest)
         joint = [i for i, (seq, plan) in enumerate(zip(stepping, plans))
                  if plan.k > 0 and seq.fixed is None and not seq.policy.estimates(plan.source).probing]
         if not joint:
@@ -451,7 +471,8 @@ class BatchedDecoder:
             left = policy.expected_left(len(run.generated), run.max_new_tokens - len(run.generated))
             curves.append(policy.expected_token_curve(plan.k, plan.source))
             beside.append(policy.draft_cost_curve(plan.k, plan.source, plan.unread, left, curves[-1]))
-        chosen = choose_batch_k(curves, beside, lambda width: self.costs.verify_estimate(width + extra), margin=MARGIN)
+        chosen = choose_batch_k(curves, beside, lambda width: self.costs.verify_estimate(width + extra), margin=MARGIN,
+                                max_width=None if widest is None else widest - extra)
         for i, k in zip(joint, chosen):
             ks[i] = k
         return ks
@@ -486,6 +507,9 @@ class BatchedDecoder:
         self._leave([seq for seq in stepping if seq.ident in ending and seq.ident not in faults])
         self._remove(faults)
         events = [(ident, event) for ident, event in forced + done.events if ident not in faults]
+        asked = not gated and len(stepping) > 1 and done.width and not done.drafted
+        if asked and any(seq.drafter is not None and seq.fixed is None for seq in stepping if seq.ident not in faults):
+            self.realized.declined(len(stepping))  # the auto sequences chose plain: the next steps do not ask
         if done.width:
             self.last_step = BatchStep(len(stepping), done.drafted, sum(len(event.token_ids) for _, event in events),
                                        time.perf_counter() - t0, done.width, done.pass_seconds if done.timed else None)

@@ -32,6 +32,12 @@ least REALIZED_STEPS steps), the batch steps plain at that size and tries drafti
 A try that loses again doubles the wait there, up to MAX_RETRY_STEPS (a try is dear where it loses: a draft model
 must first read every token it missed, for every sequence at once; measured, steps of 8 sequences that drafted gave
 126 tokens/s against 172 for plain steps); a try that pays sets it back to RETRY_STEPS.
+
+Asking costs too: each sequence's policy plans its step and the rule weighs the batch, host work a plain step of
+plain batching never does (a 16-sequence step on a CPU's tiny test model: about 1.4 ms of about 7). Where the
+policies and the rule chose plain for every sequence at a batch size (`RealizedGoodput.declined`), the next
+PAUSE_STEPS steps there step plain without asking: where drafting does not pay, a batch asks at one step in
+PAUSE_STEPS + 1, and where it starts to pay, it drafts at most PAUSE_STEPS steps later.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ REALIZED_DECAY = 0.95  # the weight of each older step at a batch size in its re
 REALIZED_STEPS = 8  # steps of each kind at a batch size before its realized rates may stop drafting there
 RETRY_STEPS = 32  # once drafting lost at a batch size, plain steps there before it may draft again
 MAX_RETRY_STEPS = 256  # the longest wait, after tries that lost in a row (each doubles it)
+PAUSE_STEPS = 4  # plain steps a batch size takes without asking after its policies and rule chose plain there
 
 
 def batch_rate(ks: Sequence[int], curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
@@ -61,9 +68,10 @@ def _gain(lam: float, curve: Sequence[float], cost: Sequence[float], k: int) -> 
 
 
 def _best_for(lam: float, curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
-              verify_seconds: Callable[[int], float]) -> list[int]:
+              verify_seconds: Callable[[int], float], max_width: int | None = None) -> list[int]:
     """argmax over k of Σ E_i(k_i) − λ·(V(B + S) + Σ C_i(k_i)): for each total S, the S tokens go greedily to the
-    largest marginal gains E_i(k+1) − E_i(k) − λ·(C_i(k+1) − C_i(k)) (non-increasing in k: exact); then the best S."""
+    largest marginal gains E_i(k+1) − E_i(k) − λ·(C_i(k+1) − C_i(k)) (non-increasing in k: exact); then the best S,
+    with B + S at most `max_width` where given."""
     batch = len(curves)
     ks = [0] * batch
     heap = [(-_gain(lam, curve, cost, 0), i) for i, (curve, cost) in enumerate(zip(curves, beside)) if len(curve) > 1]
@@ -71,7 +79,7 @@ def _best_for(lam: float, curves: Sequence[Sequence[float]], beside: Sequence[Se
     gained = sum(curve[0] for curve in curves)
     best_value, best_ks = gained - lam * verify_seconds(batch), list(ks)
     total = 0
-    while heap:
+    while heap and (max_width is None or batch + total < max_width):
         negative_gain, i = heapq.heappop(heap)
         ks[i] += 1
         total += 1
@@ -86,13 +94,16 @@ def _best_for(lam: float, curves: Sequence[Sequence[float]], beside: Sequence[Se
 
 
 def choose_batch_k(curves: Sequence[Sequence[float]], beside: Sequence[Sequence[float]],
-                   verify_seconds: Callable[[int], float], margin: float = 1.0) -> list[int]:
+                   verify_seconds: Callable[[int], float], margin: float = 1.0,
+                   max_width: int | None = None) -> list[int]:
     """The draft length of each sequence that maximises the batch's committed tokens per second (module doc).
 
     curves[i][k]: expected tokens sequence i commits drafting k (curves[i][0] = 1; its length bounds k);
     beside[i][k]: seconds sequence i's drafting of k tokens costs beside the pass (beside[i][0] = 0, as long as
     curves[i]); verify_seconds(W): a target pass over W tokens. Speculation must beat the plain step (every k = 0)
-    by `margin`, else every sequence steps plain."""
+    by `margin`, else every sequence steps plain. `max_width`: the widest pass W = Σ (k_i + 1) allowed (a GPU's
+    widest captured pass: a wider one runs eagerly, at several times its cost, and the estimate of a width not yet
+    timed would not know it)."""
     if len(curves) != len(beside) or any(len(c) != len(b) for c, b in zip(curves, beside)):
         raise ValueError("one cost curve per sequence, as long as its token curve")
     plain = [0] * len(curves)
@@ -102,7 +113,7 @@ def choose_batch_k(curves: Sequence[Sequence[float]], beside: Sequence[Sequence[
     best_rate = batch_rate(best, curves, beside, verify_seconds)
     lam = best_rate
     for _ in range(DINKELBACH_ROUNDS):
-        ks = _best_for(lam, curves, beside, verify_seconds)
+        ks = _best_for(lam, curves, beside, verify_seconds, max_width)
         rate = batch_rate(ks, curves, beside, verify_seconds)
         if rate <= best_rate * (1 + 1e-12):
             break
@@ -121,6 +132,7 @@ class _Rates:
     steps: list[int]
     waited: int = 0  # plain steps since drafting was last judged to lose here
     retry_after: int = RETRY_STEPS  # plain steps to wait before the next try: doubled by each try that loses
+    paused: int = 0  # plain steps left before the policies and the rule are asked again
 
     def rate(self, drafting: bool) -> float:
         return self.tokens[drafting] / self.seconds[drafting] if self.seconds[drafting] > 0 else 0.0
@@ -142,6 +154,8 @@ class RealizedGoodput:
         rates.tokens[drafting] += tokens
         rates.seconds[drafting] += seconds
         rates.steps[drafting] += 1
+        if not drafting and rates.paused:
+            rates.paused -= 1
         pays = self.drafting_pays(size)
         if drafting:
             rates.waited = 0
@@ -160,10 +174,18 @@ class RealizedGoodput:
             return True
         return rates.rate(True) >= rates.rate(False)
 
+    def declined(self, size: int) -> None:
+        """A step of `size` sequences, asked, chose plain: the next steps there step plain without asking (module
+        doc)."""
+        self._sizes.setdefault(size, _Rates([0.0, 0.0], [0.0, 0.0], [0, 0])).paused = PAUSE_STEPS
+
     def allows_drafting(self, size: int) -> bool:
-        """Whether a step of `size` sequences may draft: drafting pays there, or it lost and has waited its plain
-        steps (RETRY_STEPS, doubled by each try that lost since; then one try measures it again)."""
+        """Whether a step of `size` sequences may draft: not within a pause after a decline, and drafting pays
+        there, or it lost and has waited its plain steps (RETRY_STEPS, doubled by each try that lost since; then
+        one try measures it again)."""
+        rates = self._sizes.get(size)
+        if rates is not None and rates.paused:
+            return False
         if self.drafting_pays(size):
             return True
-        rates = self._sizes[size]
         return rates.waited >= rates.retry_after

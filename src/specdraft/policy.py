@@ -97,7 +97,7 @@ class FixedK:
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
                 source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
-                scores: list[float] | None = None, timed: bool = True) -> None:
+                scores: list[float] | None = None, timed: bool = True, drafts_timed: bool | None = None) -> None:
         """A fixed k learns nothing."""
 
     def trim(self, scores: list[float], source: str = DEFAULT_SOURCE, keep: int = 1) -> int:
@@ -386,12 +386,12 @@ class AutoK:
 
     def observe(self, k: int, accepted: int, draft_seconds: float, verify_seconds: float | None,
                 source: str | None = DEFAULT_SOURCE, path: list[int] | None = None, unread: int = 0,
-                scores: list[float] | None = None, timed: bool = True) -> None:
+                scores: list[float] | None = None, timed: bool = True, drafts_timed: bool | None = None) -> None:
         """Learn from one step: `k` tokens drafted by `source` after reading `unread` committed tokens,
         `accepted` of them kept (a tree: the nodes at `path`), the drafter's `scores` for them where it
         gave any, and what it cost (`verify_seconds` None: whoever ran the pass timed it, as a batch does;
-        `timed=False`: the step paid for something no later step pays, a captured CUDA graph, so its times are
-        not learnt).
+        `timed=False`: the pass paid for something no later step pays, a captured CUDA graph, so its time is
+        not learnt; `drafts_timed` the same of the drafts, None: as `timed`).
 
         `source=None` is a step where no drafter had anything to propose: only its pass is timed."""
         costs = self.costs
@@ -408,11 +408,13 @@ class AutoK:
             if probed:
                 self._after_probe(est, source, earned=False)
             return
-        if timed and caught_up:
+        drafts_timed = timed if drafts_timed is None else drafts_timed
+        if drafts_timed and (caught_up or unread == 0):
             # After other steps (and on a request's first draft) a draft model's first pass also reads the tokens
-            # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed.
+            # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed;
+            # a source that reads nothing first (prompt lookup, the oracle) is timed from its first draft on.
             costs.time_draft(source, draft_seconds if self.tree else draft_seconds / k)
-        elif timed and unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest: reading
+        elif drafts_timed and unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest: reading
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
             costs.time_read(source, max(0.0, draft_seconds - drafting) / unread)
         est.hits = [h * self.decay for h in est.hits]

@@ -147,6 +147,15 @@ class Decision:
     accepted: list[int]
 
 
+@dataclass(frozen=True)
+class Timed:
+    """Which parts of a step ran without capturing a CUDA graph (a cost no later step pays), so their times are
+    learnt: the drafts, and the target's pass."""
+
+    drafts: bool = True
+    scoring: bool = True
+
+
 @dataclass
 class Stepped:
     """What `take_step` did: each sequence's event; the pass's width (0: none ran) and seconds, whether they were
@@ -423,10 +432,10 @@ def commit(target: CausalLM, stepping: list[Seq], drafts: list[Draft], decisions
 
 def emit(target: CausalLM, stepping: list[Seq], drafts: list[Draft], plans: list[Plan],
          decisions: list[Decision | None], scored: Scored, draft_seconds: list[float], verify_seconds: float,
-         pass_timed: bool, timed: bool, faults: Faults) -> list[tuple[int, StepEvent]]:
+         pass_timed: bool, timed: Timed, faults: Faults) -> list[tuple[int, StepEvent]]:
     """6. Each verified sequence's event (`RunState.emit`: cut at EOS, a stop string or the budget), with its
     log-probabilities from the rows that decided its tokens; its policy and statistics learn from the step (its
-    policy times the pass too unless `pass_timed`: the driver did)."""
+    policy times the pass too unless `pass_timed`: the driver did; `timed`: the parts whose times are learnt)."""
     events = []
     for i, (seq, draft, plan, decision) in enumerate(zip(stepping, drafts, plans, decisions)):
         if decision is None or seq.ident in faults:
@@ -435,7 +444,8 @@ def emit(target: CausalLM, stepping: list[Seq], drafts: list[Draft], plans: list
         with faults.own(seq):
             if seq.drafter is not None:
                 seq.policy.observe(k, decision.num_accepted, draft_seconds[i], None if pass_timed else verify_seconds,
-                                   plan.source, path, plan.unread, draft.scores, timed=timed)
+                                   plan.source, path, plan.unread, draft.scores, timed=timed.scoring,
+                                   drafts_timed=timed.drafts)
             event = run.emit(k, decision.accepted, decision.next_token, decision.bonus, target.eos_token_ids,
                              target.max_context)
             run.stats.record_step(k, event.accepted, plan.source if k else None, path, draft.height,
@@ -454,6 +464,7 @@ def take_step(target: CausalLM, stepping: list[Seq], rules: Rules, faults: Fault
     """plan -> propose -> score -> verify -> commit -> emit for the sequences `stepping` (module doc). `row_owner`:
     the packed cache's owners, kept in step with it (None: the cache is the one sequence's). What serves them all
     (the target pass, the cache's keep) raises."""
+    sync_device(target.device)  # work queued before the step (a batch's prompt read) is not the drafts' time
     t0, captures = time.perf_counter(), graphs_captured()
     contexts, plans, plan = [], [], rules.plan or plan_alone
     for seq in stepping:  # 1. plan: each as if alone, then the driver's rule
@@ -469,15 +480,17 @@ def take_step(target: CausalLM, stepping: list[Seq], rules: Rules, faults: Fault
         return Stepped([])
     stepping, plans, drafts, seconds = ([column[i] for i in well] for column in (stepping, plans, drafts, seconds))
     sync_device(target.device)
-    t1 = time.perf_counter()
+    t1, drafted = time.perf_counter(), graphs_captured()
     scored = score(target, stepping, drafts, row_owner)  # 3. score
     decisions = verify_all(stepping, drafts, scored, faults)  # 4. verify
     t2 = time.perf_counter()
     commit(target, stepping, drafts, decisions, scored, faults, row_owner)  # 5. commit
-    timed = graphs_captured() == captures
-    if rules.costs is not None and timed:
+    # what captured a CUDA graph is not timed: the drafts and the pass apart (a first pass of a width must not keep
+    # the drafts' cost from being learnt, or a batch would price drafting by its guess for good)
+    timed = Timed(drafts=drafted == captures, scoring=graphs_captured() == drafted)
+    if rules.costs is not None and timed.scoring:
         rules.costs.time_pass(scored.width, t2 - t1)
     shared = (t1 - t0 - sum(seconds)) / len(stepping)  # planning, and waiting for queued draft passes
     events = emit(target, stepping, drafts, plans, decisions, scored, [s + shared for s in seconds], t2 - t1,
                   rules.costs is not None, timed, faults)  # 6. emit
-    return Stepped(events, scored.width, t2 - t1, timed, sum(draft.k for draft in drafts))
+    return Stepped(events, scored.width, t2 - t1, timed.drafts and timed.scoring, sum(draft.k for draft in drafts))

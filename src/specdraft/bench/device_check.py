@@ -11,15 +11,16 @@ prints a table:
    graphs and the fused Triton kernels (one and 16 tokens also over 4,000 and 12,000 cached tokens), the same
    passes on the torch formulas (`unfused`), and one eager
    (transformers' forward, growing cache) one-token pass beside them;
-2. the draft model's one-token step and c, its cost against the target's, and the kernels of both models'
-   one-token passes (torch.profiler: device time and count per kernel);
+2. the draft model's one-token step and c, its cost against the target's, the same for each token of a drafted
+   chain of k = 1 .. 8 (`ModelDrafter.propose`, host work included), and the kernels of both models' one-token
+   passes (torch.profiler: device time and count per kernel);
 3. our `ar` next to transformers' `generate` (eager, and with `cache_implementation="static"`, which compiles
    the forward) on the same model, in the same process;
 4. `spec` with the `oracle` drafter (bench only: the target's own recorded tokens, each wrong with
    probability 1 - α) at α = 0.6 / 0.8 / 0.95, k auto: speedup over our `ar`, measured α and τ;
    continuous batching on the static cache (`batch_engine`): aggregate tokens/s of 1 .. 16 requests at once,
-   plain (the model's dtype), plain and with the oracle at α = 0.8 (float32: `batch_speed`), and how many answers
-   equal their answer alone;
+   plain (the model's dtype), plain, with the oracle at each α and with the draft model on random weights (float32:
+   `batch_speed`), how many answers equal their answer alone, and what the whole batch's steps did;
 5. exactness on tiny models on the device: greedy `spec` == `ar` (chains, k auto, trees; in a batch, each answer
    as alone), and the chi-square test of the first two sampled tokens against the target's exact distribution;
 6. structured output on the device: answers of a tiny target with a byte-level tokenizer under a regex and a JSON
@@ -59,6 +60,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import ModelDrafter, make_drafter
+from specdraft.drafters.base import DraftContext
 from specdraft.drafters.oracle import OracleDrafter
 from specdraft.engine import SpeculativeDecoder
 from specdraft.exactness import exact_two_tokens
@@ -254,10 +256,12 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         row["speedup"] = row["tok_s"] / results["ar"]["tok_s"]
         return row
     guarded(results, "spec_model_drafter_random_weights", model_spec)
+    guarded(results, "draft_chain", lambda: draft_chain_costs(target, draft, shapes))
     if "batch" not in skip:  # the oracle in float32: see `batch_speed`
-        guarded(results, "batch_plain", lambda: batch_speed(target, shapes, alpha=None))
-        guarded(results, "batch", lambda: batch_speed(CausalLM(
-            random_model(shapes.target, torch.float32, device, seed=0), name="target", static_cache=True), shapes))
+        guarded(results, "batch_plain", lambda: batch_speed(target, shapes, drafting=False))
+        guarded(results, "batch", lambda: batch_speed(
+            CausalLM(random_model(shapes.target, torch.float32, device, seed=0), name="target", static_cache=True),
+            shapes, draft_model=random_model(shapes.draft, torch.float32, device, seed=1)))
     if "long" not in skip:  # after the runs above: the cache grows, and its graphs are captured anew as needed
         guarded(results, "long_cache_pass_ms", lambda: {
             cached: pass_costs(target, cached, (1, 16), shapes.repeats) for cached in shapes.long_caches})
@@ -269,11 +273,12 @@ def speed_part(shapes: Shapes, device: torch.device, dtype: torch.dtype, results
         guarded(results, f"oracle_{ALPHAS[-1]}_after_hf_compiled", lambda: oracle_run(ALPHAS[-1]))
 
 
-def batch_speed(target: CausalLM, shapes: Shapes, alpha: float | None = 0.8) -> dict:
+def batch_speed(target: CausalLM, shapes: Shapes, drafting: bool = True, draft_model=None) -> dict:
     """Continuous batching on the device's cache (a GPU's static one): B requests of distinct random prompts,
-    greedy, all joining at once, at each batch size of `BATCH_SIZES`; aggregate tokens/s with plain steps and (unless
-    `alpha` is None) with `spec` (each request an `oracle` drafter of its own at `alpha`, k chosen by the goodput
-    rule), and how many answers in the batch equal the same request's answer alone.
+    greedy, all joining at once, at each batch size of `BATCH_SIZES`; aggregate tokens/s with plain steps and (with
+    `drafting`) with `spec`, k chosen by the goodput rule: each request an `oracle` drafter of its own at each α of
+    `ALPHAS`, and a draft model on `draft_model`'s (random) weights; how many answers in the batch equal the same
+    request's answer alone, and what the steps of the whole batch did (`step_trace`).
 
     In float32: a GPU's kernels add in another order in a batch than alone (a pass's width and its rows' keys
     differ), and on random weights, whose logits are near-ties everywhere, bf16's rounding then turns every answer
@@ -286,42 +291,94 @@ def batch_speed(target: CausalLM, shapes: Shapes, alpha: float | None = 0.8) -> 
     greedy = SamplingParams(temperature=0.0)
     started = time.perf_counter()
     alone = [SpeculativeDecoder(target).generate(p, greedy, max_new_tokens=new_tokens).token_ids for p in prompts]
-    rows = {"alone_ar_tok_s": size_most * new_tokens / (time.perf_counter() - started), "new_tokens": new_tokens}
+    rows = {"alone_ar_tok_s": size_most * new_tokens / (time.perf_counter() - started), "new_tokens": new_tokens,
+            "widest_graph": target.widest_graph}
 
-    def oracle(prompt: list[int], answer: list[int]):
-        def make():
-            drafter = OracleDrafter(alpha=alpha, seed=0)
-            drafter.record(prompt + answer)
-            return drafter
-        return make
+    def oracle(alpha: float):
+        def for_request(prompt: list[int], answer: list[int]):
+            def make():
+                drafter = OracleDrafter(alpha=alpha, seed=0)
+                drafter.record(prompt + answer)
+                return drafter
+            return make
+        return for_request
 
-    def run(size: int, drafting: bool) -> tuple[dict, list[list[int]]]:
-        batch = BatchedDecoder(target, None, max_batch=size)
-        requests = [BatchRequest(p, greedy, new_tokens, make_drafter=oracle(p, a) if drafting else None)
+    def draft(prompt: list[int], answer: list[int]):
+        return lambda: ModelDrafter(CausalLM(draft_model, name="draft", static_cache=False))  # packed as it joins
+
+    def run(batch: BatchedDecoder, size: int, makers) -> tuple[dict, list[list[int]]]:
+        requests = [BatchRequest(p, greedy, new_tokens, make_drafter=makers(p, a) if makers else None)
                     for p, a in zip(prompts[:size], alone)]
+        batch.largest_batch = 0
+        steps, step = [], batch.step
+        batch.step = lambda: (events := step(), steps.append(batch.last_step))[0]
         sync_device(target.device)
         began = time.perf_counter()
         done = batch.generate_all(requests)
         sync_device(target.device)
+        del batch.step
         seconds = time.perf_counter() - began
         tokens = sum(len(c.token_ids) for c in done)
         drafted, accepted = sum(c.stats.drafted for c in done), sum(c.stats.accepted for c in done)
-        steps = sum(c.stats.steps for c in done)
+        steps_taken = sum(c.stats.steps for c in done)
         return {"tok_s": tokens / seconds, "seconds": seconds, "largest_batch": batch.largest_batch,
-                "alpha": accepted / drafted if drafted else None,
-                "tau": tokens / steps if steps else None}, [c.token_ids for c in done]
+                "alpha": accepted / drafted if drafted else None, "tau": tokens / steps_taken if steps_taken else None,
+                "steps": step_trace([s for s in steps if s is not None], size, target.widest_graph)}, \
+            [c.token_ids for c in done]
 
-    # warm-up at the largest size: the cache grows to what the sweep fills (its graphs are then captured anew, as
-    # passes need them) and the oracle's first draws are made, before anything is timed
-    run(size_most, drafting=alpha is not None)
-    methods = ((False, "ar"),) if alpha is None else ((False, "ar"), (True, f"oracle_{alpha}"))
-    for drafting, method in methods:
+    methods = {"ar": None}
+    if drafting:
+        methods |= {f"oracle_{alpha}": oracle(alpha) for alpha in ALPHAS}
+        if draft_model is not None:
+            methods["draft_model"] = draft
+    # one batch a method, as a server keeps one, warmed up at the largest size: the caches grow to what the sweep
+    # fills (their graphs are then captured anew, as passes need them), a draft model's packed cache captures its
+    # passes and the oracle makes its first draws, before anything is timed
+    for method, makers in methods.items():
+        batch = BatchedDecoder(target, None, max_batch=size_most)
+        run(batch, size_most, makers)
         for size in BATCH_SIZES:
-            row, answers = run(size, drafting)
+            row, answers = run(batch, size, makers)
             row["same_as_alone"] = sum(a == b for a, b in zip(answers, alone))
+            if method != "ar":
+                row["vs_ar"] = row["tok_s"] / rows[f"ar_{size}"]["tok_s"]
             rows[f"{method}_{size}"] = row
-    for size in BATCH_SIZES if alpha is not None else ():
-        rows[f"oracle_{alpha}_{size}"]["vs_ar"] = rows[f"oracle_{alpha}_{size}"]["tok_s"] / rows[f"ar_{size}"]["tok_s"]
+    return rows
+
+
+def step_trace(steps: list, size: int, widest: int | None) -> dict:
+    """What a batch run's steps of all `size` sequences did: how many drafted, their mean pass width, how many ran
+    wider than the widest captured graph (eagerly), and the mean milliseconds of a step that drafted and of one
+    that did not."""
+    full = [s for s in steps if s.sequences == size]
+    drafting = [s for s in full if s.drafted]
+    plain = [s for s in full if not s.drafted]
+    return {"full_steps": len(full), "drafting_steps": len(drafting),
+            "mean_width_drafting": statistics.fmean(s.width for s in drafting) if drafting else None,
+            "eager_steps": sum(widest is not None and s.width > widest for s in full),
+            "ms_drafting": 1000 * statistics.fmean(s.seconds for s in drafting) if drafting else None,
+            "ms_plain": 1000 * statistics.fmean(s.seconds for s in plain) if plain else None}
+
+
+def draft_chain_costs(target: CausalLM, draft: CausalLM, shapes: Shapes, most: int = 8) -> dict:
+    """The draft model's chain of k = 1 .. `most` greedy tokens (`ModelDrafter.propose`, every token drafted: no
+    confidence stop) after a prompt it has read, in milliseconds per drafted token, and c: that against the
+    target's one-token pass over the same cache."""
+    generator = torch.Generator().manual_seed(3)
+    sequence = torch.randint(0, target.vocab_size, (shapes.cache_tokens,), generator=generator).to(target.device)
+    context = DraftContext(sequence, SamplingParams(temperature=0.0), torch.Generator(device=target.device), None)
+    drafter = ModelDrafter(draft, min_confidence=0.0, context=0)
+    drafter.begin(sequence)
+    drafter.propose(context, 1)  # reads the prompt
+    drafter.commit(sequence.shape[0], [])
+    target_ms = pass_costs(target, shapes.cache_tokens, (1,), shapes.repeats)[1]
+    rows = {"target_one_token_ms": target_ms}
+    for k in range(1, most + 1):
+        def chain():
+            drafter.propose(context, k)
+            drafter.commit(sequence.shape[0], [])
+        per_token = 1000 * timed(target.device, chain, shapes.repeats) / k
+        rows[k] = {"ms_per_token": per_token, "c": per_token / target_ms}
     return rows
 
 
@@ -552,6 +609,16 @@ def table(results: dict) -> str:
                          + ("  vs ar " + " / ".join(f"{row['vs_ar']:.2f}" for row in cells)
                             + "  tau " + " / ".join(f"{row['tau']:.2f}" for row in cells) if "vs_ar" in cells[0] else "")
                          + f"  same as alone: {sum(r['same_as_alone'] for r in cells)}/{sum(BATCH_SIZES)}")
+            if "vs_ar" in cells[0]:
+                lines.append("    steps of the whole batch (drafting / all, eager): " + " / ".join(
+                    f"{row['steps']['drafting_steps']}/{row['steps']['full_steps']},{row['steps']['eager_steps']}"
+                    for row in cells))
+    chain = results.get("draft_chain", {})
+    if chain and "error" not in chain:
+        lines.append("draft chain, c per drafted token at k = 1 .. 8: " + " / ".join(
+            f"{row['c']:.2f}" for key, row in chain.items() if isinstance(row, dict)))
+    elif chain:
+        lines.append(f"draft_chain: {chain['error']}")
     for key in ("speed_part", "greedy_part", "sampled_part", "constrained_part"):
         if key in results:
             lines.append(f"{key}: {results[key]}")

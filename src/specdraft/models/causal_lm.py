@@ -121,6 +121,12 @@ class CausalLM:
         return self._static is not None
 
     @property
+    def widest_graph(self) -> int | None:
+        """The widest pass that replays a captured CUDA graph (a wider one runs eagerly, at several times its cost);
+        None where passes are not captured (the CPU)."""
+        return self._static.widest_graph if self._static is not None else None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached token takes: the keys and values of every layer (sliding-window layers counted in full)."""
         config = self.config

@@ -195,6 +195,11 @@ class StaticDecoder:
         self._open = torch.zeros((), dtype=self.dtype, device=self.device)  # a visible key's mask value
         self._closed = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
 
+    @property
+    def widest_graph(self) -> int | None:
+        """The widest pass replayed from a captured graph (a wider one runs eagerly); None where none are captured."""
+        return WIDTHS[-1] if self.use_graphs else None
+
     def key_buckets(self) -> list[int]:
         """The key lengths passes are captured for: 256, 512, .. below the capacity, then every slot."""
         buckets, keys = [], KEY_BUCKET
