@@ -3,6 +3,7 @@ the same per token at any pass width, and Int4Linear's choice among them and PyT
 
 
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
@@ -32,6 +33,30 @@ def five_bit_packs(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tens
     rows = int4_layout.affine_rows(codes, scale, minimum)
     return {layout: int4_layout.pack_rows(rows, *codes.shape, 32, layout, bits=5)
             for layout in (int4_layout.PAIRS, int4_layout.QUADS)}
+
+
+def test_fifth_bits_sit_where_each_layouts_unpacking_reads_them():
+    """The 5-bit tiles' fifth-bit bytes, built a byte at a time from the layouts' definitions (module doc): `PAIRS`,
+    bit m of chunk c's mask v the fifth bit of the pair vector byte m = 16·L + 2u + e that `tile_unpack.h` makes of
+    row 4·L + u % 4, input 8·c + 4·v + 2·(u // 4) + e; `QUADS`, bit 4·(j % 2) + 2h + e of byte 32p + 4c + b that of row
+    8h + c, input 16p + 8·(j % 2) + 4e + b."""
+    high = torch.randint(0, 2, (32, 64), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)  # [rows, K]
+    pairs = torch.zeros(2, 2, 64, dtype=torch.uint8)  # [row block, group, byte]
+    quads = torch.zeros_like(pairs)
+    for nb in range(2):
+        for g in range(2):
+            for chunk in range(4):
+                for vector in range(2):
+                    for m in range(64):
+                        lane, u, e = m // 16, (m % 16) // 2, m % 2
+                        bit = high[16 * nb + 4 * lane + u % 4, 32 * g + 8 * chunk + 4 * vector + 2 * (u // 4) + e]
+                        pairs[nb, g, 8 * (2 * chunk + vector) + m // 8] |= bit << (m % 8)
+            for p, c, b in itertools.product(range(2), range(8), range(4)):
+                for j, h, e in itertools.product(range(2), range(2), range(2)):
+                    bit = high[16 * nb + 8 * h + c, 32 * g + 16 * p + 8 * j + 4 * e + b]
+                    quads[nb, g, 32 * p + 4 * c + b] |= bit << (4 * j + 2 * h + e)
+    assert torch.equal(int4_layout._fifth_bit_masks(high), pairs)
+    assert torch.equal(int4_layout._fifth_bit_quads(high), quads)
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 16, 17, 40])

@@ -17,7 +17,8 @@ take are exact whatever the order of their terms, so both layouts give the same 
 low nibbles, then 64 bytes of their fifth bits, placed for the layout's unpacking:
 
 - `PAIRS`: for each 64 nibble bytes two little-endian 64-bit masks, bit m of mask v the fifth bit of byte m of the
-  pair vector v that unpacking those 64 bytes makes (`fifth_bit_sources`; a masked byte add puts it in place);
+  pair vector v that unpacking those 64 bytes makes (`native/avx512/tile_unpack.h`: byte m = 16·L + 2u + e of vector
+  v of chunk c holds row 4·L + u % 4, input 8·c + 4·v + 2·(u // 4) + e; a masked byte add puts it in place);
 - `QUADS`: for chunks 2p and 2p + 1 (64 nibble bytes each) 32 bytes, bit 4·(j % 2) + 2h + e of byte i the fifth
   bit of nibble e of byte 64·j + 32·h + i (a shift and a mask put it in place, as Q6_K's top bits).
 
@@ -27,10 +28,8 @@ Offsets are z = 16s − m, with w = s·(q − 16) + z: 6 bits a weight with the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
-import numpy as np
 import torch
 
 PAIRS, QUADS = "pairs", "quads"  # the layouts (module doc)
@@ -114,37 +113,28 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, layout
     return pack_rows(affine_rows(codes, scale, minimum), *codes.shape, codes.shape[1] // scale.shape[1], layout)
 
 
-@lru_cache(maxsize=1)
-def fifth_bit_sources() -> torch.Tensor:
-    """For each bit of a 5-bit tile's masks, the (row · 32 + input) whose fifth bit it is, `[4 chunks, 2 vectors, 64]`:
-    unpacking a chunk's 64 nibble bytes (`native/avx512/tile_unpack.h`) makes pair vector v's byte m = 16·L + 2u + e
-    the code of row 4·L + u % 4, input 2·(4·chunk + 2·v + u // 4) + e (the `PAIRS` layout read back)."""
-    m = np.arange(64)
-    lane, u, e = m // 16, (m % 16) // 2, m % 2
-    sources = [[(4 * lane + u % 4) * GROUP + 2 * (4 * chunk + 2 * vector + u // 4) + e for vector in range(2)]
-               for chunk in range(4)]
-    return torch.from_numpy(np.array(sources, dtype=np.int64))
-
-
 def _fifth_bit_masks(high: torch.Tensor) -> torch.Tensor:
-    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a `PAIRS` 5-bit tile's mask bytes `[rows / 16, K / 32, 64]`."""
+    """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a `PAIRS` 5-bit tile's mask bytes `[rows / 16, K / 32, 64]`
+    (module doc): bit 2·(u % 4) + e of byte 16·chunk + 8·vector + 2·L + u // 4 is the fifth bit of row 4·L + u % 4,
+    input 8·chunk + 4·vector + 2·(u // 4) + e; each row's two bits of a byte first, then its four rows'."""
     rows, k = high.shape
-    tiled = high.to(torch.uint8).view(rows // BLOCK_ROWS, BLOCK_ROWS, k // GROUP, GROUP).permute(0, 2, 1, 3)
-    bits = tiled.reshape(rows // BLOCK_ROWS, k // GROUP, BLOCK_ROWS * GROUP)[..., fifth_bit_sources().view(-1)]
-    bits = bits.view(rows // BLOCK_ROWS, k // GROUP, 64, 8)  # [.., mask byte, bit]: little-endian masks
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    bits = high.to(torch.uint8).view(rows // BLOCK_ROWS, 4, 4, k // GROUP, 4, 2, 2, 2)  # [nb, L, u%4, g, chunk, v, u//4, e]
+    pairs = bits[..., 0] | (bits[..., 1] << 1)  # [nb, L, u%4, g, chunk, v, u//4]
+    masks = pairs[:, :, 0] | (pairs[:, :, 1] << 2) | (pairs[:, :, 2] << 4) | (pairs[:, :, 3] << 6)  # [nb, L, g, ..]
+    return masks.permute(0, 2, 3, 4, 1, 5).reshape(rows // BLOCK_ROWS, k // GROUP, 64)  # [nb, g, chunk, v, L, u//4]
 
 
 def _fifth_bit_quads(high: torch.Tensor) -> torch.Tensor:
     """Fifth bits `[rows, K]` (0 or 1, rows % 16 == 0) as a `QUADS` 5-bit tile's last bytes `[rows / 16, K / 32, 64]`
     (module doc)."""
     rows, k = high.shape
-    # high[n0 + 8h + c, k0 + 16p + 8(j % 2) + 4e + b] -> bit 4·(j % 2) + 2h + e of byte 32p + 4c + b
-    split = high.to(torch.uint8).view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2, 2, 2, 4)  # [nb, h, c, g, p, j%2, e, b]
-    planes = split.permute(0, 3, 4, 2, 7, 5, 1, 6).reshape(rows // BLOCK_ROWS, k // GROUP, 64, 8)  # [.., byte, bit]
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (planes * weights).sum(-1, dtype=torch.uint8)
+    # high[n0 + 8h + c, k0 + 16p + 8(j % 2) + 4e + b] -> bit 4·(j % 2) + 2h + e of byte 32p + 4c + b: each row's
+    # bits of a byte first (j % 2 and e), then the two rows' (h) together
+    bits = high.to(torch.uint8).view(rows, k // GROUP, 2, 2, 2, 4)  # [row, g, p, j % 2, e, b]
+    row_bits = bits[:, :, :, 0, 0] | (bits[:, :, :, 0, 1] << 1) | (bits[:, :, :, 1, 0] << 4) | (bits[:, :, :, 1, 1] << 5)
+    halves = row_bits.view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2, 4)  # [nb, h, c, g, p, b]
+    tiles = halves[:, 0] | (halves[:, 1] << 2)  # [nb, c, g, p, b]
+    return tiles.permute(0, 2, 3, 1, 4).reshape(rows // BLOCK_ROWS, k // GROUP, 64)
 
 
 _FIFTH_BITS = {PAIRS: _fifth_bit_masks, QUADS: _fifth_bit_quads}

@@ -88,10 +88,9 @@ _SPLIT_BLOCK_BYTES = {"Q8_0": Q8_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES, "Q5_1"
                       "Q5_K": Q5K_BLOCK_BYTES}
 
 
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0 / Q5_1's four bytes `[..., 4]` as the 32 weights' fifth bits `[..., 32]` (bit j of the little-endian word)."""
-    bits = torch.stack([(qh >> b) & 1 for b in range(8)], dim=-1)  # [..., 4 bytes, 8 bits]
-    return bits.flatten(-2)
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes `[..., n]` (uint8) as their bits `[..., n, 8]` (uint8 0 or 1), bit b of each byte at b."""
+    return torch.from_numpy(np.unpackbits(packed.numpy()[..., None], axis=-1, bitorder="little"))
 
 
 def _code_parts(raw: torch.Tensor, type_name: str):
@@ -113,7 +112,7 @@ def _code_parts(raw: torch.Tensor, type_name: str):
     elif type_name in ("Q5_0", "Q5_1"):
         d = _fp16(blocks[..., 0:2])  # [rows, nb]
         bits_at = 2 if type_name == "Q5_0" else 4
-        high = _fifth_bits(blocks[..., bits_at:bits_at + 4].to(torch.int32))  # [rows, nb, 32]
+        high = _bits(blocks[..., bits_at:bits_at + 4]).flatten(-2)  # [rows, nb, 32]: bit j of the little-endian word
         qs = blocks[..., bits_at + 4:].unsqueeze(2)  # [rows, nb, 1, 16]
         low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, nb, 32)  # weights j, then 16 + j
         high_min = 16 * d if type_name == "Q5_0" else -_fp16(blocks[..., 2:4])  # w = d·q − 16d, or d·q + m
@@ -121,8 +120,8 @@ def _code_parts(raw: torch.Tensor, type_name: str):
     else:  # Q5_K: eight sub-blocks of 32 a super-block, w = d·sc·q − dmin·m
         d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])  # [rows, nb]
         sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8]
-        qh = blocks[..., 16:48].to(torch.int32)  # [rows, nb, 32]: bit s of byte e is sub-block s's weight e
-        high = torch.stack([(qh >> s) & 1 for s in range(8)], dim=2)  # [rows, nb, 8, 32]
+        # bit s of byte e of the 32 is sub-block s's weight e
+        high = _bits(blocks[..., 16:48]).transpose(-1, -2)  # [rows, nb, 8, 32]
         qs = blocks[..., 48:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
         low = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, nb, 8, 32)  # sub-blocks 2p (low), 2p + 1 (high)
         step = (d.unsqueeze(-1) * sc).reshape(rows, nb * 8)  # [rows, K / 32]
@@ -155,7 +154,7 @@ def five_bit_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, to
     if type_name not in FIVE_BIT:
         raise ValueError(f"5-bit codes are those of {', '.join(FIVE_BIT)}, not {type_name}")
     high, low, step, high_min, low_min = _code_parts(raw, type_name)
-    codes = (16 * high + low).to(torch.uint8).reshape(raw.shape[0], -1)  # [rows, K]
+    codes = ((high << 4) | low).reshape(raw.shape[0], -1)  # [rows, K] uint8
     return codes, step, high_min + low_min
 
 

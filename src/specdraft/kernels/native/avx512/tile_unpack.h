@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) void unpack_pairs(const uint8_t *by
 #define INT5_TILE_BYTES 320
 
 /* The 5-bit code bytes of pairs 4·chunk .. 4·chunk + 3 of a 5-bit tile, as `nibble_pairs` lays them out: bit m of the
- * chunk's mask v adds 16 to byte m of pair vector v (`int4_layout.fifth_bit_sources`). */
+ * chunk's mask v adds 16 to byte m of pair vector v (`int4_layout._fifth_bit_masks`). */
 static inline __attribute__((always_inline)) void five_code_pairs(const uint8_t *tile, int chunk, __m512i pairs[2]) {
     const __m512i fifth = _mm512_set1_epi8(0x10);
     uint64_t masks[2];
