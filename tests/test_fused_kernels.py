@@ -124,7 +124,8 @@ def test_greedy_speculation_on_fused_kernels_equals_plain_decoding():
     assert got.generate(prompt, max_new_tokens=12).token_ids == expected.token_ids
 
 
-def test_a_batch_on_fused_kernels_answers_as_alone(monkeypatch):
+@pytest.mark.slow  # under Triton's interpreter: about 85 s on 2 cores; batches on the static cache's torch formulas
+def test_a_batch_on_fused_kernels_answers_as_alone(monkeypatch):  # run in the quick set (test_batch_engine)
     """A packed batch on the static cache through the fused kernels (the GPU's path): three requests at once, a
     draft model each in one packed static draft cache, every answer its answer alone."""
     from specdraft.batch_engine import BatchedDecoder, BatchRequest
