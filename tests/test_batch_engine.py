@@ -455,7 +455,8 @@ def test_a_packed_draft_cache_with_captured_passes_outlives_an_empty_batch(tiny_
             monkeypatch.setattr(CausalLM, "widest_graph", property(lambda self: 64))
         batch = BatchedDecoder(target, lambda: ModelDrafter(CausalLM(draft.model, name="draft")), max_batch=1)
         for prompt, budget, answer in zip(PROMPTS[:2], BUDGETS[:2], expected):  # one after the other
-            assert batch.generate_all([BatchRequest(prompt, SamplingParams(temperature=0.0), budget)])[0].token_ids == answer
+            got = batch.generate_all([BatchRequest(prompt, SamplingParams(temperature=0.0), budget)])
+            assert got[0].token_ids == answer
         assert len(made) == caches and len(batch._draft_caches) == int(captures)  # kept idle where it captures
         assert all(packed.lm.cache_len == 0 for packed in batch._draft_caches.values())
 

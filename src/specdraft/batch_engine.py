@@ -284,9 +284,9 @@ class BatchedDecoder:
                 packed.release(ident)
             packed.compact()
         idle = [key for key, packed in self._draft_caches.items() if not packed.owners]
-        kept = idle[-1:] if idle and self._draft_caches[idle[-1]].lm.widest_graph is not None else []
+        kept = idle[-1] if idle and self._draft_caches[idle[-1]].lm.widest_graph is not None else None
         self._draft_caches = {key: packed for key, packed in self._draft_caches.items()
-                              if packed.owners or key in kept}
+                              if packed.owners or key == kept}
 
     def kv_need(self, prompt_tokens: int, max_new_tokens: int, drafter: Drafter | None = None) -> int:
         """Bytes of cache a sequence may fill: prompt + max_new_tokens rows of the target's KV cache and of its
@@ -458,7 +458,7 @@ class BatchedDecoder:
         optimistic (measured: a sequence whose policy chose 1 drafted 6 into a 9-token pass that cost 2.9x a
         3-token one). On a GPU the step's pass stays within the widest captured graph (`CausalLM.widest_graph`)."""
         ks, widest = [plan.k for plan in plans], self.target.widest_graph
-        if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft, within the widest graph
+        if self.costs.verify_estimate(1) is None:  # nothing timed yet: each policy's first draft, within the graph
             return _within(ks, [seq.fixed is None for seq in stepping], widest)
         joint = [i for i, (seq, plan) in enumerate(zip(stepping, plans))
                  if plan.k > 0 and seq.fixed is None and not seq.policy.estimates(plan.source).probing]

@@ -414,7 +414,7 @@ class AutoK:
             # it missed, the prompt included: not a draft cost. Until a caught-up step is timed the cost is guessed;
             # a source that reads nothing first (prompt lookup, the oracle) is timed from its first draft on.
             costs.time_draft(source, draft_seconds if self.tree else draft_seconds / k)
-        elif drafts_timed and unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest: reading
+        elif drafts_timed and unread >= READ_SAMPLE_MIN and est.draft_seconds_per_token is not None:  # the rest: a read
             drafting = est.draft_seconds_per_token * (1 if self.tree else k)
             costs.time_read(source, max(0.0, draft_seconds - drafting) / unread)
         est.hits = [h * self.decay for h in est.hits]

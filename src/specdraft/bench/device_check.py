@@ -50,6 +50,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -294,20 +295,17 @@ def batch_speed(target: CausalLM, shapes: Shapes, drafting: bool = True, draft_m
     rows = {"alone_ar_tok_s": size_most * new_tokens / (time.perf_counter() - started), "new_tokens": new_tokens,
             "widest_graph": target.widest_graph}
 
-    def oracle(alpha: float):
-        def for_request(prompt: list[int], answer: list[int]):
-            def make():
-                drafter = OracleDrafter(alpha=alpha, seed=0)
-                drafter.record(prompt + answer)
-                return drafter
-            return make
-        return for_request
+    def oracle(alpha: float, prompt: list[int], answer: list[int]) -> OracleDrafter:
+        drafter = OracleDrafter(alpha=alpha, seed=0)
+        drafter.record(prompt + answer)
+        return drafter
 
-    def draft(prompt: list[int], answer: list[int]):
-        return lambda: ModelDrafter(CausalLM(draft_model, name="draft", static_cache=False))  # packed as it joins
+    def draft(prompt: list[int], answer: list[int]) -> ModelDrafter:
+        return ModelDrafter(CausalLM(draft_model, name="draft", static_cache=False))  # packed as it joins
 
-    def run(batch: BatchedDecoder, size: int, makers) -> tuple[dict, list[list[int]]]:
-        requests = [BatchRequest(p, greedy, new_tokens, make_drafter=makers(p, a) if makers else None)
+    def run(batch: BatchedDecoder, size: int, drafter) -> tuple[dict, list[list[int]]]:
+        """`drafter(prompt, answer)`: a request's drafter (None: plain)."""
+        requests = [BatchRequest(p, greedy, new_tokens, make_drafter=partial(drafter, p, a) if drafter else None)
                     for p, a in zip(prompts[:size], alone)]
         batch.largest_batch = 0
         steps, step = [], batch.step
@@ -328,17 +326,17 @@ def batch_speed(target: CausalLM, shapes: Shapes, drafting: bool = True, draft_m
 
     methods = {"ar": None}
     if drafting:
-        methods |= {f"oracle_{alpha}": oracle(alpha) for alpha in ALPHAS}
+        methods |= {f"oracle_{alpha}": partial(oracle, alpha) for alpha in ALPHAS}
         if draft_model is not None:
             methods["draft_model"] = draft
     # one batch a method, as a server keeps one, warmed up at the largest size: the caches grow to what the sweep
     # fills (their graphs are then captured anew, as passes need them), a draft model's packed cache captures its
     # passes and the oracle makes its first draws, before anything is timed
-    for method, makers in methods.items():
+    for method, drafter in methods.items():
         batch = BatchedDecoder(target, None, max_batch=size_most)
-        run(batch, size_most, makers)
+        run(batch, size_most, drafter)
         for size in BATCH_SIZES:
-            row, answers = run(batch, size, makers)
+            row, answers = run(batch, size, drafter)
             row["same_as_alone"] = sum(a == b for a, b in zip(answers, alone))
             if method != "ar":
                 row["vs_ar"] = row["tok_s"] / rows[f"ar_{size}"]["tok_s"]

@@ -118,7 +118,7 @@ def _fifth_bit_masks(high: torch.Tensor) -> torch.Tensor:
     (module doc): bit 2·(u % 4) + e of byte 16·chunk + 8·vector + 2·L + u // 4 is the fifth bit of row 4·L + u % 4,
     input 8·chunk + 4·vector + 2·(u // 4) + e; each row's two bits of a byte first, then its four rows'."""
     rows, k = high.shape
-    bits = high.to(torch.uint8).view(rows // BLOCK_ROWS, 4, 4, k // GROUP, 4, 2, 2, 2)  # [nb, L, u%4, g, chunk, v, u//4, e]
+    bits = high.to(torch.uint8).view(rows // BLOCK_ROWS, 4, 4, k // GROUP, 4, 2, 2, 2)  # [nb, L, u%4, g, c, v, u//4, e]
     pairs = bits[..., 0] | (bits[..., 1] << 1)  # [nb, L, u%4, g, chunk, v, u//4]
     masks = pairs[:, :, 0] | (pairs[:, :, 1] << 2) | (pairs[:, :, 2] << 4) | (pairs[:, :, 3] << 6)  # [nb, L, g, ..]
     return masks.permute(0, 2, 3, 4, 1, 5).reshape(rows // BLOCK_ROWS, k // GROUP, 64)  # [nb, g, chunk, v, L, u//4]
@@ -131,7 +131,8 @@ def _fifth_bit_quads(high: torch.Tensor) -> torch.Tensor:
     # high[n0 + 8h + c, k0 + 16p + 8(j % 2) + 4e + b] -> bit 4·(j % 2) + 2h + e of byte 32p + 4c + b: each row's
     # bits of a byte first (j % 2 and e), then the two rows' (h) together
     bits = high.to(torch.uint8).view(rows, k // GROUP, 2, 2, 2, 4)  # [row, g, p, j % 2, e, b]
-    row_bits = bits[:, :, :, 0, 0] | (bits[:, :, :, 0, 1] << 1) | (bits[:, :, :, 1, 0] << 4) | (bits[:, :, :, 1, 1] << 5)
+    row_bits = (bits[:, :, :, 0, 0] | (bits[:, :, :, 0, 1] << 1)
+                | (bits[:, :, :, 1, 0] << 4) | (bits[:, :, :, 1, 1] << 5))  # [row, g, p, b]
     halves = row_bits.view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2, 4)  # [nb, h, c, g, p, b]
     tiles = halves[:, 0] | (halves[:, 1] << 2)  # [nb, c, g, p, b]
     return tiles.permute(0, 2, 3, 1, 4).reshape(rows // BLOCK_ROWS, k // GROUP, 64)
