@@ -81,7 +81,7 @@ def _converted_dir(gguf_path: Path, kind: str) -> Path:
 
 def _keep(folder: Path, *savables) -> None:
     """Save each (`save_pretrained`) into `folder` atomically; a failure costs only time later."""
-    partial = folder.with_name(folder.name + ".partial")
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")  # two processes may keep the same folder
     try:
         shutil.rmtree(partial, ignore_errors=True)
         for savable in savables:
@@ -89,7 +89,8 @@ def _keep(folder: Path, *savables) -> None:
         os.replace(partial, folder)
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)
-        print(f"warning: could not keep {folder}: {error}", file=sys.stderr)
+        if not folder.is_dir():  # else another process kept it first
+            print(f"warning: could not keep {folder}: {error}", file=sys.stderr)
 
 
 _COMPLETED = "config-completed"  # marks a kept config made by `gguf_config` (older ones lack what it adds)

@@ -146,7 +146,7 @@ def assemble(model: BundledModel, show_progress: bool = True) -> Path:
     parts = part_paths(model)
     total = sum(p.stat().st_size for p in parts)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".gguf.partial")
+    partial = target.with_suffix(f".gguf.{os.getpid()}.partial")  # two processes may assemble it at once
     digest = hashlib.sha256()
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -37,7 +38,12 @@ def save_token_counts(path: Path, counts: torch.Tensor, tokenizer, about: dict) 
         raise SpecdraftError("Counts past 2^31 do not fit the file's int32; count fewer tokens.")
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"fingerprint": tokenizer_fingerprint(tokenizer), "about": json.dumps(about)}
-    save_file({"counts": counts.to(torch.int32).contiguous()}, str(path), metadata=metadata)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes may count the same vocabulary
+    try:
+        save_file({"counts": counts.to(torch.int32).contiguous()}, str(partial), metadata=metadata)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _read(path: Path) -> tuple[str | None, torch.Tensor]:
