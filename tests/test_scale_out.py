@@ -19,8 +19,6 @@ from live_server import make_app
 from specdraft.errors import SpecdraftError
 from specdraft.surfaces.scale_out import REPLICA_HEADER, ReplicaHeader, Scale, import_ray
 
-pytestmark = pytest.mark.xdist_group("ray")  # one worker starts the local Ray cluster
-
 
 
 def test_a_scale_is_checked_and_turned_into_deployment_options():
