@@ -88,9 +88,10 @@ def _keep(folder: Path, *savables) -> None:
             savable.save_pretrained(str(partial))
         os.replace(partial, folder)
     except OSError as error:
-        shutil.rmtree(partial, ignore_errors=True)
         if not folder.is_dir():  # else another process kept it first
             print(f"warning: could not keep {folder}: {error}", file=sys.stderr)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone where it was moved into place
 
 
 _COMPLETED = "config-completed"  # marks a kept config made by `gguf_config` (older ones lack what it adds)

