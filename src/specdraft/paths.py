@@ -13,3 +13,9 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "specdraft"
+
+
+def partial_path(path: Path) -> Path:
+    """Where this process writes `path` before moving it into place (`os.replace`): a name of its own, so two
+    processes that keep the same file or folder at once never write into each other's."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")

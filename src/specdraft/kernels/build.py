@@ -12,7 +12,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from specdraft.paths import cache_dir
+from specdraft.paths import cache_dir, partial_path
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -62,7 +62,7 @@ def compiled_library(source: Path, flags: list[str], required_cpu_flags: set[str
     built = cache_dir() / "kernels" / f"{name or source.stem}-{key}.so"
     if not built.is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
-        partial = built.with_suffix(f".{os.getpid()}.partial")
+        partial = partial_path(built)
         print(f"note: building {what} (once; cached in {built.parent})", file=sys.stderr)
         result = subprocess.run([compiler, *flags, str(source), "-o", str(partial)], capture_output=True, text=True)
         if result.returncode != 0:

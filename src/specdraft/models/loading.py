@@ -20,7 +20,7 @@ from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
 from specdraft.models.gguf_config import gguf_config
 from specdraft.models.prepacked import prepack_linears, unpack_linears
-from specdraft.paths import cache_dir
+from specdraft.paths import cache_dir, partial_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -81,7 +81,7 @@ def _converted_dir(gguf_path: Path, kind: str) -> Path:
 
 def _keep(folder: Path, *savables) -> None:
     """Save each (`save_pretrained`) into `folder` atomically; a failure costs only time later."""
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")  # two processes may keep the same folder
+    partial = partial_path(folder)
     try:
         shutil.rmtree(partial, ignore_errors=True)
         for savable in savables:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specdraft.kernels import tiles
+from specdraft.paths import partial_path
 
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
                  "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
@@ -59,7 +60,7 @@ def read(file: Path) -> dict[str, nn.Module | torch.Tensor] | None:
 def keep(file: Path, built: dict[str, nn.Module | torch.Tensor]) -> None:
     """Save `built` to `file` atomically, removing the same variant kept by older packing code; a failure (a full
     disk, a read-only cache) only costs the conversion next time."""
-    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")  # two processes may keep the same model
+    partial = partial_path(file)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(built, partial)

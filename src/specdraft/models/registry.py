@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
-from specdraft.paths import cache_dir
+from specdraft.paths import cache_dir, partial_path
 
 _CHUNK_BYTES = 8 << 20
 
@@ -146,7 +146,7 @@ def assemble(model: BundledModel, show_progress: bool = True) -> Path:
     parts = part_paths(model)
     total = sum(p.stat().st_size for p in parts)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".gguf.{os.getpid()}.partial")  # two processes may assemble it at once
+    partial = partial_path(target)
     digest = hashlib.sha256()
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.paths import cache_dir
+from specdraft.paths import cache_dir, partial_path
 
 SHIPPED = Path(__file__).parent / "vocab"
 SUFFIX = ".token_counts.safetensors"
@@ -38,7 +38,7 @@ def save_token_counts(path: Path, counts: torch.Tensor, tokenizer, about: dict) 
         raise SpecdraftError("Counts past 2^31 do not fit the file's int32; count fewer tokens.")
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"fingerprint": tokenizer_fingerprint(tokenizer), "about": json.dumps(about)}
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes may count the same vocabulary
+    partial = partial_path(path)
     try:
         save_file({"counts": counts.to(torch.int32).contiguous()}, str(partial), metadata=metadata)
         os.replace(partial, path)
