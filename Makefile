@@ -27,14 +27,19 @@ browser:
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft generate "$(PROMPT)" --max-new-tokens 128
 
-test: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q
+# Tests run one intra-op thread each (tests/conftest.py), so they run on every core (pytest-xdist, at most 4
+# workers), each worker given the next test as it frees, `slow` ones first (tests/conftest.py). Those marked
+# `alone` (the real pair's kernels on two threads, Ray replicas, a server under load) run after the others, one at
+# a time: beside a second worker they would wait on each other's spinning OpenMP threads. `make test` is the whole
+# suite (CI's command).
+XDIST := -n auto --maxprocesses 4 --dist load
 
-# The quick set runs one intra-op thread a test (tests/conftest.py), so it runs on every core (at most 4 workers),
-# each test module on one worker. The whole suite (CI's `make test`) stays serial: its slow tests run the kernels on
-# two threads each, and beside a second worker they wait on each other's spinning OpenMP threads.
+test: setup browser
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) -m "not alone"
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -m alone
+
 test-quick: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not slow"
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default

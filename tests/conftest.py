@@ -21,6 +21,12 @@ from specdraft.bench.device_check import tiny_tokenizer as train_tokenizer  # no
 # The tests share two cores with nothing else: one intra-op thread avoids oversubscription.
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests first, each file's in its order: on several workers (`make test`) the longest start early and the
+    quick ones fill in behind them, where last they kept one worker busy minutes after the other ran dry."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

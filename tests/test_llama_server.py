@@ -302,6 +302,7 @@ def test_a_build_whose_smoke_run_crashes_is_replaced_and_the_kept_one_recorded(t
 
 # ----- the real thing (a kept build and the bundled files) ---------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.alone  # llama-server's threads and ours
 def test_the_kept_llama_server_speculates_with_the_bundled_pair(monkeypatch):
     from specdraft.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdraft.paths import cache_dir

@@ -9,7 +9,7 @@ from specdraft.kernels import cache_attention
 from specdraft.models import registry
 from specdraft.text import encode_prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # the kernels on two threads
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

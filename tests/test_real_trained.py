@@ -11,7 +11,7 @@ from specdraft.models import registry
 from specdraft.models.trained import KINDS, shipped_path
 from specdraft.text import encode_prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # the kernels on two threads
 
 # Held out: the benchmark's own code prompts are never in the training data.
 PROMPTS = [

@@ -155,6 +155,7 @@ def replica_pids() -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # two Ray replicas and their clients
 def test_the_api_through_ray_answers_from_both_replicas_as_one_server(cluster, tiny_model_dirs):
     from live_server import Live
 
@@ -180,6 +181,7 @@ def test_the_api_through_ray_answers_from_both_replicas_as_one_server(cluster, t
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # two Ray replicas and their clients
 def test_a_replica_killed_mid_load_fails_only_its_requests_and_ray_starts_another(cluster):
     """Eight clients send requests without pause; one replica's process is killed among them. Every request
     completes or ends with a retryable error (a 5xx, or a stream cut short), the other replica goes on answering,
@@ -229,6 +231,7 @@ def test_a_replica_killed_mid_load_fails_only_its_requests_and_ray_starts_anothe
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # two Ray replicas and their clients
 def test_deleting_the_application_drains_a_request_in_flight(cluster):
     """Last in this module (it deletes the deployment): a stream that has begun when the application is deleted
     still ends with its finish_reason, as Ray stops routing to the replica and waits for its requests."""

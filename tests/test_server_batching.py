@@ -53,6 +53,7 @@ def test_concurrent_clients_get_their_one_at_a_time_answers(tiny_model_dirs, one
 
 
 @pytest.mark.slow  # a load test (16 s on 2 cores); 32 streaming clients run in the quick set (test_server)
+@pytest.mark.alone
 def test_64_concurrent_streams_three_times_over_get_their_answers_without_an_error(tiny_model_dirs, one_at_a_time):
     """The bounded load test: 64 streaming clients at once, three rounds, against a batch of 8 and a queue of 64:
     every request is answered (no 429, no 5xx), each with its one-at-a-time answer, and the server ends idle."""
