@@ -28,18 +28,20 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft generate "$(PROMPT)" --max-new-tokens 128
 
 # Tests run one intra-op thread each (tests/conftest.py), so they run on every core (pytest-xdist, at most 4
-# workers), each worker given the next test as it frees, `slow` ones first (tests/conftest.py). Those marked
-# `alone` (the real pair's kernels on two threads, Ray replicas, a server under load) run after the others, one at
-# a time: beside a second worker they would wait on each other's spinning OpenMP threads. `make test` is the whole
-# suite (CI's command).
-XDIST := -n auto --maxprocesses 4 --dist load
+# workers), `slow` ones first (tests/conftest.py), a worker that runs dry taking half of another's queue (with
+# `--dist load` one worker ran the full-power statistical tests queued to it, 5-8 minutes each, for 15 minutes
+# while the other sat idle). Those marked `alone` (the real pair's kernels on two threads, Ray replicas, a server
+# under load) run after the others, one at a time: beside a second worker they would wait on each other's
+# spinning OpenMP threads. `make test` is the whole suite (CI's command); the quick set's short tests go a module
+# to a worker (each module's fixtures built once).
+XDIST := -n auto --maxprocesses 4
 
 test: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) -m "not alone"
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) --dist worksteal -m "not alone"
 	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -m alone
 
 test-quick: setup browser
-	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) -m "not slow"
+	HF_HUB_OFFLINE=1 SPECDRAFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(XDIST) --dist loadscope -m "not slow"
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft bench --methods ar,spec,hf-ar,hf-assisted --max-prompts 5 --threads 2 --out bench_out/default
