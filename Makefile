@@ -29,7 +29,7 @@ demo: setup
 
 # Tests run one intra-op thread each (tests/conftest.py), so they run on every core (pytest-xdist, at most 4
 # workers), `slow` ones first (tests/conftest.py), a worker that runs dry taking half of another's queue (with
-# `--dist load` one worker ran the full-power statistical tests queued to it, 5-8 minutes each, for 15 minutes
+# `--dist load` one worker ran the full-power statistical tests queued to it, 5-8 minutes each, for over 20 minutes
 # while the other sat idle). Those marked `alone` (the real pair's kernels on two threads, Ray replicas, a server
 # under load) run after the others, one at a time: beside a second worker they would wait on each other's
 # spinning OpenMP threads. `make test` is the whole suite (CI's command); the quick set's short tests go a module
