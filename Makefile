@@ -28,12 +28,11 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specdraft generate "$(PROMPT)" --max-new-tokens 128
 
 # Tests run one intra-op thread each (tests/conftest.py), so they run on every core (pytest-xdist, at most 4
-# workers), `slow` ones first (tests/conftest.py), a worker that runs dry taking half of another's queue (with
-# `--dist load` one worker ran the full-power statistical tests queued to it, 5-8 minutes each, for over 20 minutes
-# while the other sat idle). Those marked `alone` (the real pair's kernels on two threads, Ray replicas, a server
-# under load) run after the others, one at a time: beside a second worker they would wait on each other's
-# spinning OpenMP threads. `make test` is the whole suite (CI's command); the quick set's short tests go a module
-# to a worker (each module's fixtures built once).
+# workers). `make test` (CI's command, the whole suite) puts `slow` tests first (tests/conftest.py) and lets a worker
+# that runs dry take half of another's queue, so no long statistical test is left queued behind another; those
+# marked `alone` (two kernel threads, Ray replicas, a server under load) run after, one at a time, as beside a
+# second worker they would wait on each other's spinning OpenMP threads. The quick set goes a module to a worker
+# (each module's fixtures built once).
 XDIST := -n auto --maxprocesses 4
 
 test: setup browser

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 def pytest_collection_modifyitems(config, items):
     """`slow` tests first, each file's in its order: on several workers (`make test`) the longest start early and the
-    quick ones fill in behind them, where last they kept one worker busy minutes after the other ran dry."""
+    quick ones fill in behind them."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 TINY_CHAT_TEMPLATE = (
