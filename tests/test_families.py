@@ -22,7 +22,7 @@ from specdraft.models.quantize import five_bit_tiles_run, int4_kernel_available
 pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="no CPU int4 kernel in this PyTorch build")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2")
-MIXES = ("Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0")
+MIXES = ("Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0", "F16", "BF16", "F32")
 STACKED = FAMILIES  # every family runs on the stacked and fused layers (`architectures.layer_shape`)
 
 
@@ -75,11 +75,12 @@ def test_packed_family_matches_the_float32_reference(files, family, mix):
     assert decided >= 15  # of 33 positions
 
 
+@pytest.mark.parametrize("mix", ["Q4_K_M", "F16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_speculation_equals_plain_decoding(files, family):
+def test_greedy_speculation_equals_plain_decoding(files, family, mix):
     """The packed target (on the fused layer stack where its family runs there) decodes the same tokens greedily
     with a draft of its own family as without one."""
-    path, reference = files(family, "Q4_K_M")
+    path, reference = files(family, mix)
     target = CausalLM(build_native_model(path, reference.config, torch.bfloat16))
     if decoder_layers.available():
         assert (fused_decoder(target.model) is not None) == (family in STACKED)

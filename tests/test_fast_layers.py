@@ -21,6 +21,9 @@ from specdraft.models import causal_lm
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.early_exit import early_exit_view
 from specdraft.models.fused_decoder import fused_decoder
+from specdraft.bench.random_gguf import tiny_config as family_config, write_random_gguf
+from specdraft.models.gguf_config import gguf_config
+from specdraft.models.gguf_native import build_native_model
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES
 from specdraft.models.gguf_blocks import five_bit_affine, split_affine
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, quantize_int4
@@ -356,6 +359,26 @@ def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build,
     model = int4_model(family=family, **({"sliding_window": 64} if family.startswith("gemma") else {}))
     fast_decoder_layers(model)
     assert fused_decoder(model) is not None
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
+
+
+@tiles_run
+@fused_run
+@pytest.mark.parametrize("mix", ["F16", "BF16", "F32", "Q4_K_M"])
+def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path, monkeypatch):
+    """A file's F16, BF16 and F32 linears, kept as stored, run on the fused stack (one C call a pass, as their stacked
+    PyTorch layers compute), bit for bit; in a Q4_K_M file they sit beside 4-bit and Q6_K runs (here none: the tiny
+    model's rows fit the K-quants: no dense run there)."""
+    path = write_random_gguf(family_config("llama"), tmp_path / f"llama-{mix}.gguf", mix, seed=2)
+    model = build_native_model(path, gguf_config(path), torch.bfloat16)
+    fused = fused_decoder(model)
+    assert fused is not None
+    kinds = {run.kind for entry in fused.table for p in (entry.qkv, entry.o, entry.gate_up, entry.down)
+             for run in p.run[:p.runs]}
+    dense_kinds = {"F16": decoder_layers.F16, "BF16": decoder_layers.BF16, "F32": decoder_layers.F32}
+    assert kinds == {dense_kinds[mix]} if mix in dense_kinds else not kinds & set(dense_kinds.values())
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
     assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))

@@ -15,7 +15,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import gguf_matmul, int4_layout, isa, numerics, tiles
+from specdraft.kernels import dense_matmul, gguf_matmul, int4_layout, isa, numerics, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import (dequantize, five_bit_affine, q4_affine, q4k_affine, q6k_unpack, split_affine,
@@ -186,13 +186,18 @@ def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
 
 
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
-    """The module a GGUF linear of `type_name` should become (the loader's documented policy)."""
+    """The module a GGUF linear of `type_name` should become (the loader's documented policy); `requantize`: in a
+    draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
     if type_name == "Q4_K":
+        return Int4Linear
+    if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized
         return Int4Linear
     if type_name == "Q8_0":
         return SplitInt4Linear
     if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
         return gguf_matmul.BlockLinear
+    if type_name in dense_matmul.ELEMENT_BYTES and dense_matmul.available():  # F16, BF16, F32 as stored
+        return dense_matmul.DenseLinear
     return Int4Linear if requantize else FlatLinear
 
 
@@ -428,6 +433,28 @@ def test_q6k_tiles_compute_the_files_weights(tile_kernel, tokens):
         gguf_matmul.pack_q6k(raw[:40])
 
 
+@pytest.mark.parametrize("type_name", ["F16", "BF16", "F32"])
+@pytest.mark.parametrize("tokens", [1, 2, 6, 7, 13])
+def test_dense_tiles_compute_the_files_weights(tile_kernel, type_name, tokens):
+    """F16, BF16 and F32 rows as stored, in dense tiles: x · W^T with W the file's own values (no bf16 rounding) and x as the
+    model holds it (bf16), to float32 rounding, and each token the same alone or in a pass (passes of one sweep, of
+    several, and one token over whole and partial groups of blocks: 5 blocks of 16 rows)."""
+    dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[type_name]
+    weight = torch.randn(80, 95, generator=torch.Generator().manual_seed(tokens)).to(dtype)  # [N, K]
+    packed = dense_matmul.pack_dense(weight.view(torch.uint8).view(80, -1), type_name)
+    assert packed.tiles.numel() == weight.numel() * weight.element_size()  # the file's bytes, reordered
+    x = torch.randn(tokens, 95, generator=torch.Generator().manual_seed(7)).bfloat16()  # [T, K]
+    got = tile_kernel.dense_matmul(packed.tiles, type_name, x, 80)  # [T, N]
+    want = x.double() @ weight.double().t()
+    assert got.dtype == torch.float32 and relative_error(got.double(), want) < 1e-6
+    if type_name == "F32":  # bf16 weights would be off by ~1e-3
+        assert relative_error(got.double(), x.double() @ weight.bfloat16().double().t()) > 1e-4
+    for i in range(tokens):
+        assert torch.equal(tile_kernel.dense_matmul(packed.tiles, type_name, x[i:i + 1], 80)[0], got[i])
+    with pytest.raises(ValueError, match="N % 16"):
+        dense_matmul.pack_dense(weight[:40].view(torch.uint8).view(40, -1), type_name)
+
+
 def test_q6k_quads_layout_holds_the_files_bits():
     """`QUADS` Q6_K tiles: the nibbles as 4-bit `QUADS` tiles lay them out, and byte 256 + 32·j + 4·c + b of a tile the
     top two bits of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b), (8 + c, 8j + 4 + b), from bit 0 up."""
@@ -584,7 +611,7 @@ def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     if backend == "native" and not gguf_matmul.available():
         pytest.skip("the Q6_K block kernel does not run here")
     kinds = gguf_files[False][1]
-    model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend, stacked=False)
+    model = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, backend, stacked=False, split=False)
     assert quantize_int4(model) > 0
     for name, kind in linear_weights(kinds).items():
         assert type(model.get_submodule(module_path(name)[0])) is expected_linear(kind, backend, requantize=True), name
@@ -664,10 +691,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
-    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens, or
-    parts from them only at a near-tie: the tiny file's Q8_0 and F16 linears (and, `fallback`, its Q6_K ones) run on
-    PyTorch's bf16 GEMM, whose roundings depend on the pass width (seen: logits 0.5-0.75 apart between a one-token
-    and a four-token pass). This model's logits are near 100, where a bf16 step is 0.5: a near-tie is two steps."""
+    """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens:
+    exactly where every linear runs on our kernels (`native`: 4-bit, split Q8_0, Q6_K and dense F16 tiles), else
+    parting from them only at a near-tie (`fallback`: its Q6_K linears on PyTorch's bf16 GEMM, whose roundings depend
+    on the pass width; seen: logits 0.5-0.75 apart between a one-token and a four-token pass). This model's logits
+    are near 100, where a bf16 step is 0.5: a near-tie is two steps."""
     packed = models(backend)
     drafts = {"close": reference_model(models), "unrelated": tiny_model(tiny_config(vocab_size=VOCAB), seed=5)}
     plain = SpeculativeDecoder(CausalLM(packed))
@@ -680,6 +708,8 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
             got = spec.generate(prompt, max_new_tokens=20)
             verdict = compare_greedy(CausalLM(packed), prompt, want.token_ids, got.token_ids, margin=1.0)
             assert verdict.acceptable, (name, prompt, verdict)
+            if backend == "native" and gguf_matmul.available():
+                assert got.token_ids == want.token_ids, (name, prompt)
             assert got.stats.new_tokens == 20 and got.stats.drafted > 0
             accepted[name] += got.stats.accepted
     assert accepted["close"] > accepted["unrelated"]
@@ -687,10 +717,12 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
 
 def test_a_draft_to_requantize_gets_its_8_bit_linears_unpacked(gguf_files):
     """`split=False` (a draft `prepare_draft` re-quantizes) unpacks Q8_0 instead of splitting it into 4-bit halves,
-    so re-quantization gives plain 4-bit linears (half the bytes a pass); Q4_K stays the file's own."""
+    and F16 instead of keeping it dense, so re-quantization gives plain 4-bit linears (a half or a quarter of the
+    bytes a pass); Q4_K stays the file's own."""
     path, kinds = gguf_files[False]
     model = build(path, gguf_config(False), torch.bfloat16, "native", stacked=False, split=False)
-    q8 = [name for name, kind in linear_weights(kinds).items() if kind == "Q8_0"]
-    assert q8 and all(type(model.get_submodule(module_path(name)[0])) is FlatLinear for name in q8)
+    unpacked = [name for name, kind in linear_weights(kinds).items() if kind in ("Q8_0", "F16")]
+    assert {linear_weights(kinds)[name] for name in unpacked} == {"Q8_0", "F16"}
+    assert all(type(model.get_submodule(module_path(name)[0])) is FlatLinear for name in unpacked)
     quantize_int4(model)
-    assert all(type(model.get_submodule(module_path(name)[0])) is Int4Linear for name in q8)
+    assert all(type(model.get_submodule(module_path(name)[0])) is Int4Linear for name in unpacked)

@@ -28,6 +28,9 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
     "q6k_matmul": [_POINTER] * 4 + [_SIZE] * 3,  # tiles, d, x, y, N, K, tokens
     "int4_q8_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # ... tokens, leading tokens kept on 16-bit activations
     "q6k_q8_matmul": [_POINTER] * 4 + [_SIZE] * 4,
+    "f16_matmul": [_POINTER] * 3 + [_SIZE] * 3,  # tiles, x, y, N, K, tokens
+    "bf16_matmul": [_POINTER] * 3 + [_SIZE] * 3,
+    "f32_matmul": [_POINTER] * 3 + [_SIZE] * 3,
     "rms_norm_bf16": [_POINTER] * 3 + [_SIZE] * 2 + [_FLOAT],  # x, weight, y, rows, dim, eps
     "rms_norm_gain_bf16": [_POINTER] * 3 + [_SIZE] * 2 + [_FLOAT],  # x, gain, y, rows, dim, eps
     "rotary_bf16": [_POINTER] + [_SIZE] * 4 + [_POINTER] * 2,  # rows, tokens, row stride, heads, dim, cos, sin
@@ -66,9 +69,9 @@ class NativeLibrary:
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 LIBRARIES = {
     "avx512": NativeLibrary("avx512", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
-                                       "-mavx512vnni", "-mfma", *_COMMON_FLAGS),
+                                       "-mavx512vnni", "-mfma", "-mf16c", *_COMMON_FLAGS),
                             frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni",
-                                       "fma"}), "Sleef_expf16_u10"),
+                                       "fma", "f16c"}), "Sleef_expf16_u10"),
     "avx2": NativeLibrary("avx2", ("-mavx2", "-mfma", "-mf16c", *_COMMON_FLAGS), frozenset({"avx2", "fma", "f16c"}),
                           "Sleef_expf8_u10"),
 }

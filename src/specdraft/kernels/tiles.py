@@ -1,5 +1,6 @@
-"""The kernels that multiply 4-bit and Q6_K tiles: AMX where granted, else AVX-512, else AVX2 (each within what the
-`NumericConfig` allows), or None where only PyTorch's kernels run.
+"""The kernels that multiply 4-bit, 5-bit, Q6_K and dense (F16, BF16, F32) tiles: AMX where granted, else AVX-512, else
+AVX2 (each within what the `NumericConfig` allows), or None where only PyTorch's kernels run. The dense tiles run on
+the same code at every level (`native/shared/dense_tiles.h`).
 
 - `AMX`: AMX's bf16 tiles (`native/avx512/amx_tiles.h`): a flat cost from 1 to 16 tokens.
 - `AVX512`: AVX-512 dot products (`native/avx512/tiles.h`), a tile unpacked once per pass of up to 8 tokens; the dot
@@ -75,6 +76,15 @@ class TileKernel:
         x = x.to(torch.bfloat16).contiguous()
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         kernel(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1], x.shape[0])
+        return out
+
+    def dense_matmul(self, tiles: torch.Tensor, type_name: str, x: torch.Tensor, out_features: int) -> torch.Tensor:
+        """`x @ W^T` for dense tiles of `type_name` (F16, BF16, F32: `dense_matmul.pack_dense`): x `[tokens, K]`
+        (rounded to bf16) -> float32 `[tokens, N]`, in float32 on every pass (no int8 pass)."""
+        kernel = getattr(self._loaded(), f"{type_name.lower()}_matmul")
+        x = x.to(torch.bfloat16).contiguous()
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1], x.shape[0])
         return out
 
     def __reduce__(self):  # a pickled module's kernel comes back as the one below of its name

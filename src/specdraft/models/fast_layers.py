@@ -31,7 +31,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from specdraft.kernels import decoder_layers, gguf_matmul, layer_ops
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import trim_heap
@@ -46,14 +46,16 @@ TABLED_ACTIVATIONS = (GELUTanh,)  # Gemma's `gelu_pytorch_tanh`
 
 
 def _run_kind(linear: nn.Module) -> str | None:
-    """Which stackable kind a projection is (`int4`, `q6k`), None when it cannot be stacked. 4-bit halves side by
-    side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
+    """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`), None when it cannot be stacked. 4-bit
+    halves side by side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
     if isinstance(linear, SplitInt4Linear):
         linear = linear.halves
     if isinstance(linear, Int4Linear) and linear.tiles is not None and linear.dense_weight is None:
         return "int4"
     if isinstance(linear, gguf_matmul.BlockLinear):
         return "q6k"
+    if isinstance(linear, dense_matmul.DenseLinear):
+        return linear.type_name  # F16, BF16 or F32
     return None
 
 
@@ -97,6 +99,10 @@ class StackedProjection(nn.Module):
             for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
                 self.register_buffer(f"run{index}_{name}", getattr(packed, name))
             return parts[0].tile_matmul, packed
+        if kind in dense_matmul.ELEMENT_BYTES:
+            packed = dense_matmul.PackedDense(torch.cat([p.packed.tiles for p in parts]), kind, n, self.in_features)
+            self.register_buffer(f"run{index}_tiles", packed.tiles)
+            return dense_matmul.dense_matmul, packed
         packed = gguf_matmul.PackedQ6K(torch.cat([p.packed.tiles for p in parts]), torch.cat([p.packed.d for p in parts]),
                                        n, self.in_features, parts[0].packed.layout)
         self.register_buffer(f"run{index}_tiles", packed.tiles)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import decoder_layers, gguf_matmul
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, stacked_architecture
 from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
@@ -41,6 +41,8 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
                 runs.append((_affine_kind(int4_kinds[matmul], packed), packed))
             elif matmul is gguf_matmul.block_matmul and q6k_kind is not None:
                 runs.append((q6k_kind, packed))
+            elif matmul is dense_matmul.dense_matmul and q6k_kind is not None:
+                runs.append((_dense_kind(packed), packed))
             else:
                 return None
         return runs, projection.bias
@@ -53,7 +55,14 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
         return [(_affine_kind(int4_kinds[projection.tile_matmul], projection.tiles), projection.tiles)], bias
     if isinstance(projection, gguf_matmul.BlockLinear) and q6k_kind is not None:
         return [(q6k_kind, projection.packed)], bias
+    if isinstance(projection, dense_matmul.DenseLinear) and q6k_kind is not None:
+        return [(_dense_kind(projection.packed), projection.packed)], bias
     return None
+
+
+def _dense_kind(packed: dense_matmul.PackedDense) -> int:
+    """The run kind of F16, BF16 or F32 dense tiles (every decoder build has their kernel)."""
+    return getattr(decoder_layers, packed.type_name)
 
 
 def _affine_kind(int4_kind: int, packed: PackedInt4) -> int:
@@ -72,6 +81,8 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
         slot.doubled = int(packed.in_features == 2 * in_features)  # split 4-bit halves read [x, x]
         if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX, decoder_layers.INT5_AMX, decoder_layers.INT5):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
+        elif kind in (decoder_layers.F16, decoder_layers.F32, decoder_layers.BF16):
+            slot.scale, slot.zero = 0, 0
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0
 

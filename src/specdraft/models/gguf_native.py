@@ -10,7 +10,10 @@
   a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels.
-- Other linears (F16, BF16, F32, Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
+- F16, BF16 and F32 linears keep the file's elements, multiplied in float32 (`kernels/dense_matmul.DenseLinear`)
+  where a tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM, whose
+  roundings depend on the pass width. A draft that `prepare_draft` re-quantizes (`split=False`) has them unpacked.
+- Other linears (Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import gguf_matmul
+from specdraft.kernels import dense_matmul, gguf_matmul
 from specdraft.kernels.int4_layout import AffineRows
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
                                             head_dim_of, known_model_types)
@@ -168,6 +171,8 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         return SplitInt4Linear(halves)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
         return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
+    if pack and split and weight.type_name in dense_matmul.ELEMENT_BYTES and out_features % 16 == 0 and dense_matmul.available():
+        return dense_matmul.DenseLinear(raw[:], weight.type_name, bias)
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
     unpacked = source.unpacked(weight, dtype)  # [N, K]
@@ -224,6 +229,7 @@ def describe_packing(model: nn.Module) -> str:
             for matmul, packed in module.runs:
                 split = packed.in_features != module.in_features
                 kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else
+                      f"{packed.type_name} kernels" if matmul is dense_matmul.dense_matmul else
                       "4-bit kernels, split in two halves" if split else f"{packed.bits}-bit kernels"] += 1
         elif isinstance(module, SplitInt4Linear):
             kinds["4-bit kernels, split in two halves"] += 1
@@ -232,6 +238,8 @@ def describe_packing(model: nn.Module) -> str:
                   if module.dense_weight is None else "unpacked"] += 1
         elif isinstance(module, gguf_matmul.BlockLinear):
             kinds["Q6_K kernels"] += 1
+        elif isinstance(module, dense_matmul.DenseLinear):
+            kinds[f"{module.type_name} kernels"] += 1
         elif isinstance(module, FlatLinear):
             kinds[f"unpacked to {str(module.weight.dtype).removeprefix('torch.')}"] += 1
     return ", ".join(f"{count} on {kind}" if "kernels" in kind else f"{count} {kind}"

@@ -5,6 +5,8 @@
  *                  q6k_matmul
  *   int8_tiles.h   the same tiles times int8 activations (its `affine_q8_passes`; the entry points in
  *                  ../shared/int8_entries.h): int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
+ *   ../shared/dense_tiles.h   F16, BF16 and F32 weights as stored: f16_matmul, bf16_matmul,
+ *                             f32_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals
@@ -13,6 +15,7 @@
 #include "tiles.h"
 #include "int8_tiles.h"
 #include "../shared/int8_entries.h"
+#include "../shared/dense_tiles.h"
 #include "layer_ops.h"
 #include "attention.h"
 #include "decoder_ops.h"

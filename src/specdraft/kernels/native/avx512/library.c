@@ -7,6 +7,8 @@
  *                  ../shared/int8_entries.h), on VNNI: int4_q8_matmul, int5_q8_matmul, q6k_q8_matmul
  *   amx_tiles.h    (WITH_AMX) the same tiles on AMX: amx_tiles_init, int4_amx_matmul, int5_amx_matmul,
  *                  q6k_amx_matmul
+ *   ../shared/dense_tiles.h   F16, BF16 and F32 weights as stored: f16_matmul, bf16_matmul,
+ *                             f32_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals
@@ -15,6 +17,7 @@
 #include "tiles.h"
 #include "int8_tiles.h"
 #include "../shared/int8_entries.h"
+#include "../shared/dense_tiles.h"
 #ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit and Q6_K runs may name the AMX kernels */
 #include "amx_tiles.h"
 #endif

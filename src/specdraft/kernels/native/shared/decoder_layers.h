@@ -11,8 +11,9 @@
  * (and through its attention file `shared/attention_items.h`: which query heads a work item takes together),
  * `silu_mul_bf16`, `act_mul_bf16` (an activation read from a table, times up), `add_bias` (y += bias, float32),
  * `to_bf16` (float32 -> bf16), `add_residual` (hidden = bf16(hidden + bf16(src))), `add_residual_bf16`
- * (hidden = bf16(hidden + src), src bf16), and `affine_q8_passes` (a 4- or 5-bit or Q6_K matrix times int8
- * activations: `avx2/int8_tiles.h`, `avx512/int8_tiles.h`).
+ * (hidden = bf16(hidden + src), src bf16), `affine_q8_passes` (a 4- or 5-bit or Q6_K matrix times int8
+ * activations: `avx2/int8_tiles.h`, `avx512/int8_tiles.h`) and `dense_passes` (F16, BF16 and F32 weights:
+ * `shared/dense_tiles.h`).
  */
 #ifndef SPECDRAFT_DECODER_LAYERS_H
 #define SPECDRAFT_DECODER_LAYERS_H
@@ -28,7 +29,8 @@
 typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
                              2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only),
-                             5: 5-bit tiles (`int4_layout`, bits 5) */
+                             5: 5-bit tiles (`int4_layout`, bits 5),
+                             6, 7, 8: F16, F32, BF16 weights as stored (`shared/dense_tiles.h`) */
     const uint8_t *tiles;
     const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q6_K: unused */
@@ -113,6 +115,12 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
             }
             x = twice;
             in = 2 * in_once;
+        }
+        if (run->kind >= 6) {  /* F16 / F32 / BF16 weights as stored: every pass in float32 */
+            dense_passes(run->tiles, run->kind == 6 ? DENSE_F16 : run->kind == 7 ? DENSE_F32 : DENSE_BF16, x,
+                         y + column, run->rows, in, tokens, out);
+            column += run->rows;
+            continue;
         }
         if (project_run(run, x, y + column, tokens, in, out)) {  /* the includer ran the whole run its own way */
             column += run->rows;

@@ -1,0 +1,81 @@
+"""Linears that multiply a GGUF file's F16, BF16 or F32 weights as stored, on the tile kernels' dense slot
+(`native/shared/dense_tiles.h`, in every library: AMX's, AVX-512's and AVX2's CPUs all have F16C).
+
+A bf16 model would otherwise round F16 and F32 weights to bf16 (8 significant bits of F16's 11, of F32's 24), and
+run BF16 ones on PyTorch's bf16 GEMM, whose roundings depend on how many tokens a pass holds. Here each weight is
+widened to float32 exactly and multiplied by the model's bf16 activations in float32, on every pass alike (no int8
+pass), so a verify pass agrees bit for bit with one-token decoding and the target runs its file's weights.
+`pack_dense` only reorders the file's elements into blocks of 16 rows ([N/16, K, 16]); a weight costs the file's
+2 or 4 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdraft.kernels import tiles
+
+ELEMENT_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # the GGUF types with a dense kernel here
+_TILE_ROWS = 16
+
+
+def available() -> bool:
+    """Whether the dense kernel runs on this machine (wherever a tile kernel does)."""
+    return tiles.tile_kernel() is not None
+
+
+@dataclass
+class PackedDense:
+    """A dense matrix in blocks of 16 rows: `tiles [N/16 · K · 16 · bytes]` (uint8), each input's 16 weights side
+    by side, in the file's `type_name` (F16, BF16, F32)."""
+
+    tiles: torch.Tensor
+    type_name: str
+    out_features: int
+    in_features: int
+
+
+def pack_dense(raw: torch.Tensor, type_name: str) -> PackedDense:
+    """F16, BF16 or F32 rows `[N, K · bytes]` (uint8, as the file stores them; N % 16 == 0) -> dense tiles, the same
+    elements reordered."""
+    element = ELEMENT_BYTES[type_name]
+    n, row_bytes = raw.shape
+    if raw.dtype != torch.uint8 or row_bytes % element or n % _TILE_ROWS:
+        raise ValueError(f"{type_name} tiles need uint8 [N, K · {element}] with N % 16 == 0; "
+                         f"got {tuple(raw.shape)} {raw.dtype}")
+    k = row_bytes // element
+    words = raw.contiguous().view(torch.int16 if element == 2 else torch.int32)  # [N, K], the elements' bits
+    blocks = words.view(n // _TILE_ROWS, _TILE_ROWS, k).transpose(1, 2).contiguous()  # [N/16, K, 16]
+    return PackedDense(blocks.view(-1).view(torch.uint8), type_name, n, k)
+
+
+def dense_matmul(packed: PackedDense, x: torch.Tensor) -> torch.Tensor:
+    """`x @ W^T` for dense tiles; x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
+    if x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    return tiles.tile_kernel().dense_matmul(packed.tiles, packed.type_name, x, packed.out_features)
+
+
+class DenseLinear(nn.Module):
+    """`y = x W^T + b` with W a GGUF F16, BF16 or F32 matrix kept as the file's elements, multiplied in float32."""
+
+    def __init__(self, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.packed = pack_dense(raw, type_name)
+        self.register_buffer("tiles", self.packed.tiles)  # a buffer, so the module's memory shows it
+        self.type_name = type_name
+        self.out_features, self.in_features = self.packed.out_features, self.packed.in_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def num_packed_weights(self) -> int:
+        """How many weights the packed matrix holds."""
+        return self.out_features * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        out = dense_matmul(self.packed, x.reshape(-1, self.in_features))  # [tokens, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
