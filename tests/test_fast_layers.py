@@ -117,7 +117,7 @@ def random_q6k_raw(rows: int, cols: int, seed: int) -> np.ndarray:
 
 def random_q6k_linear(rows: int, cols: int, seed: int) -> gguf_matmul.BlockLinear:
     """A Q6_K linear of `random_q6k_raw` weights and a random bias."""
-    return gguf_matmul.BlockLinear(torch.from_numpy(random_q6k_raw(rows, cols, seed)), "Q6_K", cols, torch.randn(rows))
+    return gguf_matmul.BlockLinear(torch.from_numpy(random_q6k_raw(rows, cols, seed)), "Q6_K", torch.randn(rows))
 
 
 @tiles_run

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from specdraft.kernels import tiles
+from specdraft.kernels.tile_linear import TileLinear
 
 ELEMENT_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # the GGUF types with a dense kernel here
 _TILE_ROWS = 16
@@ -59,23 +59,12 @@ def dense_matmul(packed: PackedDense, x: torch.Tensor) -> torch.Tensor:
     return tiles.tile_kernel().dense_matmul(packed.tiles, packed.type_name, x, packed.out_features)
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(TileLinear):
     """`y = x W^T + b` with W a GGUF F16, BF16 or F32 matrix kept as the file's elements, multiplied in float32."""
 
+    matmul = staticmethod(dense_matmul)
+
     def __init__(self, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.packed = pack_dense(raw, type_name)
+        super().__init__(pack_dense(raw, type_name), bias)
         self.register_buffer("tiles", self.packed.tiles)  # a buffer, so the module's memory shows it
         self.type_name = type_name
-        self.out_features, self.in_features = self.packed.out_features, self.packed.in_features
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    def num_packed_weights(self) -> int:
-        """How many weights the packed matrix holds."""
-        return self.out_features * self.in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
-        out = dense_matmul(self.packed, x.reshape(-1, self.in_features))  # [tokens, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from torch import nn
 
 from specdraft.kernels import tiles
+from specdraft.kernels.tile_linear import TileLinear
 from specdraft.kernels.int4_layout import PAIRS, QUADS, require_layout, tile_bytes
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
@@ -133,26 +133,15 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
 
 
-class BlockLinear(nn.Module):
+class BlockLinear(TileLinear):
     """`y = x W^T + b` with W a GGUF Q6_K matrix kept as its own bits in tiles (0.82 bytes a weight; bf16: 2)."""
 
-    def __init__(self, raw: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+    matmul = staticmethod(block_matmul)
+
+    def __init__(self, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> None:
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
-        self.packed = pack_q6k(raw, tiles.tile_kernel().layout)
+        super().__init__(pack_q6k(raw, tiles.tile_kernel().layout), bias)
         self.register_buffer("tiles", self.packed.tiles)  # buffers, so the module's memory shows them
         self.register_buffer("tile_d", self.packed.d)
         self.type_name = type_name
-        self.out_features, self.in_features = raw.shape[0], in_features
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    def num_packed_weights(self) -> int:
-        """How many weights the packed matrix holds."""
-        return self.out_features * self.in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
-        out = block_matmul(self.packed, x.reshape(-1, self.in_features))  # [tokens, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

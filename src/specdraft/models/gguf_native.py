@@ -170,7 +170,7 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
                             Q4K_GROUP, bias)
         return SplitInt4Linear(halves)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
-        return gguf_matmul.BlockLinear(raw, weight.type_name, in_features, bias)
+        return gguf_matmul.BlockLinear(raw, weight.type_name, bias)
     if pack and split and weight.type_name in dense_matmul.ELEMENT_BYTES and out_features % 16 == 0 and dense_matmul.available():
         return dense_matmul.DenseLinear(raw[:], weight.type_name, bias)
     with torch.device("meta"):

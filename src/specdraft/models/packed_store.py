@@ -23,7 +23,8 @@ from specdraft.kernels import tiles
 from specdraft.paths import partial_path
 
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
-                 "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/dense_matmul.py", "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
+                 "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/dense_matmul.py", "kernels/tile_linear.py",
+                 "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
 
 
 @lru_cache(maxsize=1)
