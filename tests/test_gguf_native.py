@@ -455,6 +455,22 @@ def test_dense_tiles_compute_the_files_weights(tile_kernel, type_name, tokens):
         dense_matmul.pack_dense(weight[:40].view(torch.uint8).view(40, -1), type_name)
 
 
+@pytest.mark.parametrize("kernel", [tiles.AVX2, tiles.AVX512, tiles.AMX, None], ids=["avx2", "avx512", "amx", "torch"])
+def test_dense_types_run_on_the_dense_kernel_on_avx2_only(kernel, gguf_files, monkeypatch):
+    """F16 linears are built dense where the AVX2 tile kernel runs, else unpacked for PyTorch's bf16 linears (whose
+    bf16 dot products read prompts faster on AVX-512 and AMX)."""
+    monkeypatch.setattr(tiles, "tile_kernel", lambda config=None: kernel)
+    assert dense_matmul.available() == (kernel is tiles.AVX2)
+    if kernel is not tiles.AVX2:
+        monkeypatch.setattr(gguf_matmul, "available", lambda: False)  # no other kernel runs here to build them on
+        monkeypatch.setattr("specdraft.models.gguf_native.int4_kernel_available", lambda: False)
+    path, kinds = gguf_files[False]
+    model = build(path, gguf_config(False), torch.bfloat16, "native", stacked=False)
+    f16 = [name for name, kind in linear_weights(kinds).items() if kind == "F16"]
+    want = dense_matmul.DenseLinear if kernel is tiles.AVX2 else FlatLinear
+    assert f16 and all(type(model.get_submodule(module_path(name)[0])) is want for name in f16)
+
+
 def test_q6k_quads_layout_holds_the_files_bits():
     """`QUADS` Q6_K tiles: the nibbles as 4-bit `QUADS` tiles lay them out, and byte 256 + 32·j + 4·c + b of a tile the
     top two bits of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b), (8 + c, 8j + 4 + b), from bit 0 up."""
@@ -692,7 +708,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
     """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens:
-    exactly where every linear runs on our kernels (`native`: 4-bit, split Q8_0, Q6_K and dense F16 tiles), else
+    exactly where every linear runs on our kernels (`native` on AVX2: 4-bit, split Q8_0, Q6_K and dense F16 tiles), else
     parting from them only at a near-tie (`fallback`: its Q6_K linears on PyTorch's bf16 GEMM, whose roundings depend
     on the pass width; seen: logits 0.5-0.75 apart between a one-token and a four-token pass). This model's logits
     are near 100, where a bf16 step is 0.5: a near-tie is two steps."""
@@ -708,7 +724,7 @@ def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
             got = spec.generate(prompt, max_new_tokens=20)
             verdict = compare_greedy(CausalLM(packed), prompt, want.token_ids, got.token_ids, margin=1.0)
             assert verdict.acceptable, (name, prompt, verdict)
-            if backend == "native" and gguf_matmul.available():
+            if backend == "native" and gguf_matmul.available() and dense_matmul.available():
                 assert got.token_ids == want.token_ids, (name, prompt)
             assert got.stats.new_tokens == 20 and got.stats.drafted > 0
             accepted[name] += got.stats.accepted

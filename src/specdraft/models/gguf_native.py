@@ -11,8 +11,9 @@
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels.
 - F16, BF16 and F32 linears keep the file's elements, multiplied in float32 (`kernels/dense_matmul.DenseLinear`)
-  where a tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM, whose
-  roundings depend on the pass width. A draft that `prepare_draft` re-quantizes (`split=False`) has them unpacked.
+  where the AVX2 tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM,
+  whose roundings depend on the pass width. On the AVX-512 and AMX levels they are unpacked to bf16 as below
+  (`dense_matmul.available`). A draft that `prepare_draft` re-quantizes (`split=False`) has them unpacked.
 - Other linears (Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
   and it never changes what is emitted).
