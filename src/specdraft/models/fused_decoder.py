@@ -41,7 +41,7 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
                 runs.append((_affine_kind(int4_kinds[matmul], packed), packed))
             elif matmul is gguf_matmul.block_matmul and q6k_kind is not None:
                 runs.append((q6k_kind, packed))
-            elif matmul is dense_matmul.dense_matmul and q6k_kind is not None:
+            elif matmul is dense_matmul.dense_matmul and q6k_kind is not None:  # the build is the tile kernel's
                 runs.append((_dense_kind(packed), packed))
             else:
                 return None

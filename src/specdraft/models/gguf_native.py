@@ -172,8 +172,9 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
         return SplitInt4Linear(halves)
     if pack and weight.type_name in gguf_matmul.BLOCK_BYTES and gguf_matmul.available():
         return gguf_matmul.BlockLinear(raw, weight.type_name, bias)
-    if pack and split and weight.type_name in dense_matmul.ELEMENT_BYTES and out_features % 16 == 0 and dense_matmul.available():
-        return dense_matmul.DenseLinear(raw[:], weight.type_name, bias)
+    if (pack and split and weight.type_name in dense_matmul.ELEMENT_BYTES and out_features % 16 == 0
+            and dense_matmul.available()):
+        return dense_matmul.DenseLinear(raw[:], weight.type_name, bias)  # read whole: its elements are only reordered
     with torch.device("meta"):
         linear = FlatLinear(in_features, out_features, bias=bias is not None)
     unpacked = source.unpacked(weight, dtype)  # [N, K]
@@ -273,8 +274,9 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
     checked against (float32 gives the file's exact values). `split=False`
-    unpacks the 5- and 8-bit types instead of splitting them into 4-bit halves: for a draft that
-    `prepare_draft` re-quantizes to plain 4 bits (half the bytes a pass, and a head it can narrow). `kept`: a file
+    unpacks the 5- and 8-bit types instead of splitting them into 4-bit halves, and F16, BF16 and F32 instead of
+    keeping them dense: for a draft that `prepare_draft` re-quantizes to plain 4 bits (a half or a quarter of the
+    bytes a pass, and a head it can narrow). `kept`: a file
     where the packed modules are kept after a first build and read back on later ones (`packed_store`).
     """
     from transformers import AutoModelForCausalLM
