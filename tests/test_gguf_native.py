@@ -281,13 +281,27 @@ def random_q5k(rows: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(rows, blocks * 176)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_1", "Q5_K"])
+def random_split_rows(type_name: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """A matrix in a `SPLIT_INTO_4BIT` type: gguf's quantizer where it has one, else random bytes with finite fp16
+    d (Q5_K: dmin too; IQ4: of either sign, as llama.cpp's quantizer makes them, and the 6-bit IQ4_XS sub-block
+    scales all over their range)."""
+    if type_name == "Q5_K":
+        return random_q5k(rows, columns // 256, rng)
+    if not type_name.startswith("IQ4"):
+        return gguf_quantize(rng.normal(size=(rows, columns)).astype(np.float32), GGMLQuantizationType[type_name])
+    weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, columns // weights, block_bytes), dtype=np.uint8)
+    raw[..., 0:2] = fp16_bytes(rng.choice([-1.0, 1.0], raw.shape[:2]) * rng.uniform(1e-3, 1e-2, raw.shape[:2]))
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_split_halves_sum_to_gguf_reference(type_name):
-    """5- and 8-bit codes split into two 4-bit affine halves whose sum is gguf's dequantization bit for bit."""
+    """5- and 8-bit codes (and the int8 values IQ4 nibbles stand for) split into two 4-bit affine halves whose sum is
+    gguf's dequantization bit for bit."""
     rng = np.random.default_rng(5)
     kind = GGMLQuantizationType[type_name]
-    raw = random_q5k(6, 2, rng) if type_name == "Q5_K" else gguf_quantize(
-        rng.normal(size=(6, 512)).astype(np.float32), kind)
+    raw = random_split_rows(type_name, 6, 512, rng)
     codes, scale, minimum = split_affine(torch.from_numpy(raw), type_name)  # [6, 1024], [6, 32], [6, 32]
     assert codes.shape == (6, 1024) and int(codes.max()) <= 15
     halves = (codes.view(6, 32, 32).float() * scale.unsqueeze(-1) - minimum.unsqueeze(-1)).view(6, 2, 512)
@@ -311,13 +325,12 @@ def test_five_bit_codes_are_the_gguf_reference(type_name):
                                                        GGMLQuantizationType.Q8_0)), "Q8_0")
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_K", "IQ4_NL", "IQ4_XS"])
 def test_split_linear_computes_the_files_weights(type_name):
     """A `SplitInt4Linear` computes x · Wᵀ of the file's weights within bf16 error, each token as it would alone."""
     rng = np.random.default_rng(6)
     kind = GGMLQuantizationType[type_name]
-    raw = random_q5k(32, 2, rng) if type_name == "Q5_K" else gguf_quantize(
-        rng.normal(size=(32, 512)).astype(np.float32), kind)
+    raw = random_split_rows(type_name, 32, 512, rng)
     linear = SplitInt4Linear(Int4Linear.from_affine(*split_affine(torch.from_numpy(raw), type_name)))
     assert (linear.in_features, linear.out_features) == (512, 32)
     weight = gguf_values(raw, kind)  # [32, 512]

@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdraft.gguf_layout import (Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q4K_BLOCK_BYTES, Q4K_GROUP, Q5_0_BLOCK_BYTES,
-                                   Q5_1_BLOCK_BYTES, Q5K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK_K)
+from specdraft.gguf_layout import (IQ4_NL_BLOCK_BYTES, IQ4_VALUES, IQ4_XS_BLOCK_BYTES, Q4_0_BLOCK_BYTES,
+                                   Q4_1_BLOCK_BYTES, Q4K_BLOCK_BYTES, Q4K_GROUP, Q5_0_BLOCK_BYTES, Q5_1_BLOCK_BYTES,
+                                   Q5K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK_K)
 
 
 def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,14 +84,36 @@ def q4_affine(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Te
     return codes.reshape(rows, nb * Q4K_GROUP), d, minimum
 
 
-SPLIT_INTO_4BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # types whose codes split into two 4-bit affine parts
+# types whose codes split into two 4-bit affine parts (IQ4_NL and IQ4_XS: the int8 values their nibbles stand for)
+SPLIT_INTO_4BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")
 _SPLIT_BLOCK_BYTES = {"Q8_0": Q8_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES, "Q5_1": Q5_1_BLOCK_BYTES,
-                      "Q5_K": Q5K_BLOCK_BYTES}
+                      "Q5_K": Q5K_BLOCK_BYTES, "IQ4_NL": IQ4_NL_BLOCK_BYTES, "IQ4_XS": IQ4_XS_BLOCK_BYTES}
 
 
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """Bytes `[..., n]` (uint8) as their bits `[..., n, 8]` (uint8 0 or 1), bit b of each byte at b."""
     return torch.from_numpy(np.unpackbits(packed.numpy()[..., None], axis=-1, bitorder="little"))
+
+
+def _signed_codes(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0, IQ4_NL or IQ4_XS blocks `[rows, nb, block bytes]` as each group's step `[rows, K / 32]` and its 32
+    signed values `[rows, K / 32, 32]` (int16), w = step · value."""
+    rows = blocks.shape[0]
+    d = _fp16(blocks[..., 0:2])  # [rows, nb]
+    if type_name == "Q8_0":
+        return d, blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int16)
+    qs = blocks[..., -QK_K // 2:] if type_name == "IQ4_XS" else blocks[..., 2:]  # [rows, nb, 128 or 16]
+    qs = qs.reshape(rows, -1, 1, 16)  # [rows, groups, 1, 16]: a group's bytes
+    q = values[torch.cat([qs & 0x0F, qs >> 4], dim=2).long()].reshape(rows, -1, 32)  # weights j, then 16 + j
+    if type_name == "IQ4_NL":
+        return d, q
+    # IQ4_XS: sub-block i's 6-bit scale: bits 4i..4i+3 of the 4 low bytes, bits 2i, 2i+1 of the 16-bit high word
+    high = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # [rows, nb, 1]
+    low = blocks[..., 4:8].unsqueeze(-1)  # [rows, nb, 4, 1]
+    low = torch.cat([low & 0x0F, low >> 4], dim=-1).reshape(rows, -1, 8).to(torch.int32)  # [rows, nb, 8]
+    scales = low | (((high >> (2 * torch.arange(8))) & 3) << 4)  # [rows, nb, 8] in 0..63
+    return (d.unsqueeze(-1) * (scales - 32)).reshape(rows, -1), q
 
 
 def _code_parts(raw: torch.Tensor, type_name: str):
@@ -103,12 +126,10 @@ def _code_parts(raw: torch.Tensor, type_name: str):
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, block bytes]
     nb = blocks.shape[1]
-    if type_name == "Q8_0":
-        d = _fp16(blocks[..., 0:2])  # [rows, nb]
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [rows, nb, 32]
+    if type_name in ("Q8_0", "IQ4_NL", "IQ4_XS"):  # w = step · q, q a signed 8-bit value
+        step, q = _signed_codes(blocks, type_name)  # [rows, groups], [rows, groups, 32] int16
         high, low = (q >> 4) + 8, q & 0x0F  # q = 16 (high − 8) + low
-        high_min, low_min = 128 * d, torch.zeros_like(d)
-        step = d
+        high_min, low_min = 128 * step, torch.zeros_like(step)
     elif type_name in ("Q5_0", "Q5_1"):
         d = _fp16(blocks[..., 0:2])  # [rows, nb]
         bits_at = 2 if type_name == "Q5_0" else 4

@@ -9,7 +9,8 @@
 - Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
   a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
-  4-bit ones, on the same kernels.
+  4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
+  code (llama.cpp's 16-value table; IQ4_XS's 6-bit sub-block scales times d as each group's step).
 - F16, BF16 and F32 linears keep the file's elements, multiplied in float32 (`kernels/dense_matmul.DenseLinear`)
   where the AVX2 tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM,
   whose roundings depend on the pass width. On the AVX-512 and AMX levels they are unpacked to bf16 as below
