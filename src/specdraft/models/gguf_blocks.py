@@ -10,8 +10,10 @@ twelve bytes holding eight 6-bit scales `sc` and eight 6-bit mins `m`, and 128 b
 which is exactly the form of PyTorch's int4 weight-only kernel with group size 32
 (a scale and an offset per group). `q4k_affine` returns those parts without rounding, and
 `q4_affine` those of Q4_0 (w = d · (q − 8): scale d, offset 8d) and Q4_1 (w = d · q + m: scale d,
-offset −m), blocks of 32 whose 16 code bytes hold weights j (low nibble) and 16 + j (high);
-other block types are dequantized by the `gguf` library (the reference decoder).
+offset −m), blocks of 32 whose 16 code bytes hold weights j (low nibble) and 16 + j (high).
+`split_affine` reads the 5- and 8-bit types (and IQ4_NL / IQ4_XS, whose nibbles index 16 int8 values) as two 4-bit
+affine halves, `five_bit_affine` the 5-bit ones as their own codes; other block types are dequantized by the `gguf`
+library (the reference decoder).
 """
 
 from __future__ import annotations
