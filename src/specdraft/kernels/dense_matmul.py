@@ -26,8 +26,8 @@ _TILE_ROWS = 16
 def available() -> bool:
     """Whether the loader puts F16, BF16 and F32 linears on the dense kernel: where the AVX2 tile kernel runs (the
     kernel is in every library, and `TileKernel.dense_matmul` runs it on any level). On the AVX-512 and AMX levels
-    PyTorch's bf16 linears keep them: their bf16 dot products (`vdpbf16ps`, AMX tiles) read a prompt 2-10x faster
-    than this kernel's float32 FMAs could, and no such machine has measured the trade yet."""
+    PyTorch's bf16 linears keep them: by instruction throughput their bf16 dot products (`vdpbf16ps`, AMX tiles)
+    read a prompt 2-10x faster than this kernel's float32 FMAs, and no such machine has measured the trade yet."""
     return tiles.tile_kernel() is tiles.AVX2
 
 
