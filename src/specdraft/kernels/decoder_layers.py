@@ -18,7 +18,7 @@ from specdraft.kernels import bindings, numerics, prompt_pass, tiles
 
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in the attention C files)
-INT4, Q6K, INT4_AMX, Q6K_AMX, INT5_AMX, INT5, F16, F32, BF16 = range(9)  # run kinds (the AMX ones only where `tiles.AMX` runs)
+INT4, Q6K, INT4_AMX, Q6K_AMX, INT5_AMX, INT5, F16, BF16, F32 = range(9)  # run kinds (the AMX ones only where `tiles.AMX` runs)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 

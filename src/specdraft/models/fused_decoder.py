@@ -81,7 +81,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
         slot.doubled = int(packed.in_features == 2 * in_features)  # split 4-bit halves read [x, x]
         if kind in (decoder_layers.INT4, decoder_layers.INT4_AMX, decoder_layers.INT5_AMX, decoder_layers.INT5):
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
-        elif kind in (decoder_layers.F16, decoder_layers.F32, decoder_layers.BF16):
+        elif kind in (decoder_layers.F16, decoder_layers.BF16, decoder_layers.F32):
             slot.scale, slot.zero = 0, 0
         else:
             slot.scale, slot.zero = packed.d.data_ptr(), 0

@@ -30,7 +30,7 @@ typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
                              2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only),
                              5: 5-bit tiles (`int4_layout`, bits 5),
-                             6, 7, 8: F16, F32, BF16 weights as stored (`shared/dense_tiles.h`) */
+                             6, 7, 8: F16, BF16, F32 weights as stored (`shared/dense_tiles.h`: format kind − 6) */
     const uint8_t *tiles;
     const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d */
     const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q6_K: unused */
@@ -116,9 +116,8 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
             x = twice;
             in = 2 * in_once;
         }
-        if (run->kind >= 6) {  /* F16 / F32 / BF16 weights as stored: every pass in float32 */
-            dense_passes(run->tiles, run->kind == 6 ? DENSE_F16 : run->kind == 7 ? DENSE_F32 : DENSE_BF16, x,
-                         y + column, run->rows, in, tokens, out);
+        if (run->kind >= 6) {  /* F16 / BF16 / F32 weights as stored: every pass in float32 */
+            dense_passes(run->tiles, (int)(run->kind - 6), x, y + column, run->rows, in, tokens, out);
             column += run->rows;
             continue;
         }

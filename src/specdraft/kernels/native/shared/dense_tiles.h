@@ -26,7 +26,7 @@
 #define DENSE_TOKENS 6
 #define DENSE_BLOCKS 4
 
-enum { DENSE_F16 = 0, DENSE_BF16 = 1, DENSE_F32 = 2 };  /* the formats, as `kernels/dense_matmul.FORMATS` numbers them */
+enum { DENSE_F16 = 0, DENSE_BF16 = 1, DENSE_F32 = 2 };  /* the formats; the decoder's run kinds 6, 7, 8 in order */
 
 static inline int dense_bytes(int format) { return format == DENSE_F32 ? 4 : 2; }
 
@@ -68,12 +68,6 @@ static inline __attribute__((always_inline)) void dense_sweep(const uint8_t *blo
 /* One sweep with its format, block count and token count as constants. */
 #define DENSE_SWEEP(E, B, T) \
     dense_sweep(tiles + nb * block_bytes, block_bytes, B, E, wide + t0 * K, K, T, y + t0 * ldy + nb * 16, ldy)
-#define DENSE_TOKEN_SWEEP(E, T)                                                                                       \
-    switch (T) {                                                                                                      \
-        case 2: DENSE_SWEEP(E, 1, 2); break; case 3: DENSE_SWEEP(E, 1, 3); break;                                     \
-        case 4: DENSE_SWEEP(E, 1, 4); break; case 5: DENSE_SWEEP(E, 1, 5); break; default: DENSE_SWEEP(E, 1, 6);      \
-    }
-
 /* One sweep of `format` (a variable) with the block and token counts as constants. */
 #define DENSE_FORMAT_SWEEP(B, T)                                                                                      \
     if (format == DENSE_F16) DENSE_SWEEP(DENSE_F16, B, T); else if (format == DENSE_BF16) DENSE_SWEEP(DENSE_BF16, B, T); \
@@ -89,24 +83,27 @@ static void dense_passes(const uint8_t *tiles, int format, const uint16_t *x, fl
     }
     const int64_t blocks = N / 16, block_bytes = K * 16 * dense_bytes(format);
     if (tokens == 1) {
+        const int64_t t0 = 0;
 #pragma omp parallel for schedule(static)
-        for (int64_t group = 0; group < (blocks + DENSE_BLOCKS - 1) / DENSE_BLOCKS; group++)
-            for (int64_t nb = group * DENSE_BLOCKS, t0 = 0; nb < blocks && nb < (group + 1) * DENSE_BLOCKS; nb++) {
-                if (nb == group * DENSE_BLOCKS && blocks - nb >= DENSE_BLOCKS) {  /* a whole group at once */
-                    DENSE_FORMAT_SWEEP(DENSE_BLOCKS, 1);
-                    break;
-                }
-                DENSE_FORMAT_SWEEP(1, 1);
-            }
+        for (int64_t group = 0; group < (blocks + DENSE_BLOCKS - 1) / DENSE_BLOCKS; group++) {
+            const int64_t first = group * DENSE_BLOCKS;
+            if (blocks - first >= DENSE_BLOCKS) {  /* a whole group at once, else the last blocks one by one */
+                const int64_t nb = first;
+                DENSE_FORMAT_SWEEP(DENSE_BLOCKS, 1);
+            } else
+                for (int64_t nb = first; nb < blocks; nb++) { DENSE_FORMAT_SWEEP(1, 1); }
+        }
     } else {
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++)
             for (int64_t t0 = 0; t0 < tokens;) {
-                const int64_t left = tokens - t0;
+                const int64_t left = tokens - t0;  /* sweeps of 6, the last 2 to 6 (never a lone token) */
                 const int sweep = left <= DENSE_TOKENS ? (int)left : left - DENSE_TOKENS < 2 ? 4 : DENSE_TOKENS;
-                if (format == DENSE_F16) { DENSE_TOKEN_SWEEP(DENSE_F16, sweep) }
-                else if (format == DENSE_BF16) { DENSE_TOKEN_SWEEP(DENSE_BF16, sweep) }
-                else { DENSE_TOKEN_SWEEP(DENSE_F32, sweep) }
+                switch (sweep) {
+                    case 2: DENSE_FORMAT_SWEEP(1, 2); break; case 3: DENSE_FORMAT_SWEEP(1, 3); break;
+                    case 4: DENSE_FORMAT_SWEEP(1, 4); break; case 5: DENSE_FORMAT_SWEEP(1, 5); break;
+                    default: DENSE_FORMAT_SWEEP(1, 6);
+                }
                 t0 += sweep;
             }
     }
