@@ -37,12 +37,14 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdraft.kernels import cache_attention
+
+if TYPE_CHECKING:  # transformers' modeling is imported where a model is, not with this module
+    from transformers import PreTrainedModel
 
 # The name our attention is registered under. Not "sdpa" by name: transformers checks a model that asks for a name
 # holding "sdpa" for SDPA support, which Gemma 2 (soft-capped scores) lacks, though its passes never reach SDPA here.
@@ -100,6 +102,8 @@ def grouped_sdpa_forward(
     groups = getattr(module, "num_key_value_groups", 1)
     if softcap is None and (query.device.type != "cpu" or groups == 1 or kwargs.get("position_bias") is not None
                             or kwargs.get("cache") is not None):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     length = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -124,8 +128,13 @@ def causal_visibility(length: int, keys: int, device: torch.device) -> torch.Ten
     return (torch.arange(keys, device=device)[None, :] <= positions[:, None])[None, None]
 
 
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
-AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+def _register() -> None:
+    """Register `grouped_sdpa_forward` (and SDPA's mask) with transformers under GROUPED_SDPA (again: a no-op)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 def attends_token_by_token(model: PreTrainedModel, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -145,4 +154,5 @@ def use_grouped_sdpa(model: PreTrainedModel) -> None:
     config = model.config
     attention = getattr(config, "_attn_implementation", None)
     if attention == "sdpa" or (attention == "eager" and getattr(config, "attn_logit_softcapping", None) is not None):
+        _register()
         model.set_attn_implementation(GROUPED_SDPA)

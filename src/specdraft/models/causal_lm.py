@@ -10,9 +10,9 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import numerics, prompt_pass, tiles
@@ -20,6 +20,9 @@ from specdraft.models.attention import FEW_QUERIES, attends_token_by_token, use_
 from specdraft.models.fused_decoder import fused_decoder
 from specdraft.models.graph_decoder import StaticDecoder, static_obstacle
 from specdraft.models.kv_cache import growing_cache
+
+if TYPE_CHECKING:  # transformers' modeling is imported where a model is built, not with this module
+    from transformers import PreTrainedModel
 
 # Prompt tokens one prefill pass reads at most. A batch reads a joining prompt this much between its steps, so a
 # long prompt stalls the running answers for one chunk's time at a step, not for the whole prompt's.

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specdraft.models.eagle3 import rotary_frequencies, rotate
 from specdraft.models.layer_cache import LayerKVCache
@@ -53,6 +52,8 @@ class DFlashLayer(nn.Module):
     """One draft layer: a Qwen3 decoder layer whose attention reads the context's keys and values too."""
 
     def __init__(self, config: DFlashConfig) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm  # imported with a model, not this module
+
         super().__init__()
         width, d, eps, bias = config.hidden_size, config.head_dim, config.rms_eps, config.attention_bias
         self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
@@ -96,6 +97,8 @@ class DFlashModel(nn.Module):
     Each layer's cache holds the context's keys and values, never the block's."""
 
     def __init__(self, config: DFlashConfig) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm  # imported with a model, not this module
+
         super().__init__()
         self.config = config
         width, eps = config.hidden_size, config.rms_eps

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,8 @@ class EagleDrafterModel(nn.Module):
     """fc over [feature ; token embedding], one decoder layer, and a projection back to the target's feature space."""
 
     def __init__(self, config: EagleConfig) -> None:
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # imported with a model, not this module
+
         super().__init__()
         self.config = config
         hidden, width, d = config.hidden_size, config.width, config.head_dim

@@ -28,8 +28,6 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.draft_head import SubsetHead
@@ -93,6 +91,9 @@ def rotary_frequencies(config: Eagle3Config) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_TYPES:
         raise SpecdraftError(f"This EAGLE-3 head's rotary embedding is {rope_type!r}; the drafter runs "
                              f"{', '.join(ROPE_TYPES)} (frequencies that do not change with the sequence).")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     layout = LlamaConfig(hidden_size=config.num_heads * config.head_dim, num_attention_heads=config.num_heads,
                          head_dim=config.head_dim, rope_parameters=dict(config.rope_parameters),
                          max_position_embeddings=1 << 24)  # the frequencies need no context length; this one no warning
@@ -145,6 +146,8 @@ class Eagle3Model(OwnsLayerCache, nn.Module):
     with a KV cache, and `lm_head` over the draft vocabulary (see the module doc)."""
 
     def __init__(self, config: Eagle3Config) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm  # imported with a model, not this module
+
         super().__init__()
         self.config = config
         width, d, fused = config.hidden_size, config.head_dim, config.num_aux * config.target_hidden_size

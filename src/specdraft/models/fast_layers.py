@@ -19,17 +19,11 @@ calls, 10.42 ms as one.
 
 from __future__ import annotations
 
+from functools import cache
+from types import SimpleNamespace
+
 import torch
 from torch import nn
-from transformers.activations import GELUTanh, SiLUActivation
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, eager_attention_forward
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
@@ -38,11 +32,32 @@ from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
-# The families' RMSNorms by formula (`architectures.Architecture.rms_norm`)
-RMS_NORMS = {"llama": (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm),
-             "gemma": (Gemma2RMSNorm, Gemma3RMSNorm)}
-# Activations other than SiLU that act on each value alone, whose table of PyTorch's values is tested to give its bits
-TABLED_ACTIVATIONS = (GELUTanh,)  # Gemma's `gelu_pytorch_tanh`
+
+
+@cache
+def _transformers() -> SimpleNamespace:
+    """What these layers take from transformers' modeling, imported when a model is first swapped (not with this
+    module, so importing specdraft does not import transformers' modeling):
+
+    - `rms_norms`: the families' RMSNorms by formula (`architectures.Architecture.rms_norm`);
+    - `tabled_activations`: activations other than SiLU that act on each value alone, whose table of PyTorch's values
+      is tested to give its bits (Gemma's `gelu_pytorch_tanh`);
+    - `silu`: transformers' SiLU module; the attention functions and the rotation the PyTorch path calls."""
+    from transformers.activations import GELUTanh, SiLUActivation
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, eager_attention_forward
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return SimpleNamespace(
+        rms_norms={"llama": (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm),
+                   "gemma": (Gemma2RMSNorm, Gemma3RMSNorm)},
+        tabled_activations=(GELUTanh,), silu=SiLUActivation, attention_functions=ALL_ATTENTION_FUNCTIONS,
+        eager_attention=eager_attention_forward, rotate=apply_rotary_pos_emb)
 
 
 def _run_kind(linear: nn.Module) -> str | None:
@@ -134,10 +149,10 @@ class StackedMLP(nn.Module):
         self.down_proj, self.act_fn = down_proj, act_fn
         # SiLU·up as one C call where it gives PyTorch's bits (its own exp): 4 PyTorch passes over a prompt's
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
-        self.silu = isinstance(act_fn, (nn.SiLU, SiLUActivation))
+        self.silu = isinstance(act_fn, (nn.SiLU, _transformers().silu))
         self.native_silu = self.silu and self.intermediate % 16 == 0 and decoder_layers.same_silu_as_torch()
         # another activation (Gemma's GELU) as one C call too, read from a table of PyTorch's values ([65537] int16)
-        tabled = (isinstance(act_fn, TABLED_ACTIVATIONS) and self.intermediate % 16 == 0
+        tabled = (isinstance(act_fn, _transformers().tabled_activations) and self.intermediate % 16 == 0
                   and decoder_layers.available())
         self.register_buffer("activation_table", decoder_layers.activation_table(act_fn) if tabled else None,
                              persistent=False)
@@ -194,10 +209,11 @@ class StackedAttention(nn.Module):
         key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
         value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if not native_rotary:
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            query, key = _transformers().rotate(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        parts = _transformers()
+        attend = parts.attention_functions.get_interface(self.config._attn_implementation, parts.eager_attention)
         output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                            sliding_window=self.sliding_window, softcap=self.softcap, **kwargs)  # [B, T, heads, d]
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
@@ -225,7 +241,7 @@ class NativeRMSNorm(nn.Module):
 def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
     """`norm` as a `NativeRMSNorm` of its family's formula where the kernel takes it, else `norm` itself."""
     weight = getattr(norm, "weight", None)
-    if not (isinstance(norm, RMS_NORMS[arch.rms_norm]) and weight is not None and weight.dtype == torch.bfloat16
+    if not (isinstance(norm, _transformers().rms_norms[arch.rms_norm]) and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available()):
         return norm
     return NativeRMSNorm(norm, arch.norm_offset if arch.rms_norm == "gemma" else None)

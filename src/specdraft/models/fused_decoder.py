@@ -11,7 +11,7 @@ take turns on one cache.
 
 `fused_decoder(model)` builds one for a model whose every layer qualifies (stacked attention and
 MLP on our tile kernels (AMX, AVX-512 or AVX2), native norms (over each head of q and k too, where it has them),
-SiLU or a tabled activation (`fast_layers.TABLED_ACTIVATIONS`)), else returns None; sliding-window layers attend
+SiLU or a tabled activation (`fast_layers.StackedMLP`)), else returns None; sliding-window layers attend
 to their window (each its own rotary table where the family declares one per layer type); Gemma 2's soft-caps are
 computed, its attention scores' in C, its logits' after the head (`FusedDecoder.logits`). It is kept on the model
 (not in its copies) and rebuilt when `fast_decoder_layers` changes the layers.

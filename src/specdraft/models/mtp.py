@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specdraft.models.draft_head import SubsetHead
 from specdraft.models.eagle3 import attention_and_mlp, rotary_frequencies
@@ -59,6 +58,8 @@ class MtpModel(OwnsLayerCache, nn.Module):
     (`lm_head`, a full-vocabulary `SubsetHead`: set by the loader, own or the target's). See the module doc."""
 
     def __init__(self, config: MtpConfig) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm  # imported with a model, not this module
+
         super().__init__()
         self.config = config
         width, d, eps = config.hidden_size, config.head_dim, config.rms_eps
