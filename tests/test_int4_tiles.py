@@ -107,7 +107,7 @@ def test_quads_layout_puts_four_inputs_of_a_row_in_a_dword():
     codes, scale, minimum, _ = affine_matrix(32, 64, seed=2)
     packed = int4_layout.pack(codes, scale, minimum, int4_layout.QUADS)
     tiles_ = packed.tiles.view(2, 2, 256)  # [row blocks, groups, bytes]
-    for block, group, j, h, c, b in ((0, 0, 0, 0, 0, 0), (0, 1, 2, 1, 5, 3), (1, 0, 3, 0, 7, 1), (1, 1, 1, 1, 2, 2)):
+    for block, group, j, h, c, b in itertools.product(range(2), range(2), range(4), range(2), range(8), range(4)):
         byte = tiles_[block, group, 64 * j + 32 * h + 4 * c + b]
         row, column = 16 * block + 8 * h + c, 32 * group + 8 * j + b
         assert byte & 0x0F == codes[row, column] and byte >> 4 == codes[row, column + 4]

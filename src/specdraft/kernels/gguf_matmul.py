@@ -20,7 +20,7 @@ import torch
 
 from specdraft.kernels import tiles
 from specdraft.kernels.tile_linear import TileLinear
-from specdraft.kernels.int4_layout import PAIRS, QUADS, require_layout, tile_bytes
+from specdraft.kernels.int4_layout import PAIRS, QUADS, byte_words, require_layout, tile_bytes
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
 BLOCK_BYTES = {"Q6_K": Q6K_BLOCK_BYTES}  # bytes per 256 weights of the block types with a kernel here
@@ -60,9 +60,9 @@ def _quad_high_bits(high: torch.Tensor) -> torch.Tensor:
     32·j + 4·c + b holds, from bit 0 up, those of (row c, input 8j + b), (c, 8j + 4 + b), (8 + c, 8j + b),
     (8 + c, 8j + 4 + b): the bits of the two `vpmaddubsw` operands of both halves of chunk j (`native/avx2/int8_tiles.h`)."""
     rows, k = high.shape
-    split = high.view(rows // _TILE_ROWS, 2, 8, k // _TILE_INPUTS, 4, 2, 4)  # [nb, h, c, g, j, e, b]
-    fields = split[:, 0, :, :, :, 0] | (split[:, 0, :, :, :, 1] << 2) | (split[:, 1, :, :, :, 0] << 4) | (split[:, 1, :, :, :, 1] << 6)
-    return fields.permute(0, 2, 3, 1, 4).reshape(rows // _TILE_ROWS, k // _TILE_INPUTS, 128)  # [nb, g, j · c · b]
+    words = byte_words(high, rows // _TILE_ROWS, 2, 8, k // _TILE_INPUTS, 4, 2)  # [nb, h, c, g, j, e], bytes b
+    fields = words[:, 0, ..., 0] | (words[:, 0, ..., 1] << 2) | (words[:, 1, ..., 0] << 4) | (words[:, 1, ..., 1] << 6)
+    return fields.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(rows // _TILE_ROWS, k // _TILE_INPUTS, 128)
 
 
 @dataclass

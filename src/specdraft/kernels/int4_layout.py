@@ -70,14 +70,22 @@ def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
     return nibbles.view(blocks, groups, 4, 4, 4, 4).permute(0, 1, 2, 4, 3, 5).reshape(blocks, groups, 256)
 
 
+def byte_words(values: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Byte values `[rows, K]` (K % 4 == 0) four to an int32 word (inputs 4i .. 4i + 3, one a byte, the first lowest:
+    x86 and ARM are little-endian), viewed as `shape`: the QUADS layouts move whole words, and shift and or four
+    bytes in one operation where no byte carries into the next (2.6-5x faster than a byte at a time, 4096 x 2048)."""
+    return values.to(torch.uint8).contiguous().view(torch.int32).view(*shape)
+
+
 def quad_tiles(codes: torch.Tensor) -> torch.Tensor:
     """Codes `[rows, K]` (0..15, rows % 16 == 0) as `QUADS` tile bytes `[rows / 16, K / 32, 256]` (module doc)."""
     rows, k = codes.shape
     blocks, groups = rows // BLOCK_ROWS, k // GROUP
-    # codes[n0 + 8h + c, k0 + 8j + 4e + b] -> nibble e of byte 64·j + 32·h + 4·c + b of tile (nb, g)
-    split = codes.to(torch.uint8).view(blocks, 2, 8, groups, 4, 2, 4)  # [nb, h, c, g, j, e, b]
-    nibbles = split[..., 0, :] | (split[..., 1, :] << 4)  # [nb, h, c, g, j, b]
-    return nibbles.permute(0, 3, 4, 1, 2, 5).reshape(blocks, groups, 256)
+    # codes[n0 + 8h + c, k0 + 8j + 4e + b] -> nibble e of byte 64·j + 32·h + 4·c + b of tile (nb, g): the word of
+    # inputs 8j .. 8j + 3 of row 8h + c, or'ed with the next word's shifted by a nibble (codes < 16: no carry)
+    words = byte_words(codes, blocks, 2, 8, groups, 4, 2)  # [nb, h, c, g, j, e]
+    nibbles = words[..., 0] | (words[..., 1] << 4)  # [nb, h, c, g, j]
+    return nibbles.permute(0, 3, 4, 1, 2).contiguous().view(torch.uint8).view(blocks, groups, 256)
 
 
 _TILE_BYTES = {PAIRS: nibble_tiles, QUADS: quad_tiles}
@@ -129,13 +137,12 @@ def _fifth_bit_quads(high: torch.Tensor) -> torch.Tensor:
     (module doc)."""
     rows, k = high.shape
     # high[n0 + 8h + c, k0 + 16p + 8(j % 2) + 4e + b] -> bit 4·(j % 2) + 2h + e of byte 32p + 4c + b: each row's
-    # bits of a byte first (j % 2 and e), then the two rows' (h) together
-    bits = high.to(torch.uint8).view(rows, k // GROUP, 2, 2, 2, 4)  # [row, g, p, j % 2, e, b]
-    row_bits = (bits[:, :, :, 0, 0] | (bits[:, :, :, 0, 1] << 1)
-                | (bits[:, :, :, 1, 0] << 4) | (bits[:, :, :, 1, 1] << 5))  # [row, g, p, b]
-    halves = row_bits.view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2, 4)  # [nb, h, c, g, p, b]
-    tiles = halves[:, 0] | (halves[:, 1] << 2)  # [nb, c, g, p, b]
-    return tiles.permute(0, 2, 3, 1, 4).reshape(rows // BLOCK_ROWS, k // GROUP, 64)
+    # bits of a byte first (j % 2 and e), then the two rows' (h) together, a word of four bytes (b) at a time
+    words = byte_words(high, rows, k // GROUP, 2, 2, 2)  # [row, g, p, j % 2, e]
+    row_bits = words[..., 0, 0] | (words[..., 0, 1] << 1) | (words[..., 1, 0] << 4) | (words[..., 1, 1] << 5)
+    halves = row_bits.view(rows // BLOCK_ROWS, 2, 8, k // GROUP, 2)  # [nb, h, c, g, p]
+    tiles = halves[:, 0] | (halves[:, 1] << 2)  # [nb, c, g, p]
+    return tiles.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(rows // BLOCK_ROWS, k // GROUP, 64)
 
 
 _FIFTH_BITS = {PAIRS: _fifth_bit_masks, QUADS: _fifth_bit_quads}
