@@ -116,6 +116,16 @@ def test_quads_layout_puts_four_inputs_of_a_row_in_a_dword():
     assert sorted(packed.tiles.tolist()) != sorted(pairs.tiles.tolist())  # other bytes: nibbles paired differently
 
 
+def test_quads_packing_takes_codes_that_start_inside_a_word():
+    """The QUADS layouts move codes four bytes a word (`int4_layout.byte_words`): codes viewed from an odd byte of a
+    larger buffer pack as a copy of them does."""
+    buffer = torch.randint(0, 16, (16 * 64 + 1,), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    codes = buffer[1:].view(16, 64)  # contiguous, one byte past a word's start
+    assert torch.equal(int4_layout.quad_tiles(codes), int4_layout.quad_tiles(codes.clone()))
+    bits = (buffer & 1)[1:].view(16, 64)
+    assert torch.equal(int4_layout._fifth_bit_quads(bits), int4_layout._fifth_bit_quads(bits.clone()))
+
+
 @pytest.mark.parametrize("tokens", [7, 40])  # a verify pass, a prefill
 def test_int4_linear_runs_on_the_tile_kernel_and_agrees_with_pytorchs(monkeypatch, tile_kernel, tokens):
     kernel = tile_kernel

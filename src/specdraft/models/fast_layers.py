@@ -241,7 +241,8 @@ class NativeRMSNorm(nn.Module):
 def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
     """`norm` as a `NativeRMSNorm` of its family's formula where the kernel takes it, else `norm` itself."""
     weight = getattr(norm, "weight", None)
-    if not (isinstance(norm, _transformers().rms_norms[arch.rms_norm]) and weight is not None and weight.dtype == torch.bfloat16
+    family_norms = _transformers().rms_norms[arch.rms_norm]
+    if not (isinstance(norm, family_norms) and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available()):
         return norm
     return NativeRMSNorm(norm, arch.norm_offset if arch.rms_norm == "gemma" else None)
