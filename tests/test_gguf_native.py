@@ -3,6 +3,8 @@ tiny Qwen2 GGUF file written here, built packed and unpacked, and decoded specul
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -687,6 +689,40 @@ def test_kept_packed_model_is_the_built_one(gguf_files, tmp_path, monkeypatch, c
     assert "packing again" in capsys.readouterr().err
     with torch.inference_mode():
         assert torch.equal(rebuilt(ids).logits, want.logits)
+
+
+def _mapped_resident_bytes(path) -> int:
+    """How much of the file at `path` this process's mappings of it hold resident (/proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:  # a mapping's first line: "start-end perms offset dev inode path"
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            resident += int(line.split()[1]) * 1024
+    return resident
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
+def test_dropping_a_mapped_tensors_pages_gives_them_back_and_changes_no_bytes(tmp_path):
+    """A kept model is read mapped (`packed_store.read`); the tensors the stacking replaces give their pages back
+    (`heap.drop_file_pages`) where they would stay resident while the mapping lives. Only they do: a neighbour keeps
+    its pages, a dropped tensor still reads its bytes (from the file again), and memory that is not a file's is left."""
+    from specdraft.models.heap import drop_file_pages
+
+    want = {"dropped": torch.arange(2 << 20, dtype=torch.int32), "kept": torch.arange(2 << 20, dtype=torch.int32) * 3}
+    path = tmp_path / "kept.pt"
+    torch.save(want, path)
+    mapped = torch.load(path, mmap=True)
+    assert all(int(t.sum()) == int(want[name].sum()) for name, t in mapped.items())  # every page touched
+    before = _mapped_resident_bytes(path)
+    drop_file_pages([mapped["dropped"]])
+    after = _mapped_resident_bytes(path)
+    assert before - after >= (8 << 20) - 2 * 4096, (before, after)  # the dropped tensor's 8 MB, to whole pages
+    assert after >= (8 << 20) - 4096  # the neighbour's stay
+    assert torch.equal(mapped["dropped"], want["dropped"]) and torch.equal(mapped["kept"], want["kept"])
+    anonymous = torch.arange(2 << 20, dtype=torch.int32)
+    drop_file_pages([anonymous])
+    assert torch.equal(anonymous, want["dropped"])
 
 
 def test_truncated_file_is_reported(gguf_files, tmp_path):

@@ -28,7 +28,7 @@ from torch import nn
 from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, layer_ops
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
-from specdraft.models.heap import trim_heap
+from specdraft.models.heap import drop_file_pages, trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
@@ -265,6 +265,18 @@ def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
     return qkv, gate_up
 
 
+def _held_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """Every tensor the modules hold: buffers, parameters, and their packed matrices' (a `TileLinear`'s `packed`)."""
+    tensors = []
+    for module in modules:
+        for part in module.modules():
+            tensors += [*part.buffers(recurse=False), *part.parameters(recurse=False)]
+            packed = getattr(part, "packed", None)
+            if packed is not None and not isinstance(packed, torch.Tensor):
+                tensors += [value for value in vars(packed).values() if isinstance(value, torch.Tensor)]
+    return tensors
+
+
 def fast_decoder_layers(model: nn.Module) -> int:
     """Swap a stacked family's norms for `NativeRMSNorm` where it runs, and each decoder layer's
     attention and MLP for stacked ones where every projection runs on a tile kernel (outputs of the
@@ -290,6 +302,7 @@ def fast_decoder_layers(model: nn.Module) -> int:
         act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
         layer.self_attn = StackedAttention(layer.self_attn, parts[0])
         layer.mlp = StackedMLP(parts[1], mlp.down_proj, act_fn)
-        trim_heap()  # the replaced projections' memory goes back now, not at the end of loading
+        drop_file_pages(_held_tensors(parts[0] + parts[1]))  # the replaced projections' memory goes back now, not at
+        trim_heap()  # the end of loading: read from a kept file (mapped), or made by the loader
         stacked += 1
     return stacked

@@ -1,12 +1,18 @@
-"""Keeping the process's resident memory near its live size while weights load (glibc only)."""
+"""Keeping the process's resident memory near its live size while weights load (glibc and Linux only)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
+import os
 from functools import lru_cache
+from typing import Iterable
+
+import torch
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MADV_DONTNEED = 4
 
 
 @lru_cache(maxsize=1)
@@ -48,3 +54,44 @@ def compact_heap():
         if libc is not None:
             libc.malloc_trim(0)
             libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+
+
+def _private_file_mappings() -> list[tuple[int, int]]:
+    """This process's private mappings of regular files `(start, end)`, from /proc/self/maps ([] elsewhere)."""
+    try:
+        lines = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[1][3] == "p" and fields[5].startswith("/"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def drops_file_pages() -> bool:
+    """Whether `drop_file_pages` can give pages back here (Linux's /proc and glibc): where it cannot, a kept model is
+    read, not mapped, or the pages of the projections the stacking replaces would stay resident."""
+    return _libc() is not None and os.path.exists("/proc/self/maps")
+
+
+def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
+    """Give back this process's pages of `tensors` that lie in a private file mapping (a kept packed model read with
+    `mmap`, `packed_store.read`): for tensors no longer used, whose pages would otherwise stay resident while the
+    mapping lives (it is shared by the whole file's tensors). Only whole pages inside a tensor are dropped, and a
+    dropped page of a private file mapping reads the file again if touched, so nothing else can lose its bytes.
+    Tensors in other memory are left to `trim_heap`."""
+    libc = _libc()
+    ranges = _private_file_mappings() if libc is not None else []
+    if not ranges:
+        return
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        storage = tensor.untyped_storage()  # under `torch.load(mmap=True)` a storage is its record's slice of the file
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        first, last = -(-start // page) * page, end // page * page  # the whole pages inside
+        if last > first and any(low <= start and end <= high for low, high in ranges):
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

@@ -1,4 +1,4 @@
-"""A GGUF file's packed modules kept on disk after the first load, so later loads read them back in seconds
+"""A GGUF file's packed modules kept on disk after the first load, so later loads map them back in a second
 instead of converting the file's blocks again.
 
 What is kept is the loader's own modules (packed linears, the packed embedding, norm weights) before the layers
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specdraft.kernels import tiles
+from specdraft.models.heap import drops_file_pages
 from specdraft.paths import partial_path
 
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
@@ -51,8 +52,9 @@ def read(file: Path) -> dict[str, nn.Module | torch.Tensor] | None:
     if not file.is_file():
         return None
     try:
-        # our own cache file (written by `keep`), holding our module classes: not a weights-only pickle
-        return torch.load(file, weights_only=False)
+        # our own cache file (written by `keep`), holding our module classes: not a weights-only pickle. Mapped where
+        # the stacking can give back what it replaces (`heap.drops_file_pages`): pages come in as passes touch them
+        return torch.load(file, weights_only=False, mmap=drops_file_pages())
     except Exception as error:  # a cut or stale file costs one conversion, never the load
         print(f"warning: could not read the kept packed model {file} ({error}); packing again", file=sys.stderr)
         return None
