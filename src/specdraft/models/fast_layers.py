@@ -35,9 +35,9 @@ FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decod
 
 
 @cache
-def _transformers() -> SimpleNamespace:
-    """What these layers take from transformers' modeling, imported when a model is first swapped (not with this
-    module, so importing specdraft does not import transformers' modeling):
+def transformers_parts() -> SimpleNamespace:
+    """What these layers take from transformers' modeling, imported when a model is first loaded (`load_model` times
+    it) or swapped, not with this module, so importing specdraft does not import transformers' modeling:
 
     - `rms_norms`: the families' RMSNorms by formula (`architectures.Architecture.rms_norm`);
     - `tabled_activations`: activations other than SiLU that act on each value alone, whose table of PyTorch's values
@@ -149,10 +149,10 @@ class StackedMLP(nn.Module):
         self.down_proj, self.act_fn = down_proj, act_fn
         # SiLU·up as one C call where it gives PyTorch's bits (its own exp): 4 PyTorch passes over a prompt's
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
-        self.silu = isinstance(act_fn, (nn.SiLU, _transformers().silu))
+        self.silu = isinstance(act_fn, (nn.SiLU, transformers_parts().silu))
         self.native_silu = self.silu and self.intermediate % 16 == 0 and decoder_layers.same_silu_as_torch()
         # another activation (Gemma's GELU) as one C call too, read from a table of PyTorch's values ([65537] int16)
-        tabled = (isinstance(act_fn, _transformers().tabled_activations) and self.intermediate % 16 == 0
+        tabled = (isinstance(act_fn, transformers_parts().tabled_activations) and self.intermediate % 16 == 0
                   and decoder_layers.available())
         self.register_buffer("activation_table", decoder_layers.activation_table(act_fn) if tabled else None,
                              persistent=False)
@@ -209,10 +209,10 @@ class StackedAttention(nn.Module):
         key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
         value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if not native_rotary:
-            query, key = _transformers().rotate(query, key, cos, sin)
+            query, key = transformers_parts().rotate(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        parts = _transformers()
+        parts = transformers_parts()
         attend = parts.attention_functions.get_interface(self.config._attn_implementation, parts.eager_attention)
         output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                            sliding_window=self.sliding_window, softcap=self.softcap, **kwargs)  # [B, T, heads, d]
@@ -241,7 +241,7 @@ class NativeRMSNorm(nn.Module):
 def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
     """`norm` as a `NativeRMSNorm` of its family's formula where the kernel takes it, else `norm` itself."""
     weight = getattr(norm, "weight", None)
-    family_norms = _transformers().rms_norms[arch.rms_norm]
+    family_norms = transformers_parts().rms_norms[arch.rms_norm]
     if not (isinstance(norm, family_norms) and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available()):
         return norm
