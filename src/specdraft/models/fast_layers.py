@@ -302,7 +302,9 @@ def fast_decoder_layers(model: nn.Module) -> int:
         act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
         layer.self_attn = StackedAttention(layer.self_attn, parts[0])
         layer.mlp = StackedMLP(parts[1], mlp.down_proj, act_fn)
-        drop_file_pages(_held_tensors(parts[0] + parts[1]))  # the replaced projections' memory goes back now, not at
-        trim_heap()  # the end of loading: read from a kept file (mapped), or made by the loader
+        # the replaced projections' memory goes back now, not at the end of loading: mapped from a kept file, or made
+        # by the loader
+        drop_file_pages(_held_tensors(parts[0] + parts[1]))
+        trim_heap()
         stacked += 1
     return stacked

@@ -12,7 +12,6 @@ from typing import Iterable
 import torch
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_MADV_DONTNEED = 4
 
 
 @lru_cache(maxsize=1)
@@ -94,4 +93,4 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
         end = start + storage.nbytes()
         first, last = -(-start // page) * page, end // page * page  # the whole pages inside
         if last > first and any(low <= start and end <= high for low, high in ranges):
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
