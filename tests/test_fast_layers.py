@@ -86,7 +86,7 @@ def test_stacked_layers_give_the_same_logits_bit_for_bit(family, monkeypatch):
     model = int4_model(family=family)
     stacked = copy.deepcopy(model)
     with monkeypatch.context() as patch:  # the reference: the same norms, projections one by one
-        patch.setattr(fast_layers, "_run_kind", lambda linear: None)
+        patch.setattr(fast_layers, "run_kind", lambda linear: None)
         assert fast_decoder_layers(model) == 0
     assert fast_decoder_layers(stacked) == 2
     layer = stacked.model.layers[0]

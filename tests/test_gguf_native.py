@@ -178,11 +178,12 @@ BACKENDS = ("fallback", "native")  # Q6_K unpacked, or on our block kernel (Q4_K
 
 def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
     """`build_native_model`, with the Q6_K block kernel switched off for the fallback backend (and, `stacked=False`,
-    each projection left as its own module, where the tests look for it)."""
+    each projection left as its own module in transformers' class, where the tests look for it)."""
     with pytest.MonkeyPatch.context() as patch:
         if backend == "fallback":
             patch.setattr(gguf_matmul, "available", lambda: False)
         if not stacked:
+            patch.setattr("specdraft.models.gguf_native.stack_layers", lambda *args: False)
             patch.setattr("specdraft.models.gguf_native.fast_decoder_layers", lambda model: 0)
         return build_native_model(path, config, dtype, **kwargs)
 

@@ -71,7 +71,9 @@ def test_llama3_rope_scaling_is_a_rope_freqs_tensor(tmp_path):
     read = gguf_config(odd)
     assert read.rope_parameters.get("rope_type", "default") == "default"  # only Llama 3's own are recovered ...
     packed = build_native_model(odd, read, torch.float32)  # ... and the packed loader divides by the factors
-    base = type(packed.model.rotary_emb)(config=read).inv_freq
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    base = LlamaRotaryEmbedding(config=read).inv_freq  # transformers' table, without the factors
     factors = llama3_rope_factors(64, config.rope_parameters)
     assert torch.allclose(packed.model.rotary_emb.inv_freq, base / factors)
     with pytest.raises(SpecdraftError, match="rope_freqs.*Load it packed"):  # transformers would ignore them

@@ -60,6 +60,7 @@ from specdraft.policy import AUTO, make_policy
 from specdraft.errors import SpecdraftError
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.draft_head import draft_vocab_value
+from specdraft.models.gguf_native import transformers_view
 from specdraft.models.loading import DRAFT_QUANTS
 from specdraft.run import sync_device
 from specdraft.sampling import SamplingParams
@@ -281,7 +282,7 @@ def _assistant_tokens(draft: CausalLM, k: int | None) -> Iterator[None]:
     if k is None:
         yield
         return
-    config = draft.model.generation_config
+    config = transformers_view(draft.model).generation_config
     names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
     saved = {name: getattr(config, name, None) for name in names}
     config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
@@ -316,7 +317,8 @@ def _run_hf(models: Models, prompt_ids: list[int], params: RunParams, **extra) -
     with torch.inference_mode(), _quiet_transformers():
         sync_device(target.device)
         started = time.perf_counter()
-        output = target.model.generate(input_ids, attention_mask=attention_mask, **kwargs, **extra)  # [1, L + n]
+        output = transformers_view(target.model).generate(input_ids, attention_mask=attention_mask, **kwargs,
+                                                          **extra)  # [1, L + n]
         sync_device(target.device)
         wall = time.perf_counter() - started
     new_ids = cut_at_eos(output[0, len(prompt_ids):].tolist(), target.eos_token_ids)
@@ -332,7 +334,7 @@ def run_hf_assisted(models: Models, prompt_ids: list[int], params: RunParams) ->
     """transformers assisted generation with the shared draft model."""
     draft = models.draft_as(params.draft_quant, name=params.draft)
     with _assistant_tokens(draft, params.k):
-        return _run_hf(models, prompt_ids, params, assistant_model=draft.model)
+        return _run_hf(models, prompt_ids, params, assistant_model=transformers_view(draft.model))
 
 
 def run_hf_prompt_lookup(models: Models, prompt_ids: list[int], params: RunParams) -> RunOutput:

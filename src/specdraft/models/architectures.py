@@ -1,8 +1,9 @@
 """The model families the packed GGUF path builds, each declared as data: what its files and layers differ in.
 
-A GGUF file names its tensors as llama.cpp does (`blk.3.attn_q.weight`); the model that runs them is the family's
-own transformers class, with packed linears swapped in (`gguf_native`), and, where its layers have a declared shape,
-the stacked and fused layer paths (`fast_layers`, `fused_decoder`). A family is one `Architecture`:
+A GGUF file names its tensors as llama.cpp does (`blk.3.attn_q.weight`, placed at transformers' module paths); the
+model that runs them is our own (`packed_model`) where every layer stacks, else the family's transformers class with
+packed linears swapped in (`gguf_native`), and, where its layers have a declared shape, the stacked and fused layer
+paths (`fast_layers`, `fused_decoder`). A family is one `Architecture`:
 
 - `layer_tensors`: GGUF name inside `blk.N` -> module path inside `model.layers.N` (Gemma's `ffn_norm` is its
   pre-feed-forward norm, Llama's is the post-attention norm; Phi-3 keeps q, k, v and gate, up fused);

@@ -29,6 +29,7 @@ from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, layer_o
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import drop_file_pages, trim_heap
+from specdraft.models.packed_model import RMSNorm
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 FUSED_ATTRIBUTE = "_specdraft_fused_decoder"  # where `fused_decoder.fused_decoder` keeps its verdict on a model
@@ -42,7 +43,9 @@ def transformers_parts() -> SimpleNamespace:
     - `rms_norms`: the families' RMSNorms by formula (`architectures.Architecture.rms_norm`);
     - `tabled_activations`: activations other than SiLU that act on each value alone, whose table of PyTorch's values
       is tested to give its bits (Gemma's `gelu_pytorch_tanh`);
-    - `silu`: transformers' SiLU module; the attention functions and the rotation the PyTorch path calls."""
+    - `silu`: transformers' SiLU module; the attention functions the PyTorch path calls.
+
+    A model of our own (`packed_model`) needs none of them: its norms, activations and attention are ours."""
     from transformers.activations import GELUTanh, SiLUActivation
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm, eager_attention_forward
@@ -50,17 +53,51 @@ def transformers_parts() -> SimpleNamespace:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     return SimpleNamespace(
         rms_norms={"llama": (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm),
                    "gemma": (Gemma2RMSNorm, Gemma3RMSNorm)},
         tabled_activations=(GELUTanh,), silu=SiLUActivation, attention_functions=ALL_ATTENTION_FUNCTIONS,
-        eager_attention=eager_attention_forward, rotate=apply_rotary_pos_emb)
+        eager_attention=eager_attention_forward)
 
 
-def _run_kind(linear: nn.Module) -> str | None:
+def _from_transformers(module: nn.Module) -> bool:
+    """Whether `module` is one of transformers' classes (asking `transformers_parts` about it then imports nothing new)."""
+    return type(module).__module__.startswith("transformers.")
+
+
+def activation_kind(act_fn: nn.Module) -> str | None:
+    """`silu` for SiLU, `tabled` for an activation `decoder_layers.activation_table` gives the bits of (the tanh GELU:
+    Gemma's `gelu_pytorch_tanh`), None for another."""
+    if isinstance(act_fn, nn.SiLU):
+        return "silu"
+    if isinstance(act_fn, nn.GELU) and act_fn.approximate == "tanh":
+        return "tabled"
+    if _from_transformers(act_fn):
+        parts = transformers_parts()
+        if isinstance(act_fn, parts.silu):
+            return "silu"
+        if isinstance(act_fn, parts.tabled_activations):
+            return "tabled"
+    return None
+
+
+def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # q, k: [B, heads, T, d]; cos, sin: [B, T, d]
+    """Rotate q and k by (cos, sin), turning whole heads: transformers' `apply_rotary_pos_emb`, operation for
+    operation (`x · cos + rotate_half(x) · sin`)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return (query * cos) + (rotate_half(query) * sin), (key * cos) + (rotate_half(key) * sin)
+
+
+def run_kind(linear: nn.Module) -> str | None:
     """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`), None when it cannot be stacked. 4-bit
     halves side by side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
     if isinstance(linear, SplitInt4Linear):
@@ -77,7 +114,7 @@ def _run_kind(linear: nn.Module) -> str | None:
 def _run_key(part: nn.Module) -> tuple:
     """What parts must share to be one run: their kind, whether they are split halves, and their code width."""
     packed = getattr(getattr(part, "halves", part), "tiles", None)
-    return _run_kind(part), isinstance(part, SplitInt4Linear), getattr(packed, "bits", None)
+    return run_kind(part), isinstance(part, SplitInt4Linear), getattr(packed, "bits", None)
 
 
 class StackedProjection(nn.Module):
@@ -142,18 +179,18 @@ class StackedProjection(nn.Module):
 class StackedMLP(nn.Module):
     """The gated MLP, `down(act(gate x) · up x)`, with gate and up in one kernel call."""
 
-    def __init__(self, gate_up: list[nn.Module], down_proj: nn.Module, act_fn: nn.Module) -> None:
+    def __init__(self, gate_up: list[nn.Module] | StackedProjection, down_proj: nn.Module, act_fn: nn.Module) -> None:
         super().__init__()
-        self.gate_up = StackedProjection(gate_up)
+        self.gate_up = gate_up if isinstance(gate_up, StackedProjection) else StackedProjection(gate_up)
         self.intermediate = self.gate_up.out_features // 2
         self.down_proj, self.act_fn = down_proj, act_fn
         # SiLU·up as one C call where it gives PyTorch's bits (its own exp): 4 PyTorch passes over a prompt's
         # [T, 2I] in one (1,500 tokens, 28 layers: 0.6 s in PyTorch)
-        self.silu = isinstance(act_fn, (nn.SiLU, transformers_parts().silu))
+        kind = activation_kind(act_fn)
+        self.silu = kind == "silu"
         self.native_silu = self.silu and self.intermediate % 16 == 0 and decoder_layers.same_silu_as_torch()
         # another activation (Gemma's GELU) as one C call too, read from a table of PyTorch's values ([65537] int16)
-        tabled = (isinstance(act_fn, transformers_parts().tabled_activations) and self.intermediate % 16 == 0
-                  and decoder_layers.available())
+        tabled = kind == "tabled" and self.intermediate % 16 == 0 and decoder_layers.available()
         self.register_buffer("activation_table", decoder_layers.activation_table(act_fn) if tabled else None,
                              persistent=False)
 
@@ -172,8 +209,11 @@ class StackedAttention(nn.Module):
     head of q and k of Qwen3 and Gemma 3 where it has them, and Gemma 2's soft-capped scores) with q, k and v in one
     pass. Transformers' eager attention, where a model runs it, is Gemma 2's (Llama's, plus the cap)."""
 
-    def __init__(self, attention: nn.Module, qkv: list[nn.Module]) -> None:
+    def __init__(self, attention: nn.Module, qkv: list[nn.Module] | StackedProjection) -> None:
         super().__init__()
+        # the attention function: a model of our own names it (`packed_model.attention_parts`), transformers' models
+        # look theirs up by the config's name on each pass
+        self.attend = getattr(attention, "attend", None)
         for name in ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
                      "is_causal"):
             setattr(self, name, getattr(attention, name))
@@ -182,7 +222,7 @@ class StackedAttention(nn.Module):
         self.sliding_window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
         self.q_size = config.num_attention_heads * self.head_dim
         self.kv_size = config.num_key_value_heads * self.head_dim
-        self.qkv = StackedProjection(qkv)
+        self.qkv = qkv if isinstance(qkv, StackedProjection) else StackedProjection(qkv)
         self.o_proj = attention.o_proj
         self.q_norm, self.k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2: cap · tanh(score / cap)
@@ -209,11 +249,13 @@ class StackedAttention(nn.Module):
         key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, d]
         value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if not native_rotary:
-            query, key = transformers_parts().rotate(query, key, cos, sin)
+            query, key = rotate(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        parts = transformers_parts()
-        attend = parts.attention_functions.get_interface(self.config._attn_implementation, parts.eager_attention)
+        attend = self.attend
+        if attend is None:
+            parts = transformers_parts()
+            attend = parts.attention_functions.get_interface(self.config._attn_implementation, parts.eager_attention)
         output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                            sliding_window=self.sliding_window, softcap=self.softcap, **kwargs)  # [B, T, heads, d]
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
@@ -241,8 +283,11 @@ class NativeRMSNorm(nn.Module):
 def _native_norm(norm: nn.Module, arch: Architecture) -> nn.Module:
     """`norm` as a `NativeRMSNorm` of its family's formula where the kernel takes it, else `norm` itself."""
     weight = getattr(norm, "weight", None)
-    family_norms = transformers_parts().rms_norms[arch.rms_norm]
-    if not (isinstance(norm, family_norms) and weight is not None and weight.dtype == torch.bfloat16
+    if isinstance(norm, RMSNorm):
+        family_norm = norm.kind == arch.rms_norm
+    else:
+        family_norm = _from_transformers(norm) and isinstance(norm, transformers_parts().rms_norms[arch.rms_norm])
+    if not (family_norm and weight is not None and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[-1] % 16 == 0 and layer_ops.available()):
         return norm
     return NativeRMSNorm(norm, arch.norm_offset if arch.rms_norm == "gemma" else None)
@@ -256,7 +301,7 @@ def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
         getattr(attention, f"{n}_proj", None) for n in "qkv"]
     gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [
         getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
-    if any(p is None or _run_kind(p) is None for p in qkv + gate_up):
+    if any(p is None or run_kind(p) is None for p in qkv + gate_up):
         return None
     config = attention.config
     rope = getattr(config, "rope_parameters", None) or {}

@@ -20,14 +20,17 @@
   and it never changes what is emitted).
 - The token embedding stays in its file blocks and unpacks only the rows looked up.
 
-The model is the family's own transformers class (`models/architectures.py` declares, per family,
-the tensor names and what llama.cpp's converter changed: Llama's q/k row order, Gemma's norm
-offsets), built on the meta device and filled tensor by tensor, so memory never holds an unpacked
-copy of the whole file. Families not declared load unpacked through transformers.
+`models/architectures.py` declares, per family, the tensor names and what llama.cpp's converter changed (Llama's
+q/k row order, Gemma's norm offsets). Where every layer's q|k|v and gate|up run on tile kernels and its rotary is
+fixed and turns whole heads (`stack_layers`), the model is our own (`packed_model.PackedForCausalLM`: no transformers
+model code is imported, and what is kept holds the layers stacked); elsewhere it is the family's transformers class,
+built on the meta device and filled tensor by tensor. Either way memory never holds an unpacked copy of the whole
+file. Families not declared load unpacked through transformers.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,9 +41,11 @@ from torch import nn
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import dense_matmul, gguf_matmul
 from specdraft.kernels.int4_layout import AffineRows
-from specdraft.models.architectures import (FREQUENCY_FACTORS, LONGROPE_FACTORS, Architecture, architecture_for,
-                                            head_dim_of, known_model_types)
-from specdraft.models.fast_layers import fast_decoder_layers
+from specdraft.models.architectures import (FREQUENCY_FACTORS, LAYER_NORMS, LONGROPE_FACTORS, Architecture,
+                                            architecture_for, head_dim_of, known_model_types)
+from specdraft.models import packed_model
+from specdraft.models.fast_layers import (StackedAttention, StackedMLP, StackedProjection, run_kind,
+                                          fast_decoder_layers)
 from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.gguf_layout import Q4K_GROUP  # every affine type groups 32 weights
 from specdraft.models.gguf_blocks import (AFFINE_4BIT, FIVE_BIT, SPLIT_INTO_4BIT, five_bit_affine, q4_affine,
@@ -271,7 +276,8 @@ def packed_obstacle(config) -> str | None:
 
 def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True, split: bool = True,
                        kept: Path | None = None) -> nn.Module:
-    """A transformers model whose weights come straight from the GGUF file's blocks (see module doc).
+    """A model whose weights come straight from the GGUF file's blocks: our own or the family's transformers class
+    (see the module's text).
 
     With `pack=False` every linear is unpacked to `dtype`: the reference the packed model is
     checked against (float32 gives the file's exact values). `split=False`
@@ -280,8 +286,6 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     bytes a pass, and a head it can narrow). `kept`: a file
     where the packed modules are kept after a first build and read back on later ones (`packed_store`).
     """
-    from transformers import AutoModelForCausalLM
-
     obstacle = packed_obstacle(config)
     if obstacle is not None:
         raise SpecdraftError(f"Cannot load {path.name} packed: {obstacle}.")
@@ -309,23 +313,19 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
         built = packed_store.read(kept) if kept is not None else None
         if built is None:
             built = _file_modules(source, grouped, arch, config, dtype, pack, split)
+            if pack:
+                stack_layers(built, arch, config)
             if kept is not None:  # the embedding stays mapped from the file, not copied into the kept one
                 packed_store.keep(kept, {name: m for name, m in built.items() if name != _EMBEDDING})
         else:
             built[_EMBEDDING] = _embedding(source, grouped[_EMBEDDING]["weight"], arch, config, dtype)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        for name in list(built):
-            module = built.pop(name)  # held by the model alone from here, so stacking frees it
-            if isinstance(module, torch.Tensor):  # a norm's weight
-                model.get_submodule(name).weight = nn.Parameter(module, requires_grad=False)
-            else:
-                model.set_submodule(name, module)
-        _rebuild_meta_buffers(model, config)
-        if frequency_factors is not None:
-            _divide_frequencies(model, config, source.unpacked(frequency_factors, torch.float32))
+        factors = None if frequency_factors is None else source.unpacked(frequency_factors, torch.float32)
     finally:
         source.close()
+    if f"model.layers.0.{packed_model.QKV}" in built:
+        model = _own_model(built, arch, config, factors)
+    else:
+        model = _transformers_model(built, config, dtype, factors)
     missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if missing:
         raise SpecdraftError(f"The GGUF file {path.name} lacks tensors for {', '.join(missing[:5])}; "
@@ -333,6 +333,118 @@ def build_native_model(path: Path, config, dtype: torch.dtype, pack: bool = True
     model.config.tie_word_embeddings = False  # head and embedding are separate modules now
     fast_decoder_layers(model)
     return model.eval()
+
+
+def _transformers_model(built: dict[str, nn.Module | torch.Tensor], config, dtype: torch.dtype,
+                        frequency_factors: torch.Tensor | None) -> nn.Module:
+    """The family's transformers class, built on the meta device and filled with `built` (emptied here)."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name in list(built):
+        module = built.pop(name)  # held by the model alone from here, so stacking frees it
+        if isinstance(module, torch.Tensor):  # a norm's weight
+            model.get_submodule(name).weight = nn.Parameter(module, requires_grad=False)
+        else:
+            model.set_submodule(name, module)
+    _rebuild_meta_buffers(model, config)
+    if frequency_factors is not None:
+        _divide_frequencies(model, config, frequency_factors)
+    return model
+
+
+def family_config(config):
+    """`config` as its family's transformers config class (a plain `PretrainedConfig` read from a kept file
+    (`loading`) becomes a `LlamaConfig`, ...): what transformers' model classes take."""
+    if type(config).model_type:
+        return config
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    return AutoConfig.for_model(config.model_type, **values)
+
+
+_ACTIVATIONS = {"silu": nn.SiLU, "swish": nn.SiLU, "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh")}
+
+
+def _activation_name(config) -> str | None:
+    """The MLP's activation as the config names it (Gemma: `hidden_activation`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def _own_model_obstacle(config) -> str | None:
+    """Why a config's layers cannot run in our own model (`packed_model`), or None."""
+    if _activation_name(config) not in _ACTIVATIONS:
+        return f"its activation {_activation_name(config)!r}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    tables = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for table in tables:
+        if table.get("rope_type", "default") not in packed_model.STATIC_ROPE_TYPES:
+            return f"its rotary ({table.get('rope_type')}) changes with the pass"
+        if table.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
+            return "its rotary turns part of each head"
+    return None
+
+
+def _layer_parts(built: dict, layer: int, names: tuple[str, ...], fused: str) -> list[str]:
+    """The keys in `built` of one layer's projections that read one input: the fused one, else each of `names`."""
+    prefix = f"model.layers.{layer}."
+    return [prefix + fused] if prefix + fused in built else [prefix + name for name in names]
+
+
+def stack_layers(built: dict[str, nn.Module | torch.Tensor], arch: Architecture, config) -> bool:
+    """Where every layer's q|k|v and gate|up run on tile kernels (and the rest of the model runs in our own model),
+    put each layer's stacked projections in `built` in place of the parts (`packed_model.QKV`, `GATE_UP`): what is
+    kept then holds them stacked, and a later load maps them in as they run. Returns whether it did."""
+    if arch.layer_shape not in LAYER_NORMS or _own_model_obstacle(config) is not None:
+        return False
+    layers = []
+    for layer in range(config.num_hidden_layers):
+        qkv = _layer_parts(built, layer, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                           "self_attn.qkv_proj")
+        gate_up = _layer_parts(built, layer, ("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj")
+        if any(name not in built or run_kind(built[name]) is None for name in qkv + gate_up):
+            return False
+        layers.append((layer, qkv, gate_up))
+    for layer, qkv, gate_up in layers:
+        for stacked, names in ((packed_model.QKV, qkv), (packed_model.GATE_UP, gate_up)):
+            built[f"model.layers.{layer}.{stacked}"] = StackedProjection([built.pop(name) for name in names])
+        trim_heap()  # the parts' memory goes back a layer at a time
+    return True
+
+
+def _own_model(built: dict[str, nn.Module | torch.Tensor], arch: Architecture, config,
+               frequency_factors: torch.Tensor | None) -> nn.Module:
+    """Our own model (`packed_model.PackedForCausalLM`) of `built` (emptied here), its layers stacked already, with a
+    copy of `config` of its own (which says it runs our attention)."""
+    config = copy.deepcopy(config)
+    eps = config.rms_norm_eps
+
+    def norm(name: str) -> packed_model.RMSNorm | None:
+        weight = built.pop(name, None)
+        return None if weight is None else packed_model.RMSNorm(weight, eps, arch.rms_norm)
+
+    packed_model.use_own_attention(config)
+    kinds = getattr(config, "layer_types", None) if arch.rotary_per_layer_type else None
+    layers = []
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        parts = packed_model.attention_parts(config, layer, built.pop(prefix + "self_attn.o_proj"),
+                                             norm(prefix + "self_attn.q_norm"), norm(prefix + "self_attn.k_norm"))
+        attention = StackedAttention(parts, built.pop(prefix + packed_model.QKV))
+        mlp = StackedMLP(built.pop(prefix + packed_model.GATE_UP), built.pop(prefix + "mlp.down_proj"),
+                         _ACTIVATIONS[_activation_name(config)]())
+        norms = {name: norm(prefix + name) for name in filter(None, LAYER_NORMS[arch.layer_shape])}
+        layers.append(packed_model.DecoderLayer(arch.layer_shape, norms, attention, mlp,
+                                                None if kinds is None else kinds[layer]))
+    rotary = packed_model.Rotary(config, arch.rotary_per_layer_type, frequency_factors)
+    decoder = packed_model.Decoder(config, built.pop(_EMBEDDING), layers, norm("model.norm"), rotary)
+    model = packed_model.PackedForCausalLM(config, decoder, built.pop("lm_head"))
+    if built:
+        raise SpecdraftError(f"Tensors the model has no place for: {', '.join(list(built)[:5])}.")
+    return model
 
 
 def _embedding(source: _TensorFile, weight: TensorEntry, arch: Architecture, config, dtype: torch.dtype):
@@ -356,3 +468,31 @@ def _file_modules(source: _TensorFile, grouped: dict[str, dict[str, TensorEntry]
         if i % 8 == 7:  # unpacking temporaries would otherwise pile up as freed but resident pages
             trim_heap()
     return built
+
+
+_TRANSFORMERS_VIEW = "_specdraft_transformers_view"  # where `transformers_view` keeps what it made, on our model
+
+
+def transformers_view(model: nn.Module) -> nn.Module:
+    """A model for transformers' own `generate` (the `hf-*` bench peers): `model` itself if it is a transformers
+    model, else (our own, `packed_model`) the family's transformers class holding the very same parts (embedding,
+    stacked layers, norms, rotary tables, head: no tensor copied), made once and kept on `model`."""
+    if not isinstance(model, packed_model.PackedForCausalLM):
+        return model
+    view = model.__dict__.get(_TRANSFORMERS_VIEW)
+    if view is None:
+        from transformers import AutoModelForCausalLM
+
+        config = family_config(copy.deepcopy(model.config))
+        config._attn_implementation = None  # transformers' default; our stacked attention calls its own function
+        with torch.device("meta"):
+            view = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        ours, theirs = model.model, view.model
+        for mine, layer in zip(ours.layers, theirs.layers):
+            for name in [*filter(None, mine.norm_names), "self_attn", "mlp"]:
+                setattr(layer, name, getattr(mine, name))
+        theirs.embed_tokens, theirs.norm, theirs.rotary_emb = ours.embed_tokens, ours.norm, ours.rotary_emb
+        view.lm_head = model.lm_head
+        _rebuild_meta_buffers(view, config)
+        model.__dict__[_TRANSFORMERS_VIEW] = view.eval()
+    return view

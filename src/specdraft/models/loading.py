@@ -19,6 +19,7 @@ from specdraft.models.context import hold_context
 from specdraft.models.fast_layers import fast_decoder_layers
 from specdraft.models.heap import compact_heap
 from specdraft.models.gguf_config import gguf_config
+from specdraft.models.gguf_native import family_config
 from specdraft.models.prepacked import prepack_linears, unpack_linears
 from specdraft.paths import cache_dir, partial_path
 
@@ -98,12 +99,16 @@ _COMPLETED = "config-completed"  # marks a kept config made by `gguf_config` (ol
 
 
 def _gguf_config_and_tokenizer(path: Path):
-    """The config and tokenizer a GGUF file describes (read once, then kept in the cache)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """The config and tokenizer a GGUF file describes (read once, then kept in the cache). A kept config is read
+    into a plain `PretrainedConfig` that names its family in `model_type` (`gguf_native.family_config` makes it the
+    family's class where transformers' model needs that): the family's class would import transformers' model code."""
+    from transformers import AutoTokenizer
+    from transformers.configuration_utils import PretrainedConfig
 
     meta = _converted_dir(path, "meta")
     if (meta / "config.json").is_file() and (meta / _COMPLETED).is_file():
-        return AutoConfig.from_pretrained(str(meta)), AutoTokenizer.from_pretrained(str(meta))
+        values = PretrainedConfig.get_config_dict(str(meta))[0]
+        return PretrainedConfig(**values), AutoTokenizer.from_pretrained(str(meta))
     config = gguf_config(path)
     tokenizer = _gguf_tokenizer(path, config)
     _keep(meta, config, tokenizer)
@@ -163,6 +168,7 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
           file=sys.stderr)
     config, tokenizer = _gguf_config_and_tokenizer(path)
+    config = family_config(config)
     _refuse_unread_frequency_factors(path, config)
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, config=config, dtype=dtype,
@@ -220,7 +226,7 @@ def load_model(
     kind, path = resolve_model_path(spec)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     started = time.perf_counter()
-    imported = _import_model_code()
+    imported = _import_model_code() if kind != "gguf" or gguf_weights == "unpacked" else 0.0
     hf_logging.set_verbosity_error()  # transformers' notices go nowhere; ours go to stderr
     hf_logging.disable_progress_bar()
     try:
@@ -245,8 +251,9 @@ def load_model(
 
 
 def _import_model_code() -> float:
-    """Import transformers' model code (its configs and model classes), which `import specdraft` leaves out; the
-    seconds it took (3-5 on 2 cores the first time in a process, nothing after), for the loading line."""
+    """Import transformers' model code (its configs and model classes), which `import specdraft` leaves out, for a
+    model that runs in transformers' class (a packed GGUF model in our own runs without it); the seconds it took (3-5
+    on 2 cores the first time in a process, nothing after), for the loading line."""
     started = time.perf_counter()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
@@ -271,12 +278,15 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         obstacle = _packed_obstacle(config, device)
         if obstacle is None:
             from specdraft.models.gguf_native import build_native_model, describe_packing
+            from specdraft.models.packed_model import PackedForCausalLM
 
             from specdraft.models import packed_store
 
             kept = packed_store.kept_file(_converted_dir(path, "packed"), dtype, split)
             model = build_native_model(path, config, dtype, split=split, kept=kept)
-            return model, tokenizer, f"{config.model_type}, GGUF blocks packed; projections: {describe_packing(model)}"
+            shell = "" if isinstance(model, PackedForCausalLM) else f" in transformers' {type(model).__name__}"
+            return (model, tokenizer,
+                    f"{config.model_type}, GGUF blocks packed{shell}; projections: {describe_packing(model)}")
         if gguf_weights == "packed":
             raise SpecdraftError(f"Cannot load {spec!r} packed: {obstacle}. Use --gguf-weights unpacked.")
         why = f"not packed: {obstacle}"

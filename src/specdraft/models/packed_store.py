@@ -1,8 +1,9 @@
 """A GGUF file's packed modules kept on disk after the first load, so later loads map them back in a second
 instead of converting the file's blocks again.
 
-What is kept is the loader's own modules (packed linears, the packed embedding, norm weights) before the layers
-are stacked, not the transformers model: a model unpickled whole lost transformers' hidden-state capture. A kept
+What is kept is the loader's own modules (packed linears, their layers' q|k|v and gate|up stacked where the model
+runs in our own class (`packed_model`), norm weights), not the model: a transformers model unpickled whole lost its
+hidden-state capture. A kept
 file is named by what decides its bytes: the tile kernel (its layout), the dtype, whether 5- and 8-bit linears are
 split, and a digest of the packing code and PyTorch's version, so a change to any of them packs again. The
 file's own identity (path, size, modification time) names the folder (`loading._converted_dir`).
@@ -24,6 +25,7 @@ from specdraft.models.heap import drops_file_pages
 from specdraft.paths import partial_path
 
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
+                 "models/fast_layers.py", "models/packed_model.py",
                  "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/dense_matmul.py", "kernels/tile_linear.py",
                  "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
 

@@ -1,0 +1,155 @@
+"""A packed GGUF model whose layers all stack runs in our own class (`packed_model`), without transformers' model
+code, and computes what transformers' class of its family computes with the same stacked parts, bit for bit: prompt
+passes, passes over a cache, tree passes, hidden states, sliding windows (Gemma), on the PyTorch path and fused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdraft.bench.random_gguf import default_tokenizer, file_reference, tiny_config, write_random_gguf
+from specdraft.kernels import gguf_matmul
+from specdraft.models.causal_lm import CausalLM
+from specdraft.models.gguf_native import build_native_model
+from specdraft.models.packed_model import PackedForCausalLM
+from specdraft.models.quantize import int4_kernel_available
+
+pytestmark = pytest.mark.skipif(not (int4_kernel_available() and gguf_matmul.available()),
+                                reason="the packed layers stack where the tile kernels run")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """`get(family)`: (our own model, transformers' class with the same stacked layers) of one tiny Q4_K_M file."""
+    root, made = tmp_path_factory.mktemp("own"), {}
+
+    def get(family: str):
+        if family not in made:
+            path = write_random_gguf(tiny_config(family), root / f"{family}.gguf", "Q4_K_M", seed=3)
+            config = file_reference(path).config
+            own = build_native_model(path, config, torch.bfloat16)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr("specdraft.models.gguf_native.stack_layers", lambda *args: False)
+                theirs = build_native_model(path, config, torch.bfloat16)
+            made[family] = own, theirs
+        return made[family]
+    return get
+
+
+def passes(lm: CausalLM, tokens: torch.Tensor, hidden: bool) -> list[torch.Tensor]:
+    """Logits (and final hidden states) of a prompt pass, a chain over the cache, a one-token pass and a tree pass."""
+    outputs = []
+    lm.reset()
+    out = lm.forward(tokens[:, :20], logits_to_keep=20, hidden_to_keep=20 if hidden else 0)  # prompt pass
+    outputs += [out.logits, out.hidden_states]
+    out = lm.forward(tokens[:, 20:24], logits_to_keep=4)  # a chain over the cache
+    outputs.append(out.logits)
+    outputs.append(lm.forward(tokens[:, 24:25]).logits)  # one token
+    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    out = lm.forward(tokens[:, 25:28], logits_to_keep=3, offsets=torch.tensor([0, 1, 1]), visible=visible)
+    outputs.append(out.logits)
+    return [o for o in outputs if o is not None]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_own_model_computes_transformers_bits(pair, family, fused, monkeypatch):
+    own, theirs = pair(family)
+    assert isinstance(own, PackedForCausalLM) and not isinstance(theirs, PackedForCausalLM)
+    if not fused:
+        monkeypatch.setattr("specdraft.models.causal_lm.fused_decoder", lambda model: None)
+    tokens = torch.randint(0, 512, (1, 28), generator=torch.Generator().manual_seed(0))
+    if family.startswith("gemma"):  # the tiny Gemmas' sliding window (8) is shorter than the sequence: trees refused
+        tokens = tokens[:, :25]
+    mine, want = CausalLM(own), CausalLM(theirs)
+    with torch.inference_mode():
+        got_all = passes(mine, tokens, hidden=True) if tokens.shape[1] == 28 else _chain(mine, tokens)
+        want_all = passes(want, tokens, hidden=True) if tokens.shape[1] == 28 else _chain(want, tokens)
+    assert len(got_all) == len(want_all)
+    for got, expected in zip(got_all, want_all):
+        assert torch.equal(got, expected)
+
+
+def _chain(lm: CausalLM, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """A prompt pass past the window, then passes over the cache (a sliding window's mask at work)."""
+    lm.reset()
+    out = lm.forward(tokens[:, :12], logits_to_keep=12, hidden_to_keep=12)
+    outputs = [out.logits, out.hidden_states, lm.forward(tokens[:, 12:16], logits_to_keep=4).logits]
+    outputs += [lm.forward(tokens[:, i:i + 1]).logits for i in range(16, 25)]
+    return outputs
+
+
+def test_every_hidden_state_as_transformers_returns_them(pair):
+    """`output_hidden_states`: each layer's input, then the final normed states, as transformers' classes return."""
+    own, theirs = pair("qwen3")
+    ids = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = own(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=0)
+        want = theirs(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=0)
+    assert len(got.hidden_states) == len(want.hidden_states) == own.config.num_hidden_layers + 1
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert torch.equal(a, b)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_a_pass_refuses_what_it_does_not_take(pair):
+    own, _ = pair("llama")
+    ids = torch.zeros((1, 3), dtype=torch.long)
+    with pytest.raises(TypeError, match="inputs_embeds"):
+        own(input_ids=ids, inputs_embeds=torch.zeros(1, 3, 8))
+    with pytest.raises(ValueError, match="additive mask"):
+        own(input_ids=ids, attention_mask=torch.ones((1, 3), dtype=torch.long))
+
+
+def test_loading_a_kept_model_imports_no_transformers_model_code(tmp_path):
+    """A later load of a packed GGUF file in a fresh process runs without `transformers.modeling_utils` (whose import
+    took most of a later load) and says it runs in our own model."""
+    tokenizer = default_tokenizer()
+    if tokenizer is None:
+        pytest.skip("the bundled Qwen2.5-Coder GGUF (whose tokenizer the file takes) is not in the cache folder")
+    path = write_random_gguf(tiny_config("llama"), tmp_path / "llama.gguf", "Q4_K_M", tokenizer, seed=4)
+    script = (
+        "import sys\nfrom specdraft.models.loading import load_model\n"
+        f"lm = load_model({str(path)!r})\n"
+        "print(type(lm.model).__name__, 'transformers.modeling_utils' in sys.modules)\n")
+    env = {"SPECDRAFT_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    first = _run(script, env)  # packs and keeps the model (and its config and tokenizer)
+    later = _run(script, env)
+    assert first.split()[-2:][0] == "PackedForCausalLM"
+    assert later.split()[-2:] == ["PackedForCausalLM", "False"], later
+
+
+def _run(script: str, env: dict) -> str:
+    import os
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_transformers_view_generates_our_tokens(pair, family):
+    """transformers' `generate` (the `hf-*` peers) runs our model's parts in the family's class: the same greedy
+    tokens as our plain decoding, no tensor copied."""
+    from specdraft.models.gguf_native import transformers_view
+    from specdraft.models.kv_cache import growing_cache
+
+    own, _ = pair(family)
+    view = transformers_view(own)
+    assert transformers_view(own) is view and view.lm_head is own.lm_head
+    assert view.model.layers[0].self_attn is own.model.layers[0].self_attn
+    prompt, want = [5, 9, 200, 31, 7], []
+    with torch.inference_mode():
+        cache, ids = growing_cache(own.config), torch.tensor([prompt])  # greedy as generate runs: bf16 passes
+        for _ in range(12):
+            ids = own(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            want.append(int(ids))
+        out = view.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 5, dtype=torch.long), do_sample=False,
+                            max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert out[0, 5:].tolist() == want
