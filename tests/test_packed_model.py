@@ -153,3 +153,32 @@ def test_transformers_view_generates_our_tokens(pair, family):
         out = view.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 5, dtype=torch.long), do_sample=False,
                             max_new_tokens=12, eos_token_id=None, pad_token_id=0)
     assert out[0, 5:].tolist() == want
+
+
+def test_a_kept_tokenizer_is_the_built_one_and_a_broken_one_is_built_again(tmp_path, capsys):
+    """`_kept_tokenizer` pickles what it builds from the kept folder; the next load reads that pickle back (the same
+    encodings, vocabulary and chat template), and a pickle cut short costs a build, not the load."""
+    from transformers import AutoTokenizer
+    from transformers.configuration_utils import PretrainedConfig
+
+    from specdraft.models.loading import _kept_tokenizer
+
+    tokenizer = default_tokenizer()
+    if tokenizer is None:
+        pytest.skip("the bundled Qwen2.5-Coder GGUF (whose tokenizer is kept here) is not in the cache folder")
+    built = AutoTokenizer.from_pretrained(str(tokenizer.parent), gguf_file=tokenizer.name)
+    built.save_pretrained(str(tmp_path))
+    config = PretrainedConfig(model_type="qwen2")
+    first = _kept_tokenizer(tmp_path, config)
+    kept = list(tmp_path.glob("tokenizer-*.pickle"))
+    assert len(kept) == 1
+    again = _kept_tokenizer(tmp_path, config)
+    text = "def f(x):\n    return x ** 2  # ünïcödé 你好"
+    messages = [{"role": "user", "content": "hi"}]
+    for got in (first, again):
+        assert got.encode(text) == built.encode(text) and got.get_vocab() == built.get_vocab()
+        assert got.apply_chat_template(messages, tokenize=False) == built.apply_chat_template(messages, tokenize=False)
+    kept[0].write_bytes(kept[0].read_bytes()[:100])  # cut short
+    rebuilt = _kept_tokenizer(tmp_path, config)
+    assert rebuilt.encode(text) == built.encode(text)
+    assert "could not read the kept tokenizer" in capsys.readouterr().err

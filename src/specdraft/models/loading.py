@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -102,13 +103,12 @@ def _gguf_config_and_tokenizer(path: Path):
     """The config and tokenizer a GGUF file describes (read once, then kept in the cache). A kept config is read
     into a plain `PretrainedConfig` that names its family in `model_type` (`gguf_native.family_config` makes it the
     family's class where transformers' model needs that): the family's class would import transformers' model code."""
-    from transformers import AutoTokenizer
     from transformers.configuration_utils import PretrainedConfig
 
     meta = _converted_dir(path, "meta")
     if (meta / "config.json").is_file() and (meta / _COMPLETED).is_file():
-        values = PretrainedConfig.get_config_dict(str(meta))[0]
-        return PretrainedConfig(**values), AutoTokenizer.from_pretrained(str(meta))
+        config = PretrainedConfig(**PretrainedConfig.get_config_dict(str(meta))[0])
+        return config, _kept_tokenizer(meta, config)
     config = gguf_config(path)
     tokenizer = _gguf_tokenizer(path, config)
     _keep(meta, config, tokenizer)
@@ -117,6 +117,33 @@ def _gguf_config_and_tokenizer(path: Path):
     except OSError:
         pass  # only costs the parse next time
     return config, tokenizer
+
+
+def _kept_tokenizer(meta: Path, config):
+    """The tokenizer kept in `meta`, as an earlier load pickled it (0.5-0.9 s on 2 cores where building it from
+    `tokenizer.json` took 1.2-2.7 s: transformers 5 parses that file in Python several times), else built from the
+    folder (`config` given, so that `AutoTokenizer` does not import the family's config class) and pickled for the
+    next load. The pickle is named by transformers' version; one that cannot be read costs a build."""
+    import transformers
+
+    kept = meta / f"tokenizer-{transformers.__version__}.pickle"
+    if kept.is_file():
+        try:
+            with open(kept, "rb") as file:
+                return pickle.load(file)  # our own cache file, written below
+        except Exception as error:  # a cut or stale file costs a build, never the load
+            print(f"warning: could not read the kept tokenizer {kept} ({error}); building it", file=sys.stderr)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(meta), config=config)
+    partial = partial_path(kept)
+    try:
+        with open(partial, "wb") as file:
+            pickle.dump(tokenizer, file)
+        os.replace(partial, kept)
+    except (OSError, pickle.PicklingError):
+        partial.unlink(missing_ok=True)  # only costs the build next time
+    return tokenizer
 
 
 def _gguf_tokenizer(path: Path, config):
@@ -266,10 +293,10 @@ def _import_model_code() -> float:
 def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.device, gguf_weights: str,
           split: bool = True):
     """(model, tokenizer, which path runs it and why, in words), built on the CPU for `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dtype_name = str(dtype).removeprefix("torch.")
     if kind != "gguf":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         return model, AutoTokenizer.from_pretrained(str(path)), dtype_name
     why = "as asked (--gguf-weights unpacked)"
