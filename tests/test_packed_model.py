@@ -12,6 +12,7 @@ import torch
 
 from specdraft.bench.random_gguf import default_tokenizer, file_reference, tiny_config, write_random_gguf
 from specdraft.kernels import gguf_matmul
+from specdraft.models.attention import use_grouped_sdpa
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.gguf_native import build_native_model
 from specdraft.models.packed_model import PackedForCausalLM
@@ -36,6 +37,7 @@ def pair(tmp_path_factory):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr("specdraft.models.gguf_native.stack_layers", lambda *args: False)
                 theirs = build_native_model(path, config, torch.bfloat16)
+            use_grouped_sdpa(theirs)  # the attention our own model runs (as `CausalLM` switches a model to it)
             made[family] = own, theirs
         return made[family]
     return get
@@ -182,3 +184,28 @@ def test_a_kept_tokenizer_is_the_built_one_and_a_broken_one_is_built_again(tmp_p
     rebuilt = _kept_tokenizer(tmp_path, config)
     assert rebuilt.encode(text) == built.encode(text)
     assert "could not read the kept tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recovered", [True, False])
+def test_rope_freqs_rotate_as_in_transformers_class(tmp_path, recovered):
+    """A file with `rope_freqs`: Llama 3's own factors (the config's `llama3` rotary then has them: not applied again)
+    or factors of no published scaling (applied to the default rotary): our model rotates as transformers' class
+    built from the same file does, bit for bit."""
+    from specdraft.bench import random_gguf
+    from specdraft.models.gguf_config import gguf_config
+
+    rope = dict(random_gguf.LLAMA_32_ROPE) if recovered else {**random_gguf.LLAMA_32_ROPE,
+                                                               "original_max_position_embeddings": 64}
+    path = write_random_gguf(tiny_config("llama", rope_parameters=rope), tmp_path / "rope.gguf", "Q4_K_M", seed=5)
+    config = gguf_config(path)
+    assert (config.rope_parameters.get("rope_type") == "llama3") == recovered
+    own = build_native_model(path, config, torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("specdraft.models.gguf_native.stack_layers", lambda *args: False)
+        theirs = build_native_model(path, config, torch.bfloat16)
+    use_grouped_sdpa(theirs)
+    assert isinstance(own, PackedForCausalLM)
+    assert torch.equal(own.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(own(input_ids=ids, use_cache=False).logits, theirs(input_ids=ids, use_cache=False).logits)

@@ -212,11 +212,17 @@ def _rebuild_meta_buffers(model: nn.Module, config) -> None:
             model.set_submodule(name, type(module)(config=config))
 
 
+def _scaled_by_config(config) -> bool:
+    """Whether the config scales its rotary itself (Llama 3's `llama3` parameters, which `gguf_config` recovers from
+    a file's `rope_freqs`): then the file's frequency factors are already in it and are not applied again."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")) != "default"
+
+
 def _divide_frequencies(model: nn.Module, config, factors: torch.Tensor) -> None:
     """Apply a file's rotary frequency factors (Llama 3.1+'s `rope_freqs`, `[head_dim / 2]`): each inverse frequency
-    divided by its factor, as llama.cpp does. A config that scales its rotary itself already has them."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
+    divided by its factor, as llama.cpp does, unless the config scales its rotary itself (`_scaled_by_config`)."""
+    if _scaled_by_config(config):
         return
     rotary = model.model.rotary_emb
     for buffer in ("inv_freq", "original_inv_freq"):
@@ -439,7 +445,8 @@ def _own_model(built: dict[str, nn.Module | torch.Tensor], arch: Architecture, c
         norms = {name: norm(prefix + name) for name in filter(None, LAYER_NORMS[arch.layer_shape])}
         layers.append(packed_model.DecoderLayer(arch.layer_shape, norms, attention, mlp,
                                                 None if kinds is None else kinds[layer]))
-    rotary = packed_model.Rotary(config, arch.rotary_per_layer_type, frequency_factors)
+    rotary = packed_model.Rotary(config, arch.rotary_per_layer_type,
+                                 None if _scaled_by_config(config) else frequency_factors)
     decoder = packed_model.Decoder(config, built.pop(_EMBEDDING), layers, norm("model.norm"), rotary)
     model = packed_model.PackedForCausalLM(config, decoder, built.pop("lm_head"))
     if built:

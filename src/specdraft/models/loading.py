@@ -141,8 +141,8 @@ def _kept_tokenizer(meta: Path, config):
         with open(partial, "wb") as file:
             pickle.dump(tokenizer, file)
         os.replace(partial, kept)
-    except (OSError, pickle.PicklingError):
-        partial.unlink(missing_ok=True)  # only costs the build next time
+    except Exception:  # a full disk, a tokenizer that will not pickle: only costs the build next time
+        partial.unlink(missing_ok=True)
     return tokenizer
 
 
