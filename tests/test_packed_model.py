@@ -55,7 +55,16 @@ def passes(lm: CausalLM, tokens: torch.Tensor, hidden: bool) -> list[torch.Tenso
     visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
     out = lm.forward(tokens[:, 25:28], logits_to_keep=3, offsets=torch.tensor([0, 1, 1]), visible=visible)
     outputs.append(out.logits)
+    lm.truncate(25)
+    reader = _Reader()  # a drafter reading the states entering layers 0 and 1 (EAGLE-3's)
+    lm.read_features_at(reader, (0, 1))
+    out = lm.forward(tokens[:, 25:28], logits_to_keep=3, hidden_to_keep=3)
+    outputs += [out.logits, out.hidden_states]
     return [o for o in outputs if o is not None]
+
+
+class _Reader:
+    """Stands for a drafter that claims a model's feature layers (held weakly by the model)."""
 
 
 @pytest.mark.parametrize("fused", [False, True])
