@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.models import fused_kernels
 from specdraft.models.static_cache import SCRATCH_SLOTS, StaticCache
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # pass widths captured as graphs; wider passes run eagerly
@@ -171,7 +170,11 @@ class StaticDecoder:
         capacity = min(capacity, getattr(config, "max_position_embeddings", None) or capacity)
         self.cache = StaticCache(len(self.layers), self.kv_heads, self.head_dim, capacity, dtype, device)
         self.use_graphs = device.type == "cuda" if graphs is None else graphs and device.type == "cuda"
-        # the fused Triton kernels (rotation and cache write, attention, SiLU·up) in place of the torch formulas
+        # the fused Triton kernels (rotation and cache write, attention, SiLU·up) in place of the torch formulas;
+        # imported here, not with this module: importing Triton takes 0.3 s and 60 MB where no GPU will use it
+        from specdraft.models import fused_kernels
+
+        self.kernels = fused_kernels
         self.fused = fused_kernels.available(device) and fused_kernels.fits(self.head_dim) if fused is None else fused
         self.fused_mlp = self.fused and config.hidden_act in ("silu", "swish")
         self._graphs: dict[tuple[int, int], _Graph] = {}  # by (width, keys)
@@ -246,8 +249,8 @@ class StaticDecoder:
                 qk.copy_(torch.cat(normed, dim=1))
             if self.fused:
                 states = self.cache.states[index]  # [S, 2, kv_heads, d]
-                fused_kernels.rotate_and_store(qkv, cos, sin, slots, states, q_heads, kv_heads)
-                attended = fused_kernels.attend(qkv, states, keys, mask, q_heads, self.scaling)  # [W, heads d]
+                self.kernels.rotate_and_store(qkv, cos, sin, slots, states, q_heads, kv_heads)
+                attended = self.kernels.attend(qkv, states, keys, mask, q_heads, self.scaling)  # [W, heads d]
             else:
                 torch.addcmul(qk * cos.unsqueeze(1), torch.roll(qk, half, dims=-1), signed_sin, out=qk)  # in place
                 self.cache.write(index, slots, qkv[:, q_heads:].view(width, 2, kv_heads, d))
@@ -261,7 +264,7 @@ class StaticDecoder:
             h = self._norm(x, layer.post_norm)
             gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)  # [W, 2 I]
             if self.fused_mlp:
-                inner = fused_kernels.silu_mul(gate_up)  # [W, I]
+                inner = self.kernels.silu_mul(gate_up)  # [W, I]
             else:
                 gate, up = gate_up.chunk(2, dim=-1)  # [W, I] each
                 inner = layer.act(gate) * up
