@@ -4,6 +4,7 @@ passes, passes over a cache, tree passes, hidden states, sliding windows (Gemma)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -117,31 +118,25 @@ def test_a_pass_refuses_what_it_does_not_take(pair):
         own(input_ids=ids, attention_mask=torch.ones((1, 3), dtype=torch.long))
 
 
-def test_loading_a_kept_model_imports_no_transformers_model_code(tmp_path):
+def test_loading_a_kept_model_imports_no_transformers_model_code(tmp_path, monkeypatch):
     """A later load of a packed GGUF file in a fresh process runs without `transformers.modeling_utils` (whose import
     took most of a later load) and says it runs in our own model."""
+    from specdraft.models.loading import load_model
+
     tokenizer = default_tokenizer()
     if tokenizer is None:
         pytest.skip("the bundled Qwen2.5-Coder GGUF (whose tokenizer the file takes) is not in the cache folder")
     path = write_random_gguf(tiny_config("llama"), tmp_path / "llama.gguf", "Q4_K_M", tokenizer, seed=4)
-    script = (
-        "import sys\nfrom specdraft.models.loading import load_model\n"
-        f"lm = load_model({str(path)!r})\n"
-        "print(type(lm.model).__name__, 'transformers.modeling_utils' in sys.modules)\n")
-    env = {"SPECDRAFT_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    first = _run(script, env)  # packs and keeps the model (and its config and tokenizer)
-    later = _run(script, env)
-    assert first.split()[-2:][0] == "PackedForCausalLM"
-    assert later.split()[-2:] == ["PackedForCausalLM", "False"], later
-
-
-def _run(script: str, env: dict) -> str:
-    import os
-
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env},
-                          timeout=300)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):  # packs and keeps the model, its config and tokenizer; then pickles the tokenizer
+        assert isinstance(load_model(str(path), verbose=False).model, PackedForCausalLM)
+    script = ("import sys\nfrom specdraft.models.loading import load_model\n"
+              f"lm = load_model({str(path)!r})\n"
+              "print(type(lm.model).__name__, 'transformers.modeling_utils' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip()
+    assert done.stdout.split()[-2:] == ["PackedForCausalLM", "False"], done.stdout
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -169,15 +164,14 @@ def test_transformers_view_generates_our_tokens(pair, family):
 def test_a_kept_tokenizer_is_the_built_one_and_a_broken_one_is_built_again(tmp_path, capsys):
     """`_kept_tokenizer` pickles what it builds from the kept folder; the next load reads that pickle back (the same
     encodings, vocabulary and chat template), and a pickle cut short costs a build, not the load."""
-    from transformers import AutoTokenizer
     from transformers.configuration_utils import PretrainedConfig
 
-    from specdraft.models.loading import _kept_tokenizer
+    from specdraft.models.loading import _kept_tokenizer, load_tokenizer
 
     tokenizer = default_tokenizer()
     if tokenizer is None:
         pytest.skip("the bundled Qwen2.5-Coder GGUF (whose tokenizer is kept here) is not in the cache folder")
-    built = AutoTokenizer.from_pretrained(str(tokenizer.parent), gguf_file=tokenizer.name)
+    built = load_tokenizer(str(tokenizer))  # kept in the cache folder by the bundled model's loads
     built.save_pretrained(str(tmp_path))
     config = PretrainedConfig(model_type="qwen2")
     first = _kept_tokenizer(tmp_path, config)
