@@ -212,3 +212,39 @@ def test_rope_freqs_rotate_as_in_transformers_class(tmp_path, recovered):
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         assert torch.equal(own(input_ids=ids, use_cache=False).logits, theirs(input_ids=ids, use_cache=False).logits)
+
+
+def _resident_bytes(name_part: str) -> int:
+    """Resident bytes of this process's mappings of files whose path holds `name_part` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = len(fields) == 6 and name_part in fields[5]
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_requantized_draft_gives_back_the_mapped_pages_it_replaced(tmp_path, monkeypatch):
+    """A draft loaded from its kept file (mapped) and re-quantized to int4 by `prepare_draft` gives back the file pages
+    of the bf16 linears it replaced: they stayed resident beside the int4 copies (the bundled pair's CLI run peaked at
+    2.73 GB, its test's bound 2.5)."""
+    from specdraft.models import heap
+    from specdraft.models.loading import load_model, prepare_draft
+
+    tokenizer = default_tokenizer()
+    if tokenizer is None or not heap.drops_file_pages():
+        pytest.skip("needs the bundled tokenizer and Linux's page dropping")
+    config = tiny_config("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4)
+    path = write_random_gguf(config, tmp_path / "draft.gguf", "F16", tokenizer, seed=6)
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    load_model(str(path), verbose=False, requantized=True)  # packs it (plain F16 linears, for re-quantizing) and keeps it
+    draft = load_model(str(path), verbose=False, requantized=True)  # mapped from the kept file
+    for parameter in draft.model.parameters():  # touch every page, as re-quantizing does
+        parameter.sum()
+    touched = _resident_bytes("-plain-")
+    assert touched > 4 * 512 * 512 * 2  # at least the layers' bf16 projections
+    prepare_draft(draft, "int4", vocab=0)
+    assert _resident_bytes("-plain-") < touched / 4

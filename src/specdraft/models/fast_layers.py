@@ -310,7 +310,7 @@ def _stackable_parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
     return qkv, gate_up
 
 
-def _held_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
+def held_tensors(modules: list[nn.Module]) -> list[torch.Tensor]:
     """Every tensor the modules hold: buffers, parameters, and their packed matrices' (a `TileLinear`'s `packed`)."""
     tensors = []
     for module in modules:
@@ -349,7 +349,7 @@ def fast_decoder_layers(model: nn.Module) -> int:
         layer.mlp = StackedMLP(parts[1], mlp.down_proj, act_fn)
         # the replaced projections' memory goes back now, not at the end of loading: mapped from a kept file, or made
         # by the loader
-        drop_file_pages(_held_tensors(parts[0] + parts[1]))
+        drop_file_pages(held_tensors(parts[0] + parts[1]))
         trim_heap()
         stacked += 1
     return stacked

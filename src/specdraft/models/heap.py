@@ -82,15 +82,32 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
     mapping lives (it is shared by the whole file's tensors). Only whole pages inside a tensor are dropped, and a
     dropped page of a private file mapping reads the file again if touched, so nothing else can lose its bytes.
     Tensors in other memory are left to `trim_heap`."""
-    libc = _libc()
-    ranges = _private_file_mappings() if libc is not None else []
-    if not ranges:
-        return
-    page = mmap.PAGESIZE
+    drop_file_ranges(file_ranges(tensors))
+
+
+def file_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """The address ranges `(start, end)` of the tensors' storages that lie in a private file mapping (under
+    `torch.load(mmap=True)` a storage is its record's slice of the file), each once."""
+    mappings = _private_file_mappings() if _libc() is not None else []
+    found = set()
     for tensor in tensors:
-        storage = tensor.untyped_storage()  # under `torch.load(mmap=True)` a storage is its record's slice of the file
+        storage = tensor.untyped_storage()
         start = storage.data_ptr()
         end = start + storage.nbytes()
+        if any(low <= start and end <= high for low, high in mappings):
+            found.add((start, end))
+    return sorted(found)
+
+
+def drop_file_ranges(ranges: Iterable[tuple[int, int]]) -> None:
+    """`drop_file_pages` of storages named by their address ranges (`file_ranges`), for those no longer held: only
+    whole pages inside a range still lying in a private file mapping are given back."""
+    libc = _libc()
+    mappings = _private_file_mappings() if libc is not None else []
+    if not mappings:
+        return
+    page = mmap.PAGESIZE
+    for start, end in ranges:
         first, last = -(-start // page) * page, end // page * page  # the whole pages inside
-        if last > first and any(low <= start and end <= high for low, high in ranges):
+        if last > first and any(low <= start and end <= high for low, high in mappings):
             libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)

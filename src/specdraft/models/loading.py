@@ -17,8 +17,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import registry
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.context import hold_context
-from specdraft.models.fast_layers import fast_decoder_layers
-from specdraft.models.heap import compact_heap
+from specdraft.models.fast_layers import fast_decoder_layers, held_tensors
+from specdraft.models.heap import compact_heap, drop_file_ranges, file_ranges
 from specdraft.models.gguf_config import gguf_config
 from specdraft.models.gguf_native import family_config
 from specdraft.models.prepacked import prepack_linears, unpack_linears
@@ -390,6 +390,7 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     model = copying.deepcopy(draft.model) if copy else draft.model
     prepared = CausalLM(model, draft.tokenizer, name=draft.name)
     started = time.perf_counter()
+    mapped = file_ranges(held_tensors([model]))  # weights mapped from a kept file (`packed_store.read`)
     with compact_heap():
         unpack_linears(model)  # vocabulary narrowing and int4 read plain weights
         if chosen == AUTO and not isinstance(model.get_output_embeddings(), nn.Linear):
@@ -398,6 +399,10 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
         swapped = quantize_int4(model, keep_dense=False) if quant == "int4" else 0
         fast_decoder_layers(model)
         prepack_linears(model)  # what stays bf16 (quant none, a head int4 cannot take)
+        # the mapped weights it replaced give their pages back (the mapping lives on for those it keeps): a bf16
+        # draft's re-quantized linears left 0.8 GB of file pages resident beside the int4 copies
+        held = {start for start, _ in file_ranges(held_tensors([model]))}
+        drop_file_ranges([(start, end) for start, end in mapped if start not in held])
     ranked = f" (by {found[1].name}, then lowest ids)" if found and scored < draft.vocab_size else ""
     print(f"draft {draft.name}: {swapped} linears in int4, head over {scored} tokens{ranked} "
           f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)
