@@ -434,10 +434,11 @@ def _own_model(built: dict[str, nn.Module | torch.Tensor], arch: Architecture, c
 
     packed_model.use_own_attention(config)
     kinds = getattr(config, "layer_types", None) if arch.rotary_per_layer_type else None
+    windows = packed_model.layer_windows(config)
     layers = []
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
-        parts = packed_model.attention_parts(config, layer, built.pop(prefix + "self_attn.o_proj"),
+        parts = packed_model.attention_parts(config, layer, windows[layer], built.pop(prefix + "self_attn.o_proj"),
                                              norm(prefix + "self_attn.q_norm"), norm(prefix + "self_attn.k_norm"))
         attention = StackedAttention(parts, built.pop(prefix + packed_model.QKV))
         mlp = StackedMLP(built.pop(prefix + packed_model.GATE_UP), built.pop(prefix + "mlp.down_proj"),

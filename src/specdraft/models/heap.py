@@ -56,7 +56,10 @@ def compact_heap():
 
 
 def _private_file_mappings() -> list[tuple[int, int]]:
-    """This process's private mappings of regular files `(start, end)`, from /proc/self/maps ([] elsewhere)."""
+    """This process's private mappings of regular files `(start, end)`, from /proc/self/maps ([] elsewhere, and
+    without glibc, whose `madvise` gives their pages back)."""
+    if _libc() is None:
+        return []
     try:
         lines = open("/proc/self/maps").read().splitlines()
     except OSError:
@@ -82,13 +85,17 @@ def drop_file_pages(tensors: Iterable[torch.Tensor]) -> None:
     mapping lives (it is shared by the whole file's tensors). Only whole pages inside a tensor are dropped, and a
     dropped page of a private file mapping reads the file again if touched, so nothing else can lose its bytes.
     Tensors in other memory are left to `trim_heap`."""
-    drop_file_ranges(file_ranges(tensors))
+    mappings = _private_file_mappings()
+    _drop(file_ranges(tensors, mappings), mappings)
 
 
-def file_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+def file_ranges(tensors: Iterable[torch.Tensor],
+                mappings: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """The address ranges `(start, end)` of the tensors' storages that lie in a private file mapping (under
-    `torch.load(mmap=True)` a storage is its record's slice of the file), each once."""
-    mappings = _private_file_mappings() if _libc() is not None else []
+    `torch.load(mmap=True)` a storage is its record's slice of the file), each once; `mappings`: those mappings,
+    where the caller has read them."""
+    if mappings is None:
+        mappings = _private_file_mappings()
     found = set()
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -102,11 +109,14 @@ def file_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 def drop_file_ranges(ranges: Iterable[tuple[int, int]]) -> None:
     """`drop_file_pages` of storages named by their address ranges (`file_ranges`), for those no longer held: only
     whole pages inside a range still lying in a private file mapping are given back."""
-    libc = _libc()
-    mappings = _private_file_mappings() if libc is not None else []
+    _drop(ranges, _private_file_mappings())
+
+
+def _drop(ranges: Iterable[tuple[int, int]], mappings: list[tuple[int, int]]) -> None:
+    """madvise(DONTNEED) the whole pages inside each range that lies in one of `mappings` (private file mappings)."""
     if not mappings:
         return
-    page = mmap.PAGESIZE
+    libc, page = _libc(), mmap.PAGESIZE
     for start, end in ranges:
         first, last = -(-start // page) * page, end // page * page  # the whole pages inside
         if last > first and any(low <= start and end <= high for low, high in mappings):

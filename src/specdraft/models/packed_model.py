@@ -237,15 +237,17 @@ class PackedForCausalLM(nn.Module):
         return PassOutput(logits, states, cache)
 
 
-def attention_parts(config, layer: int, o_proj: nn.Module, q_norm: nn.Module | None, k_norm: nn.Module | None):
-    """What `fast_layers.StackedAttention` reads of a layer's attention, for layer `layer` of `config`."""
+def attention_parts(config, layer: int, window: int | None, o_proj: nn.Module, q_norm: nn.Module | None,
+                    k_norm: nn.Module | None):
+    """What `fast_layers.StackedAttention` reads of a layer's attention, for layer `layer` of `config` (its sliding
+    `window` from `layer_windows`)."""
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma: scores scaled by it, not by the head's width
     return SimpleNamespace(
         config=config, layer_idx=layer, head_dim=head_dim, o_proj=o_proj, q_norm=q_norm, k_norm=k_norm,
         num_key_value_groups=config.num_attention_heads // config.num_key_value_heads,
         scaling=(scalar if scalar is not None else head_dim) ** -0.5, attention_dropout=0.0, is_causal=True,
-        sliding_window=layer_windows(config)[layer], attend=grouped_sdpa_forward)
+        sliding_window=window, attend=grouped_sdpa_forward)
 
 
 def use_own_attention(config) -> None:
