@@ -265,15 +265,17 @@ def sampled_pairs_pvalue(target_model: Qwen2ForCausalLM, decoder) -> tuple[float
     """The chi-square p-value of the first two tokens `decoder` generates after SAMPLED_PROMPT over SAMPLES seeds
     against `target_model`'s exact distribution of them, and how many tokens were drafted."""
     from specdraft import SamplingParams
+    from specdraft.analysis.check import answer_start
     from specdraft.exactness import exact_two_tokens
     from specdraft.goodness_of_fit import chi_square_pvalue
+    from specdraft.stats import GenerationStats
 
     counts, drafted = np.zeros(SMALL_V * SMALL_V), 0  # [V * V]
     for seed in range(SAMPLES):
-        out = decoder.generate(SAMPLED_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
-        a, b = out.token_ids[:2]
+        stats = GenerationStats()  # answers of four tokens, stepped until they hold two
+        a, b = answer_start(decoder, SAMPLED_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4, 2, stats)[:2]
         counts[a * SMALL_V + b] += 1
-        drafted += out.stats.drafted
+        drafted += stats.drafted
     return chi_square_pvalue(counts, exact_two_tokens(target_model, SAMPLED_PROMPT).ravel() * SAMPLES), drafted
 
 

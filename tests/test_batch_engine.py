@@ -247,7 +247,8 @@ def test_bad_requests_are_refused_before_they_join(tiny_target, make_lm):
 
 STAT_V = 8
 STAT_PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes from the first step
-STAT_SAMPLES = 1200  # sequences, 4 to a batch
+STAT_SAMPLES = 1200  # sequences, 8 to a batch (each k twice)
+STAT_BATCH = 8
 
 
 class MixedK(BatchedDecoder):
@@ -264,15 +265,15 @@ class MixedK(BatchedDecoder):
 
 
 def batched_pairs(target_model, make_drafter, decoder_class=MixedK, tree_budget=0):
-    """[V * V] counts of each sequence's first two tokens, over STAT_SAMPLES sequences sampled 4 to a batch."""
+    """[V * V] counts of each sequence's first two tokens, over STAT_SAMPLES sequences sampled STAT_BATCH at a time."""
     from specdraft.models.causal_lm import CausalLM
 
     counts = [0] * (STAT_V * STAT_V)
-    batch = decoder_class(CausalLM(target_model), make_drafter, max_batch=4, tree_budget=tree_budget)
+    batch = decoder_class(CausalLM(target_model), make_drafter, max_batch=STAT_BATCH, tree_budget=tree_budget)
     drafted = 0
-    for first in range(0, STAT_SAMPLES, 4):
+    for first in range(0, STAT_SAMPLES, STAT_BATCH):
         done = batch.generate_all([BatchRequest(STAT_PROMPT, SamplingParams(temperature=1.0, seed=seed), 4)
-                                   for seed in range(first, first + 4)])
+                                   for seed in range(first, first + STAT_BATCH)])
         for completion in done:
             a, b = completion.token_ids[:2]
             counts[a * STAT_V + b] += 1

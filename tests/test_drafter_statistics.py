@@ -24,12 +24,14 @@ from transformers import Qwen2ForCausalLM
 import specdraft.verify as verify_module
 from conftest import SMALL_V, perturbed, small_sampling_target
 from registered_drafters import build, random_eagle, random_medusa, registered
+from specdraft.analysis.check import answer_start
 from specdraft.exactness import exact_two_tokens
 from specdraft.goodness_of_fit import chi_square_pvalue
 from specdraft import SamplingParams, SpeculativeDecoder
 from specdraft.drafters import make_drafter
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import DEFAULT_SOURCE, FixedK
+from specdraft.stats import GenerationStats
 
 V = SMALL_V
 PROMPT = [1, 2, 3, 4, 1, 2, 3]  # the tail [2, 3] occurred before: ngram proposes [4, 1, 2, ...]
@@ -49,12 +51,12 @@ def sampled_pairs(decoder: SpeculativeDecoder, prompt: list[int] = PROMPT) -> tu
     (plus `"trees"`: steps whose draft branched)."""
     counts, drafted = np.zeros(V * V), {"trees": 0}
     for seed in range(SAMPLES):
-        out = decoder.generate(prompt, SamplingParams(temperature=PARAMS.temperature, seed=seed), 4)
-        a, b = out.token_ids[:2]  # four tokens, so a second step has room to draft
+        stats = GenerationStats()  # answers of four tokens (a second step has room to draft), stepped until two
+        a, b = answer_start(decoder, prompt, SamplingParams(temperature=PARAMS.temperature, seed=seed), 4, 2, stats)[:2]
         counts[a * V + b] += 1
-        for source, row in out.stats.by_source().items():
+        for source, row in stats.by_source().items():
             drafted[source] = drafted.get(source, 0) + row["drafted"]
-        drafted["trees"] += sum(k > depth for k, depth in zip(out.stats.k_per_step, out.stats.depth_per_step))
+        drafted["trees"] += sum(k > depth for k, depth in zip(stats.k_per_step, stats.depth_per_step))
     return counts, drafted
 
 

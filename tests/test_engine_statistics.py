@@ -27,7 +27,7 @@ from transformers import Qwen2ForCausalLM
 from conftest import perturbed, tiny_config
 from registered_drafters import random_eagle, random_medusa
 from specdraft import SamplingParams, SpeculativeDecoder
-from specdraft.analysis.check import check_distribution, single_answers, target_cells
+from specdraft.analysis.check import answer_start, check_distribution, single_answers, target_cells
 from specdraft.batch_engine import BatchedDecoder, BatchRequest
 from specdraft.drafters import MedusaDrafter, make_drafter
 from specdraft.drafters.base import DraftContext
@@ -36,6 +36,7 @@ from specdraft.goodness_of_fit import chi_square_pvalue, detectable_bias, sample
 from specdraft.models.causal_lm import CausalLM
 from specdraft.policy import AutoK, FixedK
 from specdraft.sampling import sample
+from specdraft.stats import GenerationStats
 from specdraft.verify import verify_sampled
 
 ALPHA = 1e-3  # each test's level
@@ -167,6 +168,22 @@ def decoder_for(case: dict, target_model: Qwen2ForCausalLM) -> tuple[CausalLM, S
     return target, decoder
 
 
+def test_an_answer_stepped_until_it_holds_enough_tokens_starts_as_the_whole_answer(target_model):
+    """`answer_start` (what the sampled checks draw) stops stepping once the answer holds `enough` tokens: the same
+    tokens as the whole seeded answer begins with, from fewer steps."""
+    decoder = SpeculativeDecoder(CausalLM(target_model), make_drafter("ngram"), k=3)
+    shorter = 0
+    for seed in range(12):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        whole = decoder.generate(PROMPT, params, 8)
+        stats = GenerationStats()
+        start = answer_start(decoder, PROMPT, params, 8, 2, stats)
+        assert len(start) >= 2 and start == whole.token_ids[:len(start)]
+        assert stats.new_tokens == len(start) and stats.steps <= whole.stats.steps
+        shorter += stats.steps < whole.stats.steps
+    assert shorter > 6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_sampled_output_follows_the_target_with_power(target_model, name):
@@ -175,10 +192,10 @@ def test_sampled_output_follows_the_target_with_power(target_model, name):
     drafted = []
     answers = single_answers(decoder)
 
-    def counted(prompt, samplings, max_new_tokens):  # the answers, and how many drafts their steps verified
+    def counted(prompt, samplings, max_new_tokens, enough=None):  # the answers, and how many drafts were verified
         drafted.append(sum(decoder.generate(list(prompt), sampling, max_new_tokens).stats.drafted > 0
                            for sampling in samplings[:200]))
-        return answers(prompt, samplings, max_new_tokens)
+        return answers(prompt, samplings, max_new_tokens, enough)
 
     verdict = powered_check(target, counted, case.get("prompt", PROMPT), case["params"], case.get("depth", 2))
     assert drafted[0] > 50, f"{name}: only {drafted[0]} of 200 answers drafted"
@@ -196,7 +213,7 @@ def test_batched_speculation_follows_the_target_with_power(target_model):
     params = SamplingParams(temperature=1.0, top_k=5)
     drafted = []
 
-    def answers(prompt, samplings, max_new_tokens):  # the answers, and how many of them drafted
+    def answers(prompt, samplings, max_new_tokens, enough=None):  # the answers, and how many of them drafted
         completions = decoder.generate_all([BatchRequest(list(prompt), sampling, max_new_tokens, k=1 + sampling.seed % 3)
                                             for sampling in samplings])
         drafted.append(sum(completion.stats.drafted > 0 for completion in completions))

@@ -18,6 +18,7 @@ The same functions back the statistical tests of the engine (`tests/test_engine_
 from __future__ import annotations
 
 import dataclasses
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
@@ -32,6 +33,7 @@ from specdraft.sampling import SamplingParams, warp
 if TYPE_CHECKING:
     from specdraft.batch_engine import BatchedDecoder
     from specdraft.engine import SpeculativeDecoder
+    from specdraft.stats import GenerationStats
 
 OTHER = -1  # a cell's token standing for every token its place does not list
 END = -2  # a cell's token standing for the answer's end (an end-of-sequence token)
@@ -191,14 +193,29 @@ def distribution_verdict(tables: list[tuple[Cells, np.ndarray, int]], alpha: flo
                              detectable_bias(max(samples, 1), max(df, 1), alpha, power), power, impossible)
 
 
-# Answers to one prompt, one per sampling (each with its seed), of at most `max_new_tokens` tokens each.
-Answers = Callable[[Sequence[int], list[SamplingParams], int], list[list[int]]]
+# Answers to one prompt, one per sampling (each with its seed), of at most `max_new_tokens` tokens each; given
+# `enough`, an answer may stop once it holds that many tokens (the steps after them cannot change them).
+Answers = Callable[..., list[list[int]]]
+
+
+def answer_start(decoder: "SpeculativeDecoder", prompt: Sequence[int], sampling: SamplingParams,
+                 max_new_tokens: int, enough: int | None = None, stats: "GenerationStats | None" = None) -> list[int]:
+    """The tokens of one answer of at most `max_new_tokens`, stepping only until it holds `enough` (None: to its
+    end): each step drafts as it would in the whole answer (the budget left is the same), so the first `enough`
+    tokens have the whole answer's distribution, at the cost of the steps that made them. `stats`: filled in."""
+    tokens: list[int] = []
+    with closing(decoder.stream(list(prompt), sampling, max_new_tokens, stats=stats)) as events:
+        for event in events:
+            tokens += event.token_ids
+            if enough is not None and len(tokens) >= enough:
+                break
+    return tokens
 
 
 def single_answers(decoder: "SpeculativeDecoder") -> Answers:
     """Answers from a single-request decoder (what `generate` runs), one request after another."""
-    return lambda prompt, samplings, max_new_tokens: [
-        decoder.generate(list(prompt), sampling, max_new_tokens).token_ids for sampling in samplings]
+    return lambda prompt, samplings, max_new_tokens, enough=None: [
+        answer_start(decoder, prompt, sampling, max_new_tokens, enough) for sampling in samplings]
 
 
 def batched_answers(decoder: "BatchedDecoder", k: int | None = None) -> Answers:
@@ -206,7 +223,7 @@ def batched_answers(decoder: "BatchedDecoder", k: int | None = None) -> Answers:
     goodput rule chooses each sequence's k each step."""
     from specdraft.batch_engine import BatchRequest
 
-    return lambda prompt, samplings, max_new_tokens: [completion.token_ids for completion in decoder.generate_all(
+    return lambda prompt, samplings, max_new_tokens, enough=None: [completion.token_ids for completion in decoder.generate_all(
         [BatchRequest(list(prompt), sampling, max_new_tokens, k=k) for sampling in samplings])]
 
 
@@ -222,7 +239,7 @@ def check_distribution(target: CausalLM, answers: Answers, prompts: Sequence[Seq
         cells = target_cells(target, prompt, params, depth, top, mask)
         first = seed + index * samples
         samplings = [dataclasses.replace(params, seed=first + i) for i in range(samples)]
-        counts, impossible = count_cells(cells, answers(prompt, samplings, depth + room))
+        counts, impossible = count_cells(cells, answers(prompt, samplings, depth + room, enough=depth))
         tables.append((cells, counts, impossible))
     return distribution_verdict(tables, alpha)
 
