@@ -3,6 +3,7 @@ tiny Qwen2 GGUF file written here, built packed and unpacked, and decoded specul
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -603,6 +604,20 @@ def test_unpacked_weights_are_the_files_values(gguf_files, models):
         else:
             got = getattr(module, param)
         assert got.dtype == torch.float32 and torch.equal(got, want.view(got.shape)), tensor.name
+
+
+def test_embedding_lookups_read_the_files_rows_and_map_none_of_it(gguf_files, models):
+    """Looked-up rows (repeated, out of order, in a batch) are the file's rows; the file is never mapped into the
+    process (a mapped table grew it by whole large folios); an id outside the table is an error, not a stray read."""
+    embedding = reference_model(models).model.embed_tokens
+    table = embedding(torch.arange(VOCAB))  # [vocab, hidden]
+    ids = torch.tensor([[5, 3, 5, VOCAB - 1], [0, 4, 3, 2]])
+    assert torch.equal(embedding(ids), table[ids])
+    path = str(gguf_files[False][0])
+    assert not any(line.rstrip().endswith(path) for line in open("/proc/self/maps"))
+    with pytest.raises(IndexError, match="token ids"):
+        embedding(torch.tensor([VOCAB]))
+    assert torch.equal(copy.deepcopy(embedding)(ids), table[ids])  # a copy opens the file anew
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -163,7 +163,8 @@ def test_transformers_view_generates_our_tokens(pair, family):
 
 def test_a_kept_tokenizer_is_the_built_one_and_a_broken_one_is_built_again(tmp_path, capsys):
     """`_kept_tokenizer` pickles what it builds from the kept folder; the next load reads that pickle back (the same
-    encodings, vocabulary and chat template), and a pickle cut short costs a build, not the load."""
+    encodings, vocabulary and chat template, without the Python copies of vocabulary and merges transformers keeps
+    after building: `lean_tokenizer`), and a pickle cut short costs a build, not the load; an older pickle goes."""
     from transformers.configuration_utils import PretrainedConfig
 
     from specdraft.models.loading import _kept_tokenizer, load_tokenizer
@@ -174,13 +175,15 @@ def test_a_kept_tokenizer_is_the_built_one_and_a_broken_one_is_built_again(tmp_p
     built = load_tokenizer(str(tokenizer))  # kept in the cache folder by the bundled model's loads
     built.save_pretrained(str(tmp_path))
     config = PretrainedConfig(model_type="qwen2")
+    (tmp_path / "tokenizer-0.0.pickle").write_bytes(b"older")
     first = _kept_tokenizer(tmp_path, config)
     kept = list(tmp_path.glob("tokenizer-*.pickle"))
-    assert len(kept) == 1
+    assert len(kept) == 1 and kept[0].name != "tokenizer-0.0.pickle"
     again = _kept_tokenizer(tmp_path, config)
     text = "def f(x):\n    return x ** 2  # ünïcödé 你好"
     messages = [{"role": "user", "content": "hi"}]
     for got in (first, again):
+        assert not {"_vocab", "_merges"} & set(vars(got))
         assert got.encode(text) == built.encode(text) and got.get_vocab() == built.get_vocab()
         assert got.apply_chat_template(messages, tokenize=False) == built.apply_chat_template(messages, tokenize=False)
     kept[0].write_bytes(kept[0].read_bytes()[:100])  # cut short

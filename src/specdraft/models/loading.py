@@ -71,7 +71,17 @@ def load_tokenizer(spec: str):
         return _gguf_config_and_tokenizer(path)[1]
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return lean_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+
+
+def lean_tokenizer(tokenizer):
+    """`tokenizer` without the Python copies of its vocabulary and merges that transformers 5's tokenizer classes
+    keep (`_vocab`, `_merges`) after building their Rust tokenizer from them: only their `__init__` reads them, and
+    they hold 56 MB for a 151k-token vocabulary (half of what a loaded Qwen tokenizer holds)."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        for name in ("_vocab", "_merges"):
+            tokenizer.__dict__.pop(name, None)
+    return tokenizer
 
 
 def _converted_dir(gguf_path: Path, kind: str) -> Path:
@@ -110,7 +120,7 @@ def _gguf_config_and_tokenizer(path: Path):
         config = PretrainedConfig(**PretrainedConfig.get_config_dict(str(meta))[0])
         return config, _kept_tokenizer(meta, config)
     config = gguf_config(path)
-    tokenizer = _gguf_tokenizer(path, config)
+    tokenizer = lean_tokenizer(_gguf_tokenizer(path, config))
     _keep(meta, config, tokenizer)
     try:
         (meta / _COMPLETED).touch()
@@ -123,10 +133,11 @@ def _kept_tokenizer(meta: Path, config):
     """The tokenizer kept in `meta`, as an earlier load pickled it (0.5-0.9 s on 2 cores where building it from
     `tokenizer.json` took 1.2-2.7 s: transformers 5 parses that file in Python several times), else built from the
     folder (`config` given, so that `AutoTokenizer` does not import the family's config class) and pickled for the
-    next load. The pickle is named by transformers' version; one that cannot be read costs a build."""
+    next load. The pickle is named by transformers' version and holds the lean tokenizer (`lean_tokenizer`); one that
+    cannot be read costs a build."""
     import transformers
 
-    kept = meta / f"tokenizer-{transformers.__version__}.pickle"
+    kept = meta / f"tokenizer-{transformers.__version__}-lean.pickle"
     if kept.is_file():
         try:
             with open(kept, "rb") as file:
@@ -135,12 +146,15 @@ def _kept_tokenizer(meta: Path, config):
             print(f"warning: could not read the kept tokenizer {kept} ({error}); building it", file=sys.stderr)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(meta), config=config)
+    tokenizer = lean_tokenizer(AutoTokenizer.from_pretrained(str(meta), config=config))
     partial = partial_path(kept)
     try:
         with open(partial, "wb") as file:
             pickle.dump(tokenizer, file)
         os.replace(partial, kept)
+        for older in meta.glob("tokenizer-*.pickle"):  # another transformers' or older code's
+            if older != kept:
+                older.unlink(missing_ok=True)
     except Exception:  # a full disk, a tokenizer that will not pickle: only costs the build next time
         partial.unlink(missing_ok=True)
     return tokenizer
@@ -191,7 +205,7 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     converted = _converted_dir(path, str(dtype).removeprefix("torch."))
     if (converted / "config.json").is_file():
         return (AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype),
-                AutoTokenizer.from_pretrained(str(converted)))
+                lean_tokenizer(AutoTokenizer.from_pretrained(str(converted))))
     print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
           file=sys.stderr)
     config, tokenizer = _gguf_config_and_tokenizer(path)
@@ -298,7 +312,7 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        return model, AutoTokenizer.from_pretrained(str(path)), dtype_name
+        return model, lean_tokenizer(AutoTokenizer.from_pretrained(str(path))), dtype_name
     why = "as asked (--gguf-weights unpacked)"
     if gguf_weights != "unpacked":
         config, tokenizer = _gguf_config_and_tokenizer(path)
