@@ -90,7 +90,7 @@ class TableRows:
 
     def __init__(self, path: Path, offset: int, rows: int, row_bytes: int) -> None:
         self.path, self.offset, self.rows, self.row_bytes = path, offset, rows, row_bytes
-        self._fd: int | None = None
+        self._fd = os.open(path, os.O_RDONLY)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (sorted, distinct, int64 `[u]`) as uint8 `[u, row_bytes]`: one read per run of adjacent ids."""
@@ -101,20 +101,19 @@ class TableRows:
         breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist()
         for first, stop in zip([0] + breaks, breaks + [ids.numel()]):
             want = (stop - first) * self.row_bytes
-            if os.preadv(self._descriptor(), [buffer[first:stop]], self.offset + int(ids[first]) * self.row_bytes) != want:
+            if os.preadv(self._fd, [buffer[first:stop]], self.offset + int(ids[first]) * self.row_bytes) != want:
                 raise SpecdraftError(f"{self.path} ends inside a table it was read from: it changed or was cut.")
         return out
 
-    def _descriptor(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        return self._fd
+    def __getstate__(self) -> dict:  # a copy (or an unpickled one) opens the file anew
+        return {name: value for name, value in self.__dict__.items() if name != "_fd"}
 
-    def __getstate__(self) -> dict:  # a copy opens the file anew
-        return {**self.__dict__, "_fd": None}
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._fd = os.open(self.path, os.O_RDONLY)
 
     def __del__(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
 
 
