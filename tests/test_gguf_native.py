@@ -613,6 +613,7 @@ def test_embedding_lookups_read_the_files_rows_and_map_none_of_it(gguf_files, mo
     table = embedding(torch.arange(VOCAB))  # [vocab, hidden]
     ids = torch.tensor([[5, 3, 5, VOCAB - 1], [0, 4, 3, 2]])
     assert torch.equal(embedding(ids), table[ids])
+    assert embedding(torch.zeros(1, 0, dtype=torch.long)).shape == (1, 0, table.shape[1])
     path = str(gguf_files[False][0])
     assert not any(line.rstrip().endswith(path) for line in open("/proc/self/maps"))
     with pytest.raises(IndexError, match="token ids"):

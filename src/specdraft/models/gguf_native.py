@@ -97,6 +97,8 @@ class TableRows:
         if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= self.rows):
             raise IndexError(f"token ids must lie in [0, {self.rows}); got {int(ids[0])} .. {int(ids[-1])}")
         out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
+        if not ids.numel():
+            return out
         buffer = out.numpy()
         breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist()
         for first, stop in zip([0] + breaks, breaks + [ids.numel()]):
