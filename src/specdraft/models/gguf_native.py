@@ -76,6 +76,8 @@ class PackedEmbedding(nn.Module):
         return self.num_embeddings * self.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., dim]
+        if not ids.numel():
+            return torch.empty((*ids.shape, self.embedding_dim), dtype=self.out_dtype, device=ids.device)
         wanted, where = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)  # [u] sorted, [n] into them
         rows = unpack_rows(self.table.read(wanted), self.type_name, self.embedding_dim)[where]  # [n, dim] float32
         rows = rows.to(self.out_dtype)
@@ -94,11 +96,11 @@ class TableRows:
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (sorted, distinct, int64 `[u]`) as uint8 `[u, row_bytes]`: one read per run of adjacent ids."""
-        if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= self.rows):
+        if not ids.numel():
+            return torch.empty((0, self.row_bytes), dtype=torch.uint8)
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.rows:
             raise IndexError(f"token ids must lie in [0, {self.rows}); got {int(ids[0])} .. {int(ids[-1])}")
         out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8)
-        if not ids.numel():
-            return out
         buffer = out.numpy()
         breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist()
         for first, stop in zip([0] + breaks, breaks + [ids.numel()]):
