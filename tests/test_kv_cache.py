@@ -36,16 +36,19 @@ def test_growing_layer_matches_dynamic_layer(monkeypatch):
 
 
 def test_appends_write_in_place_until_the_buffer_is_full(monkeypatch):
+    """A buffer grows by as many tokens as it holds, at most SPARE_TOKENS; appends until it is full copy nothing."""
     monkeypatch.setattr(kv_cache, "SPARE_TOKENS", 8)
     layer = GrowingLayer()
     layer.update(*states(3, seed=0))
-    buffer = layer.key_buffer
-    assert buffer.shape[-2] == 11
-    for seed in range(1, 9):
+    assert layer.key_buffer.shape[-2] == 6  # 3 tokens and 3 spare
+    for seed, room in ((1, 6), (2, 6), (3, 6), (4, 14)):  # 7 tokens: room for 7 more
         layer.update(*states(1, seed=seed))
-    assert layer.key_buffer is buffer and layer.keys.data_ptr() == buffer.data_ptr()  # 11 tokens: no copy yet
+        assert layer.key_buffer.shape[-2] == room
+    buffer = layer.key_buffer
+    layer.update(*states(7, seed=5))
+    assert layer.key_buffer is buffer and layer.keys.data_ptr() == buffer.data_ptr()  # 14 tokens: no copy yet
     layer.update(*states(1, seed=9))
-    assert layer.key_buffer is not buffer and layer.keys.shape[-2] == 12
+    assert layer.key_buffer is not buffer and layer.key_buffer.shape[-2] == 15 + 8 and layer.keys.shape[-2] == 15
 
 
 def test_reset_starts_over_and_sliding_layers_grow_too():
