@@ -223,8 +223,9 @@ def batched_answers(decoder: "BatchedDecoder", k: int | None = None) -> Answers:
     goodput rule chooses each sequence's k each step."""
     from specdraft.batch_engine import BatchRequest
 
-    return lambda prompt, samplings, max_new_tokens, enough=None: [completion.token_ids for completion in decoder.generate_all(
-        [BatchRequest(list(prompt), sampling, max_new_tokens, k=k) for sampling in samplings])]
+    return lambda prompt, samplings, max_new_tokens, enough=None: [  # a batch steps each answer to its end
+        completion.token_ids for completion in decoder.generate_all(
+            [BatchRequest(list(prompt), sampling, max_new_tokens, k=k) for sampling in samplings])]
 
 
 def check_distribution(target: CausalLM, answers: Answers, prompts: Sequence[Sequence[int]], params: SamplingParams,
