@@ -69,9 +69,14 @@ def load_tokenizer(spec: str):
     kind, path = resolve_model_path(spec)
     if kind == "gguf":
         return _gguf_config_and_tokenizer(path)[1]
+    return _folder_tokenizer(path)
+
+
+def _folder_tokenizer(folder: Path, **kwargs):
+    """The tokenizer saved in `folder` (`AutoTokenizer`, given `kwargs`), lean (`lean_tokenizer`)."""
     from transformers import AutoTokenizer
 
-    return lean_tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    return lean_tokenizer(AutoTokenizer.from_pretrained(str(folder), **kwargs))
 
 
 def lean_tokenizer(tokenizer):
@@ -120,7 +125,7 @@ def _gguf_config_and_tokenizer(path: Path):
         config = PretrainedConfig(**PretrainedConfig.get_config_dict(str(meta))[0])
         return config, _kept_tokenizer(meta, config)
     config = gguf_config(path)
-    tokenizer = lean_tokenizer(_gguf_tokenizer(path, config))
+    tokenizer = _gguf_tokenizer(path, config)
     _keep(meta, config, tokenizer)
     try:
         (meta / _COMPLETED).touch()
@@ -144,9 +149,7 @@ def _kept_tokenizer(meta: Path, config):
                 return pickle.load(file)  # our own cache file, written below
         except Exception as error:  # a cut or stale file costs a build, never the load
             print(f"warning: could not read the kept tokenizer {kept} ({error}); building it", file=sys.stderr)
-    from transformers import AutoTokenizer
-
-    tokenizer = lean_tokenizer(AutoTokenizer.from_pretrained(str(meta), config=config))
+    tokenizer = _folder_tokenizer(meta, config=config)
     partial = partial_path(kept)
     try:
         with open(partial, "wb") as file:
@@ -164,16 +167,16 @@ def _gguf_tokenizer(path: Path, config):
     """The tokenizer a GGUF file describes. For the families the packed path declares, built by the tokenizer
     class transformers registers for the config's model type (TokenizersBackend where none is): `AutoTokenizer`
     would first parse the file's config again with gguf-py (tens of seconds over a large vocabulary)."""
-    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers import TokenizersBackend
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     from specdraft.models.architectures import architecture_for
 
     if architecture_for(config) is None:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _folder_tokenizer(path.parent, gguf_file=path.name)
     registered = TOKENIZER_MAPPING_NAMES.get(config.model_type)
     tokenizer_class = (registered and tokenizer_class_from_name(registered)) or TokenizersBackend
-    return tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
+    return lean_tokenizer(tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name))
 
 
 def _refuse_unread_frequency_factors(path: Path, config) -> None:
@@ -200,12 +203,12 @@ def _load_gguf_unpacked(path: Path, dtype: torch.dtype):
     Unpacking takes most of a minute on 2 cores, so the result is kept once as safetensors
     in the cache folder and later loads read that copy (the same weights, bit for bit).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     converted = _converted_dir(path, str(dtype).removeprefix("torch."))
     if (converted / "config.json").is_file():
         return (AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype),
-                lean_tokenizer(AutoTokenizer.from_pretrained(str(converted))))
+                _folder_tokenizer(converted))
     print(f"unpacking {path.name} to {str(dtype).removeprefix('torch.')} (once; kept in {converted.parent})",
           file=sys.stderr)
     config, tokenizer = _gguf_config_and_tokenizer(path)
@@ -309,10 +312,10 @@ def _load(spec: str, kind: str, path: Path, dtype: torch.dtype, device: torch.de
     """(model, tokenizer, which path runs it and why, in words), built on the CPU for `device`."""
     dtype_name = str(dtype).removeprefix("torch.")
     if kind != "gguf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        return model, lean_tokenizer(AutoTokenizer.from_pretrained(str(path))), dtype_name
+        return model, _folder_tokenizer(path), dtype_name
     why = "as asked (--gguf-weights unpacked)"
     if gguf_weights != "unpacked":
         config, tokenizer = _gguf_config_and_tokenizer(path)
