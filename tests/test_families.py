@@ -62,14 +62,14 @@ def test_packed_family_matches_the_float32_reference(files, family, mix):
     reference's wherever the reference's top two are not a near-tie."""
     path, reference = files(family, mix)
     model = build_native_model(path, reference.config, torch.bfloat16)
-    if gguf_matmul.available() and (mix not in dense_matmul.ELEMENT_BYTES or dense_matmul.available()):
-        # else Q6_K (no tile kernel: the PyTorch level) or F16, BF16, F32 (AVX-512, AMX) are unpacked to bf16
+    all_packed = gguf_matmul.available() and (mix not in dense_matmul.ELEMENT_BYTES or dense_matmul.available())
+    if all_packed:  # else Q6_K (no tile kernel: the PyTorch level) or F16, BF16, F32 (AVX-512, AMX) are unpacked to bf16
         assert not any(isinstance(m, FlatLinear) for m in model.modules()), describe_packing(model)
     if mix == "Q5_K_M" and int4_kernel_available():  # its Q5_K rows: 5-bit tiles where the kernel has them, else halves
         five_bit = five_bit_tiles_run(reference.config.hidden_size, reference.config.hidden_size)
         assert ("5-bit kernels" in describe_packing(model)) == five_bit, describe_packing(model)
         assert ("split in two halves" in describe_packing(model)) != five_bit, describe_packing(model)
-    if family in STACKED and gguf_matmul.available():
+    if family in STACKED and all_packed:  # layers whose linears are unpacked do not stack
         assert all(isinstance(layer.self_attn, StackedAttention) for layer in model.model.layers)
     with torch.inference_mode():
         decided = sum(assert_agrees(model(ids).logits.float(), reference(ids).logits) for ids in prompts())  # [1, T, V]
