@@ -312,10 +312,12 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(live):
     assert 'status="500"' not in httpx.get(f"{live.url}/metrics").text
 
 
+@pytest.mark.alone  # a timing bound: a busy neighbour process stalled a probe for 0.5 s
 def test_huge_requests_are_refused_while_health_answers_at_once(tiny_model_dirs, monkeypatch):
     """A body past --max-body-mb gets 413 before it is read (declared or chunked); one under it but past the context
-    is parsed and tokenized off the event loop, so /health keeps answering within 100 ms meanwhile (a 20 MB prompt
-    once froze the server for 35 s)."""
+    is parsed and tokenized off the event loop, so /health keeps answering meanwhile (a 20 MB prompt once froze the
+    server for 35 s). Parsing is made to take a second: on the loop, a probe would wait that second (checked: 1.7 s,
+    one probe); off it, every probe answers well under half of it, most within 100 ms."""
     import specdraft.server.app as server_app
 
     app = make_app(tiny_model_dirs, max_body_mb=1.0)
@@ -354,5 +356,6 @@ def test_huge_requests_are_refused_while_health_answers_at_once(tiny_model_dirs,
                 time.sleep(0.02)
         sender.join()
         assert answers[0].status_code == 400 and answers[0].json()["error"]["code"] == "context_length_exceeded"
-        assert len(latencies) >= 20 and max(latencies) < 0.1, max(latencies)
+        latencies.sort()
+        assert len(latencies) >= 20 and latencies[-1] < 0.5 and latencies[len(latencies) // 2] < 0.1, latencies
         assert http.post("/v1/completions", json=TEXT_OK).status_code == 200
