@@ -14,7 +14,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-from specdraft.kernels import bindings, decoder_layers, dense_matmul, gguf_matmul, isa, layer_ops, numerics, tiles
+from specdraft.kernels import bindings, decoder_layers, dense_matmul, gguf_matmul, int8_codes, isa, layer_ops, numerics, tiles
 
 from conftest import avx2_library, avx512_library
 from specdraft.models import causal_lm
@@ -25,7 +25,7 @@ from specdraft.bench.random_gguf import tiny_config as family_config, write_rand
 from specdraft.models.gguf_config import gguf_config
 from specdraft.models.gguf_native import build_native_model
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES
-from specdraft.models.gguf_blocks import five_bit_affine, split_affine
+from specdraft.models.gguf_blocks import five_bit_affine, stored_codes, split_affine
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, quantize_int4
 from specdraft.models import fast_layers
 from specdraft.models.fast_layers import StackedAttention, StackedMLP, StackedProjection, NativeRMSNorm, fast_decoder_layers
@@ -239,6 +239,30 @@ def q5_0_linear(linear: nn.Linear) -> Int4Linear:
                                   None if linear.bias is None else linear.bias.detach().float(), bits=5)
 
 
+def code_linear(type_name: str) -> Callable[[nn.Linear], nn.Module]:
+    """A float linear written as `type_name` blocks and read back as the file's codes (`int8_codes.CodeLinear`): Q8_0
+    by gguf's quantizer; IQ4_NL (which gguf cannot quantize) as random indices with steps near the linear's scale."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    def make(linear: nn.Linear) -> nn.Module:
+        rows, inputs = linear.weight.shape
+        kind = GGMLQuantizationType[type_name]
+        if type_name == "Q8_0":
+            raw = quantize(linear.weight.detach().float().numpy(), kind)  # [N, K / 32 · 34]
+        else:
+            rng = np.random.default_rng(rows + inputs)
+            weights, block_bytes = GGML_QUANT_SIZES[kind]
+            raw = rng.integers(0, 256, (rows, inputs // weights, block_bytes), dtype=np.uint8)
+            d = rng.uniform(2e-4, 1e-3, raw.shape[:2]).astype(np.float16)
+            raw[..., 0:2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+            raw = raw.reshape(rows, -1)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return int8_codes.CodeLinear(lambda start, stop: stored_codes(torch.from_numpy(raw[start:stop]), type_name),
+                                     rows, inputs, type_name, bias)
+    return make
+
+
 def int4_model_with(seed: int, replaced: dict[str, Callable[[nn.Linear], nn.Module]]) -> Qwen2ForCausalLM:
     """`int4_model(seed)` with the projections named (`layers.0.mlp.down_proj`) made anew by `replaced[name]` from a
     float model's projection of that name."""
@@ -350,6 +374,28 @@ def test_fused_layers_run_five_bit_tiles_bit_for_bit(kernel, decoder_build, monk
 
 @tiles_run
 @fused_run
+def test_fused_layers_run_code_tiles_bit_for_bit(decoder_build, monkeypatch):
+    """Q8_0 and IQ4 linears as the file's codes (the AVX2 level's code tiles), stacked beside 4-bit runs, on the fused
+    stack as on the PyTorch path, bit for bit."""
+    if decoder_build != "avx2" or not int8_codes.available():
+        pytest.skip("code tiles run on the AVX2 level only")
+    model = int4_model_with(10, {"layers.0.self_attn.v_proj": code_linear("Q8_0"),
+                                 "layers.0.mlp.down_proj": code_linear("IQ4_NL"),
+                                 "layers.1.self_attn.q_proj": code_linear("IQ4_NL"),
+                                 "layers.1.mlp.down_proj": code_linear("Q8_0")})
+    fast_decoder_layers(model)
+    fused = fused_decoder(model)
+    assert fused is not None
+    kinds = [[run.kind for run in entry.qkv.run[:entry.qkv.runs]] for entry in fused.table]
+    assert kinds == [[decoder_layers.INT4, decoder_layers.Q8_0], [decoder_layers.IQ4, decoder_layers.INT4]]
+    assert [entry.down.run[0].kind for entry in fused.table] == [decoder_layers.IQ4, decoder_layers.Q8_0]
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
+
+
+@tiles_run
+@fused_run
 @pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "gemma3", "gemma2"])
 def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build, monkeypatch):
     """Llama and Mistral (no biases), Phi-3 (q|k|v and gate|up stored stacked), Qwen3 (norms over each head of
@@ -370,7 +416,7 @@ def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build,
 def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path, monkeypatch):
     """A file's F16, BF16 and F32 linears, kept as stored, run on the fused stack (one C call a pass, as their stacked
     PyTorch layers compute), bit for bit; in a Q4_K_M file they sit beside 4-bit and Q6_K runs (here none: the tiny
-    model's rows fit the K-quants: no dense run there)."""
+    model's rows fit the K-quants: no dense run there), and on the AVX2 level its Q4_K linears run as Q4_K tiles."""
     if not dense_matmul.available():
         pytest.skip("the loader keeps F16, BF16 and F32 on PyTorch's bf16 linears on this level")
     path = write_random_gguf(family_config("llama"), tmp_path / f"llama-{mix}.gguf", mix, seed=2)
@@ -381,6 +427,7 @@ def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path
              for run in p.run[:p.runs]}
     dense_kinds = {"F16": decoder_layers.F16, "BF16": decoder_layers.BF16, "F32": decoder_layers.F32}
     assert kinds == {dense_kinds[mix]} if mix in dense_kinds else not kinds & set(dense_kinds.values())
+    assert (decoder_layers.Q4K in kinds) == (mix == "Q4_K_M" and decoder_build == "avx2")
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
     assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))

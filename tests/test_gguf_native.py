@@ -18,7 +18,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import dense_matmul, gguf_matmul, int4_layout, isa, numerics, tiles
+from specdraft.kernels import dense_matmul, gguf_matmul, int4_layout, isa, int8_codes, numerics, q4k_tiles, tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
 from specdraft.models.gguf_blocks import (dequantize, five_bit_affine, q4_affine, q4k_affine, q6k_unpack, split_affine,
@@ -192,12 +192,12 @@ def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
     """The module a GGUF linear of `type_name` should become (the loader's documented policy); `requantize`: in a
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
-    if type_name == "Q4_K":
-        return Int4Linear
+    if type_name == "Q4_K":  # the file's blocks on the AVX2 level (a draft's too), else 4-bit tiles
+        return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized
         return Int4Linear
-    if type_name == "Q8_0":
-        return SplitInt4Linear
+    if type_name in int8_codes.TYPES:  # the file's codes on the AVX2 level, else two 4-bit halves
+        return int8_codes.CodeLinear if int8_codes.available() else SplitInt4Linear
     if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
         return gguf_matmul.BlockLinear
     if type_name in dense_matmul.ELEMENT_BYTES and dense_matmul.available():  # F16, BF16, F32 as stored
@@ -671,13 +671,17 @@ def test_int4_draft_from_a_packed_file(gguf_files, models, backend):
     assert sum(agree) >= 0.5 * len(agree)  # ~0.7 seen; unrelated weights would agree ~1/512
 
 
-def test_packed_model_counts_each_weight_once(models):
-    """The packed model counts the weights of the model unpacked from the same file: a linear split into two 4-bit
-    halves is one matrix's weights, not three."""
+@pytest.mark.parametrize("code_tiles", [True, False], ids=["code-tiles", "halves"])
+def test_packed_model_counts_each_weight_once(gguf_files, models, monkeypatch, code_tiles):
+    """The packed model counts the weights of the model unpacked from the same file: a Q8_0 linear in its own tiles
+    (the AVX2 level) or split into two 4-bit halves (elsewhere) is one matrix's weights, not three."""
     from specdraft.models.causal_lm import CausalLM
 
-    packed = models("fallback", False, torch.bfloat16, stacked=False)
-    assert any(isinstance(m, SplitInt4Linear) for m in packed.modules())
+    if not code_tiles:
+        monkeypatch.setattr(int8_codes, "available", lambda: False)
+    packed = build(gguf_files[False][0], gguf_config(False), torch.bfloat16, "fallback", stacked=False)
+    q8_0_module = int8_codes.CodeLinear if code_tiles and int8_codes.available() else SplitInt4Linear
+    assert any(isinstance(m, q8_0_module) for m in packed.modules())
     assert CausalLM(packed).num_parameters() == CausalLM(reference_model(models)).num_parameters()
 
 
@@ -774,7 +778,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(10, 40))]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_plain_on_packed_model(models, backend):
     """Greedy speculative decoding of the packed target (close and unrelated drafts) emits plain decoding's tokens:
-    exactly where every linear runs on our kernels (`native` on AVX2: 4-bit, split Q8_0, Q6_K and dense F16 tiles), else
+    exactly where every linear runs on our kernels (`native` on AVX2: 4-bit, Q8_0, Q6_K and dense F16 tiles), else
     parting from them only at a near-tie (`fallback`: its Q6_K linears on PyTorch's bf16 GEMM, whose roundings depend
     on the pass width; seen: logits 0.5-0.75 apart between a one-token and a four-token pass). This model's logits
     are near 100, where a bf16 step is 0.5: a near-tie is two steps."""

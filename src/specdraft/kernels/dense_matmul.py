@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.kernels import tiles
-from specdraft.kernels.tile_linear import TileLinear
+from specdraft.kernels.tile_linear import TileLinear, require_input
 
 ELEMENT_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # the GGUF types with a dense kernel here
 _TILE_ROWS = 16
@@ -58,8 +58,7 @@ def pack_dense(raw: torch.Tensor, type_name: str) -> PackedDense:
 
 def dense_matmul(packed: PackedDense, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for dense tiles; x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
-    if x.dim() != 2 or x.shape[1] != packed.in_features:
-        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    require_input(packed, x)
     return tiles.tile_kernel().dense_matmul(packed.tiles, packed.type_name, x, packed.out_features)
 
 
@@ -70,5 +69,4 @@ class DenseLinear(TileLinear):
 
     def __init__(self, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> None:
         super().__init__(pack_dense(raw, type_name), bias)
-        self.register_buffer("tiles", self.packed.tiles)  # a buffer, so the module's memory shows it
         self.type_name = type_name

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specdraft.kernels import tiles
-from specdraft.kernels.tile_linear import TileLinear
+from specdraft.kernels.tile_linear import TileLinear, require_input
 from specdraft.kernels.int4_layout import PAIRS, QUADS, byte_words, require_layout, tile_bytes
 from specdraft.gguf_layout import Q6K_BLOCK_BYTES, QK_K
 
@@ -126,8 +126,7 @@ def block_matmul(packed: PackedQ6K, x: torch.Tensor) -> torch.Tensor:
     AVX-512 and AVX2 x is taken on an int16 grid per 16 inputs and the sums are integers (`native/avx512/tiles.h`; the
     bf16 flavour of AVX-512 multiplies x as it is).
     """
-    if x.dim() != 2 or x.shape[1] != packed.in_features:
-        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    require_input(packed, x)
     kernel = tiles.tile_kernel()  # one kernel for every pass on a machine
     require_layout(packed.layout, kernel.layout)
     return kernel.q6k_matmul(packed.tiles, packed.d, x, packed.out_features)
@@ -142,6 +141,4 @@ class BlockLinear(TileLinear):
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
         super().__init__(pack_q6k(raw, tiles.tile_kernel().layout), bias)
-        self.register_buffer("tiles", self.packed.tiles)  # buffers, so the module's memory shows them
-        self.register_buffer("tile_d", self.packed.d)
         self.type_name = type_name

@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from specdraft.kernels.tile_linear import require_input
+
 PAIRS, QUADS = "pairs", "quads"  # the layouts (module doc)
 GROUP = 32  # inputs per scale and minimum
 BLOCK_ROWS = 16  # outputs per tile
@@ -184,8 +186,7 @@ def run_tile_kernel(kernel, packed: PackedInt4, x: torch.Tensor, layout: str) ->
     `x @ W^T`: x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
     require_layout(packed.layout, layout)
     x = x.to(torch.bfloat16).contiguous()
-    if x.dim() != 2 or x.shape[1] != packed.in_features:
-        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+    require_input(packed, x)
     out = torch.empty((x.shape[0], packed.out_features), dtype=torch.float32)
     kernel(packed.tiles.data_ptr(), packed.scale.data_ptr(), packed.zero.data_ptr(), x.data_ptr(), out.data_ptr(),
            packed.out_features, packed.in_features, x.shape[0])

@@ -1,10 +1,26 @@
 """The module shape every linear over a packed GGUF matrix shares (`gguf_matmul.BlockLinear`,
-`dense_matmul.DenseLinear`): the packed matrix, its float32 bias, and a forward that multiplies on the tile kernels."""
+`dense_matmul.DenseLinear`, `int8_codes.CodeLinear`, `q4k_tiles.Q4KLinear`): the packed matrix, its float32 bias, and a
+forward that multiplies on the tile kernels, its packed tensors as buffers (`tiles`, `tile_<field>`); and the input
+check every packed matmul makes (`require_input`)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch import nn
+
+
+def require_input(packed, x: torch.Tensor) -> None:
+    """A ValueError unless x is `[tokens, K]` for the packed matrix (`packed.in_features` inputs)."""
+    if x.dim() != 2 or x.shape[1] != packed.in_features:
+        raise ValueError(f"x must be [tokens, {packed.in_features}], got {tuple(x.shape)}")
+
+
+def packed_tensors(packed) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a packed matrix (a dataclass: `tiles` and its scales or steps), by field name."""
+    return [(field.name, getattr(packed, field.name)) for field in fields(packed)
+            if isinstance(getattr(packed, field.name), torch.Tensor)]
 
 
 class TileLinear(nn.Module):
@@ -16,6 +32,8 @@ class TileLinear(nn.Module):
     def __init__(self, packed, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.packed = packed
+        for name, tensor in packed_tensors(packed):  # buffers, so the module's memory shows them
+            self.register_buffer(name if name == "tiles" else f"tile_{name}", tensor)
         self.out_features, self.in_features = packed.out_features, packed.in_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 

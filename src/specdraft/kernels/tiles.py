@@ -72,23 +72,42 @@ class TileKernel:
     def q6k_matmul(self, tiles: torch.Tensor, d: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ W^T` for Q6_K tiles (`gguf_matmul.pack_q6k`): x `[tokens, K]` (rounded to bf16) -> float32
         `[tokens, N]`."""
-        kernel = self._function(self.q6k)
-        x = x.to(torch.bfloat16).contiguous()
-        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        kernel(tiles.data_ptr(), d.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1], x.shape[0])
-        return out
+        return _run(self._function(self.q6k), (tiles, d), x, out_features)
 
     def dense_matmul(self, tiles: torch.Tensor, type_name: str, x: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ W^T` for dense tiles of `type_name` (F16, BF16, F32: `dense_matmul.pack_dense`): x `[tokens, K]`
         (rounded to bf16) -> float32 `[tokens, N]`, in float32 on every pass (no int8 pass)."""
-        kernel = getattr(self._loaded(), f"{type_name.lower()}_matmul")
-        x = x.to(torch.bfloat16).contiguous()
-        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-        kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), out_features, x.shape[1], x.shape[0])
-        return out
+        return _run(getattr(self._loaded(), f"{type_name.lower()}_matmul"), (tiles,), x, out_features)
+
+    def code_matmul(self, tiles: torch.Tensor, steps: torch.Tensor, type_name: str, x: torch.Tensor,
+                    out_features: int) -> torch.Tensor:
+        """`x @ W^T` for the code tiles of `type_name` (Q8_0, IQ4_NL, IQ4_XS: `int8_codes.pack_codes`; the AVX2
+        library's): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`, on int16 activations on every pass
+        (no int8 pass)."""
+        kernel = getattr(self._loaded(), "q8_0_matmul" if type_name == "Q8_0" else "iq4_matmul")
+        return _run(kernel, (tiles, steps), x, out_features)
+
+    def q4k_matmul(self, codes: torch.Tensor, marks: torch.Tensor, steps: torch.Tensor, x: torch.Tensor,
+                   out_features: int) -> torch.Tensor:
+        """`x @ W^T` for Q4_K tiles (`q4k_tiles.pack_q4k`; the AVX2 library's): x `[tokens, K]` (rounded to bf16) ->
+        float32 `[tokens, N]`, on int8 activations per 256 inputs inside a pass context (`prompt_pass`; its leading
+        precise rows, and every row outside one, on the 16-bit path)."""
+        rows = prompt_pass.precise_rows()
+        return _run(prompt_pass.bound(self._loaded().q4k_matmul, x.shape[0] if rows is None else rows),
+                    (codes, marks, steps), x, out_features)
 
     def __reduce__(self):  # a pickled module's kernel comes back as the one below of its name
         return kernel_named, (self.name,)
+
+
+def _run(kernel, weights: tuple[torch.Tensor, ...], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`kernel(*weights, x, y, N, K, tokens)` (the slots that take a packed matrix's buffers, then the activations):
+    x `[tokens, K]` rounded to bf16 -> y float32 `[tokens, N]`."""
+    x = x.to(torch.bfloat16).contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    kernel(*(weight.data_ptr() for weight in weights), x.data_ptr(), out.data_ptr(), out_features, x.shape[1],
+           x.shape[0])
+    return out
 
 
 AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "int5_amx_matmul", "q6k_amx_matmul", int8=False)

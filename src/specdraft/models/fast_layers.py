@@ -19,14 +19,15 @@ calls, 10.42 ms as one.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, layer_ops
-from specdraft.kernels.int4_layout import PackedInt4
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, layer_ops, q4k_tiles
+from specdraft.kernels.tile_linear import packed_tensors
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import drop_file_pages, trim_heap
 from specdraft.models.packed_model import RMSNorm
@@ -98,7 +99,8 @@ def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
 
 
 def run_kind(linear: nn.Module) -> str | None:
-    """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`), None when it cannot be stacked. 4-bit
+    """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`, `Q8_0`, `IQ4_NL`, `IQ4_XS`, `Q4_K`), None when
+    it cannot be stacked. 4-bit
     halves side by side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
     if isinstance(linear, SplitInt4Linear):
         linear = linear.halves
@@ -106,8 +108,8 @@ def run_kind(linear: nn.Module) -> str | None:
         return "int4"
     if isinstance(linear, gguf_matmul.BlockLinear):
         return "q6k"
-    if isinstance(linear, dense_matmul.DenseLinear):
-        return linear.type_name  # F16, BF16 or F32
+    if isinstance(linear, (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear)):
+        return linear.type_name  # F16, BF16, F32, or Q8_0, IQ4_NL, IQ4_XS, Q4_K
     return None
 
 
@@ -143,23 +145,14 @@ class StackedProjection(nn.Module):
         self.bias = nn.Parameter(torch.cat(biases), requires_grad=False) if has_bias else None  # [ΣN] float32, the parts' values
 
     def _stack(self, kind: str, parts: list[nn.Module], index: int) -> tuple[object, object]:
-        n = sum(part.out_features for part in parts)
-        if kind == "int4":
-            packed = PackedInt4(torch.cat([p.tiles.tiles for p in parts]), torch.cat([p.tiles.scale for p in parts]),
-                                torch.cat([p.tiles.zero for p in parts]), n, parts[0].in_features, parts[0].tiles.layout,
-                                parts[0].tiles.bits)
-            for name in ("tiles", "scale", "zero"):  # buffers, so the module's memory shows them
-                self.register_buffer(f"run{index}_{name}", getattr(packed, name))
-            return parts[0].tile_matmul, packed
-        if kind in dense_matmul.ELEMENT_BYTES:
-            packed = dense_matmul.PackedDense(torch.cat([p.packed.tiles for p in parts]), kind, n, self.in_features)
-            self.register_buffer(f"run{index}_tiles", packed.tiles)
-            return dense_matmul.dense_matmul, packed
-        packed = gguf_matmul.PackedQ6K(torch.cat([p.packed.tiles for p in parts]), torch.cat([p.packed.d for p in parts]),
-                                       n, self.in_features, parts[0].packed.layout)
-        self.register_buffer(f"run{index}_tiles", packed.tiles)
-        self.register_buffer(f"run{index}_d", packed.d)
-        return gguf_matmul.block_matmul, packed
+        """One run: the parts' packed matrices (of one kind) stacked row-wise, each tensor concatenated, with the kernel
+        that multiplies it; its tensors kept as buffers, so the module's memory shows them."""
+        packs = [part.tiles if kind == "int4" else part.packed for part in parts]
+        stacked = replace(packs[0], out_features=sum(part.out_features for part in parts),
+                          **{name: torch.cat([getattr(p, name) for p in packs]) for name, _ in packed_tensors(packs[0])})
+        for name, tensor in packed_tensors(stacked):
+            self.register_buffer(f"run{index}_{name}", tensor)
+        return (parts[0].tile_matmul if kind == "int4" else parts[0].matmul), stacked
 
     def num_packed_weights(self) -> int:
         """How many weights the stacked matrices hold."""

@@ -37,27 +37,38 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return sc, mn
 
 
+def q4k_stored(raw: np.ndarray | torch.Tensor, type_name: str = "Q4_K") -> tuple[torch.Tensor, ...]:
+    """A Q4_K matrix given as its raw bytes `[rows, blocks · 144]`, part by part as stored: `codes [rows, K]` (uint8,
+    0..15), `d` and `dmin [rows, K / 256]` (float16), the 6-bit `sc` and `m [rows, K / 32]` (uint8), with
+    w = d·sc·q − dmin·m per group of 32, K = blocks · 256. (`type_name`: the loader's convert signature; Q4_K only.)"""
+    data = torch.as_tensor(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
+    if type_name != "Q4_K" or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % Q4K_BLOCK_BYTES:
+        raise ValueError(f"Q4_K data must be uint8 [rows, blocks * {Q4K_BLOCK_BYTES}], got {type_name} "
+                         f"{tuple(data.shape)} {data.dtype}")
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, Q4K_BLOCK_BYTES)  # [rows, nb, 144]
+    nb = blocks.shape[1]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, nb)
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).reshape(rows, nb)
+    sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8] each
+    qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
+    # Each pair of sub-blocks shares 32 bytes: low nibbles are the first, high nibbles the second.
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
+    return (codes.reshape(rows, nb * QK_K), d, dmin, sc.reshape(rows, nb * 8).to(torch.uint8),
+            mn.reshape(rows, nb * 8).to(torch.uint8))
+
+
 def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and mins of a Q4_K matrix given as its raw bytes `[rows, blocks · 144]`.
 
     Returns `codes [rows, K]` (uint8, 0..15), `scale [rows, K / 32]` and `minimum [rows, K / 32]`
     (float32) with `w = scale · codes − minimum` per group of 32, K = blocks · 256.
     """
-    data = torch.as_tensor(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
-    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % Q4K_BLOCK_BYTES:
-        raise ValueError(f"Q4_K data must be uint8 [rows, blocks * {Q4K_BLOCK_BYTES}], got {tuple(data.shape)} {data.dtype}")
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, Q4K_BLOCK_BYTES)  # [rows, nb, 144]
-    nb = blocks.shape[1]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [rows, nb, 1]
-    sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8] each
-    qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
-    # Each pair of sub-blocks shares 32 bytes: low nibbles are the first, high nibbles the second.
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
-    scale = (d * sc.float()).reshape(rows, nb * 8)  # [rows, K / 32]
-    minimum = (dmin * mn.float()).reshape(rows, nb * 8)  # [rows, K / 32]
-    return codes.reshape(rows, nb * QK_K), scale, minimum
+    codes, d, dmin, sc, mn = q4k_stored(raw)
+    rows, nb = d.shape
+    scale = (d.float()[..., None] * sc.view(rows, nb, 8).float()).reshape(rows, nb * 8)  # [rows, K / 32]
+    minimum = (dmin.float()[..., None] * mn.view(rows, nb, 8).float()).reshape(rows, nb * 8)  # [rows, K / 32]
+    return codes, scale, minimum
 
 
 def _fp16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
@@ -97,17 +108,20 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy()[..., None], axis=-1, bitorder="little"))
 
 
-def _signed_codes(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def signed_codes(blocks: torch.Tensor, type_name: str, stored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0, IQ4_NL or IQ4_XS blocks `[rows, nb, block bytes]` as each group's step `[rows, K / 32]` and its 32
-    signed values `[rows, K / 32, 32]` (int16), w = step · value."""
+    signed values `[rows, K / 32, 32]` (int16), w = step · value; `stored`: the codes as stored instead (uint8: Q8_0's
+    int8 bytes, IQ4's indices into IQ4_VALUES)."""
     rows = blocks.shape[0]
     d = _fp16(blocks[..., 0:2])  # [rows, nb]
     if type_name == "Q8_0":
-        return d, blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
-    values = torch.tensor(IQ4_VALUES, dtype=torch.int16)
+        codes = blocks[..., 2:].contiguous()
+        return d, codes if stored else codes.view(torch.int8).to(torch.int16)
     qs = blocks[..., -QK_K // 2:] if type_name == "IQ4_XS" else blocks[..., 2:]  # [rows, nb, 128 or 16]
     qs = qs.reshape(rows, -1, 1, 16)  # [rows, groups, 1, 16]: a group's bytes
-    q = values[torch.cat([qs & 0x0F, qs >> 4], dim=2).long()].reshape(rows, -1, 32)  # weights j, then 16 + j
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, -1, 32)  # weights j, then 16 + j
+    if not stored:
+        q = torch.tensor(IQ4_VALUES, dtype=torch.int16)[q.long()]
     if type_name == "IQ4_NL":
         return d, q
     # IQ4_XS: sub-block i's 6-bit scale: bits 4i..4i+3 of the 4 low bytes, bits 2i, 2i+1 of the 16-bit high word
@@ -116,6 +130,17 @@ def _signed_codes(blocks: torch.Tensor, type_name: str) -> tuple[torch.Tensor, t
     low = torch.cat([low & 0x0F, low >> 4], dim=-1).reshape(rows, -1, 8).to(torch.int32)  # [rows, nb, 8]
     scales = low | (((high >> (2 * torch.arange(8))) & 3) << 4)  # [rows, nb, 8] in 0..63
     return (d.unsqueeze(-1) * (scales - 32)).reshape(rows, -1), q
+
+
+def stored_codes(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0, IQ4_NL or IQ4_XS rows (raw bytes `[rows, bytes per row]`) as each group's step `[rows, K / 32]` and its
+    codes as stored `[rows, K / 32, 32]` (uint8: Q8_0's int8 bytes, IQ4's indices; `signed_codes`): what
+    `int8_codes` packs."""
+    block_bytes = _SPLIT_BLOCK_BYTES[type_name]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"{type_name} data must be uint8 [rows, blocks * {block_bytes}], got {tuple(raw.shape)} {raw.dtype}")
+    step, codes = signed_codes(raw.reshape(raw.shape[0], -1, block_bytes), type_name, stored=True)
+    return step.reshape(raw.shape[0], -1), codes.reshape(raw.shape[0], -1, 32)
 
 
 def _code_parts(raw: torch.Tensor, type_name: str):
@@ -129,7 +154,7 @@ def _code_parts(raw: torch.Tensor, type_name: str):
     blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, block bytes]
     nb = blocks.shape[1]
     if type_name in ("Q8_0", "IQ4_NL", "IQ4_XS"):  # w = step · q, q a signed 8-bit value
-        step, q = _signed_codes(blocks, type_name)  # [rows, groups], [rows, groups, 32] int16
+        step, q = signed_codes(blocks, type_name)  # [rows, groups], [rows, groups, 32] int16
         high, low = (q >> 4) + 8, q & 0x0F  # q = 16 (high − 8) + low
         high_min, low_min = 128 * step, torch.zeros_like(step)
     elif type_name in ("Q5_0", "Q5_1"):

@@ -1,13 +1,17 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
-- 4-bit affine linears (Q4_K, Q4_0, Q4_1) run with the file's own scales and offsets
+- Q4_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin: `kernels/q4k_tiles.Q4KLinear`,
+  llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2 tile kernel runs.
+- Other 4-bit affine linears (Q4_0, Q4_1; Q4_K on the other levels) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
   of each group's scale and offset.
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
   tile kernels where they build and run; elsewhere they are unpacked.
+- Q8_0, IQ4_NL and IQ4_XS linears keep the file's codes (IQ4: its indices) and steps (`kernels/int8_codes.CodeLinear`,
+  8.5 and 5 bits a weight, on int16 activations on every pass) where the AVX2 tile kernel runs.
 - Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
-  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears (and 5-bit ones on PyTorch's kernel) split each code into its
+  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears elsewhere (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
   code (llama.cpp's 16-value table; IQ4_XS's 6-bit sub-block scales times d as each group's step).
@@ -39,7 +43,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import dense_matmul, gguf_matmul
+from specdraft.kernels import dense_matmul, gguf_matmul, int8_codes, q4k_tiles
 from specdraft.kernels.int4_layout import AffineRows
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LAYER_NORMS, LONGROPE_FACTORS, Architecture,
                                             architecture_for, head_dim_of, known_model_types)
@@ -49,7 +53,7 @@ from specdraft.models.fast_layers import (StackedAttention, StackedMLP, StackedP
 from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.gguf_layout import Q4K_GROUP  # every affine type groups 32 weights
 from specdraft.models.gguf_blocks import (AFFINE_4BIT, FIVE_BIT, SPLIT_INTO_4BIT, five_bit_affine, q4_affine,
-                                          split_affine, unpack_rows)
+                                          q4k_stored, stored_codes, split_affine, unpack_rows)
 from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, int4_kernel_available
@@ -203,11 +207,17 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if bias is not None and order is not None:
         bias = bias[order]
     raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
+    if (pack and weight.type_name == q4k_tiles.PackedQ4K.type_name and out_features % 16 == 0
+            and q4k_tiles.available()):
+        return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias)
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
         return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)
     if pack and split and weight.type_name in FIVE_BIT and five_bit_tiles_run(out_features, in_features):
         return Int4Linear(_affine_rows(raw, weight.type_name, five_bit_affine), out_features, in_features, Q4K_GROUP,
                           bias, bits=5)
+    if pack and split and weight.type_name in int8_codes.TYPES and out_features % 16 == 0 and int8_codes.available():
+        return int8_codes.CodeLinear(_affine_rows(raw, weight.type_name, stored_codes), out_features, in_features,
+                                     weight.type_name, bias)
     if pack and split and weight.type_name in SPLIT_INTO_4BIT and out_features % 16 == 0 and int4_kernel_available():
         halves = Int4Linear(_affine_rows(raw, weight.type_name, split_affine), out_features, 2 * in_features,
                             Q4K_GROUP, bias)
@@ -280,6 +290,7 @@ def describe_packing(model: nn.Module) -> str:
                 split = packed.in_features != module.in_features
                 kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else
                       f"{packed.type_name} kernels" if matmul is dense_matmul.dense_matmul else
+                      f"{packed.type_name} kernels" if matmul in (int8_codes.code_matmul, q4k_tiles.q4k_matmul) else
                       "4-bit kernels, split in two halves" if split else f"{packed.bits}-bit kernels"] += 1
         elif isinstance(module, SplitInt4Linear):
             kinds["4-bit kernels, split in two halves"] += 1
@@ -288,7 +299,7 @@ def describe_packing(model: nn.Module) -> str:
                   if module.dense_weight is None else "unpacked"] += 1
         elif isinstance(module, gguf_matmul.BlockLinear):
             kinds["Q6_K kernels"] += 1
-        elif isinstance(module, dense_matmul.DenseLinear):
+        elif isinstance(module, (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear)):
             kinds[f"{module.type_name} kernels"] += 1
         elif isinstance(module, FlatLinear):
             kinds[f"unpacked to {str(module.weight.dtype).removeprefix('torch.')}"] += 1

@@ -365,12 +365,16 @@ def draft_requantized(quant: str, device: str | torch.device | None = None) -> b
     return quant == "int4"
 
 
-def _has_split_halves(model: nn.Module) -> bool:
-    """Whether a packed model runs 5- or 8-bit linears as two 4-bit halves (`load_model(requantized=False)`)."""
+def _has_codes_to_requantize(model: nn.Module) -> bool:
+    """Whether a packed model runs 8-bit (and IQ4) linears as the file stores them or as two 4-bit halves, or 5-bit
+    ones as halves (`load_model(requantized=False)`): a draft re-quantizes those to plain 4 bits."""
+    from specdraft.kernels import int8_codes
     from specdraft.models.fast_layers import StackedProjection
     from specdraft.models.quantize import SplitInt4Linear
 
-    return any(isinstance(m, SplitInt4Linear) or (isinstance(m, StackedProjection) and m.reads_twice)
+    return any(isinstance(m, (SplitInt4Linear, int8_codes.CodeLinear))
+               or (isinstance(m, StackedProjection) and (m.reads_twice or any(
+                   matmul is int8_codes.code_matmul for matmul, _ in m.runs)))
                for m in model.modules())
 
 
@@ -398,7 +402,7 @@ def prepare_draft(draft: CausalLM, quant: str = "auto", copy: bool = False, voca
     vocab = resolved_draft_vocab(vocab, draft, found is not None)
     if quant == "none" and not vocab:
         return draft
-    if quant == "int4" and _has_split_halves(draft.model):  # reloaded with those linears plain, to re-quantize
+    if quant == "int4" and _has_codes_to_requantize(draft.model):  # reloaded with those linears plain, to re-quantize
         draft = load_model(draft.name, dtype=draft.model.dtype, device=draft.device, verbose=False, requantized=True,
                            max_context=draft.max_context)
         copy = False  # a model of its own already

@@ -158,6 +158,24 @@ static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *t
 /* sum + Σ of the two int16 products of each dword lane. */
 #define DOT(sum, rows, pair) _mm256_add_epi32((sum), _mm256_madd_epi16((rows), (pair)))
 
+/* sum[t] = Σ q·x̂ over inputs 16·part .. 16·part + 15 (chunks 2·part, 2·part + 1) of the rows of `half` of a 4-bit
+ * tile (5-bit where `bits` is 5), for `tokens` tokens (constants after inlining) whose x̂ start at `xg`, K apart. */
+static inline __attribute__((always_inline)) void affine_part_sums(const uint8_t *tile, int half, int bits,
+                                                                  const int16_t *xg, int64_t K, int tokens, int part,
+                                                                  __m256i sum[]) {
+    for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
+    for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
+        __m256i quads[2], rows[4];
+        affine_quads8(tile, chunk, half, bits, quads);
+        quads_to_pair_rows8(quads, rows);
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < tokens; t++) {  /* x̂ in pair order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
+                const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
+                sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[0]));
+            }
+    }
+}
+
 /* `call(T)` with T = tokens as a constant (1..MAX_TOKENS), so the accumulators stay in registers. */
 #define WITH_CONSTANT_TOKENS(tokens, call) \
     switch (tokens) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); break; }
@@ -176,19 +194,9 @@ static inline __attribute__((always_inline)) void affine_half(const uint8_t *cod
         prefetch_tile(group_codes, tile_bytes, half * 32);
         const __m256 s = bf16x8_to_ps(block_scale + g * 16 + half * 8), z = bf16x8_to_ps(block_zero + g * 16 + half * 8);
         const int16_t *xg = act->x + g * GROUP;
-        for (int part = 0; part < 2; part++) {  /* inputs 16·part .. 16·part + 15: chunks 2·part, 2·part + 1 */
+        for (int part = 0; part < 2; part++) {
             __m256i sum[MAX_TOKENS];
-            for (int t = 0; t < tokens; t++) sum[t] = _mm256_setzero_si256();
-            for (int chunk = 2 * part; chunk < 2 * part + 2; chunk++) {
-                __m256i quads[2], rows[4];
-                affine_quads8(group_codes, chunk, half, bits, quads);
-                quads_to_pair_rows8(quads, rows);
-                for (int j = 0; j < 4; j++)
-                    for (int t = 0; t < tokens; t++) {  /* x̂ in pair order: the dword is (x̂[8·chunk + j], x̂[8·chunk + 4 + j]) */
-                        const int32_t *xp = (const int32_t *)(xg + t * K + 8 * chunk + 2 * j);
-                        sum[t] = DOT(sum[t], rows[j], _mm256_set1_epi32(xp[0]));
-                    }
-            }
+            affine_part_sums(group_codes, half, bits, xg, K, tokens, part, sum);
             for (int t = 0; t < tokens; t++) {
                 const float scale = act->scale[t * 2 * groups + 2 * g + part];
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(sum[t]), acc[t]);

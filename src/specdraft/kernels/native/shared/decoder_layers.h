@@ -30,10 +30,13 @@ typedef struct {
     int64_t kind;         /* 0: 4-bit tiles (`int4_layout`), 1: Q6_K tiles (`gguf_matmul.pack_q6k`),
                              2, 3, 4: 4-bit, Q6_K, 5-bit tiles on AMX (`avx512/amx_tiles.h`, in the WITH_AMX build only),
                              5: 5-bit tiles (`int4_layout`, bits 5),
-                             6, 7, 8: F16, BF16, F32 weights as stored (`shared/dense_tiles.h`: format kind − 6) */
+                             6, 7, 8: F16, BF16, F32 weights as stored (`shared/dense_tiles.h`: format kind − 6),
+                             9, 10: Q8_0, IQ4 code tiles (`avx2/int8_code_tiles.h`, in the AVX2 library only),
+                             11: Q4_K tiles (`avx2/q4k_tiles.h`, in the AVX2 library only) */
     const uint8_t *tiles;
-    const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d */
-    const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q6_K: unused */
+    const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d; Q8_0: fp16 d; IQ4: float32 steps;
+                             Q4_K: its scales and mins */
+    const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q4_K: fp16 d and dmin; others: unused */
     int64_t rows;         /* output features of this run */
     int64_t doubled;      /* 1: 4-bit halves side by side (`SplitInt4Linear`), multiplied by [x, x] */
 } Run;
@@ -88,8 +91,22 @@ static int int8_activations = 0;
 
 void use_int8_activations(int64_t on) { int8_activations = (int)on; }
 
-/* 1 where the run's rows y [tokens][ldy] were computed here, on int8 activations; else 0 (the tile kernels' loop). */
+/* 1 where the run's rows y [tokens][ldy] were computed here: Q8_0 or IQ4 code tiles (kinds 9, 10) or Q4_K tiles
+ * (kind 11), each on every pass (the AVX2 library's `int8_code_tiles.h` and `q4k_tiles.h`, the only one that has
+ * them), or 4-bit, 5-bit and Q6_K ones on int8 activations; else 0 (the tile kernels' loop). */
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
+#ifdef Q8_0_TILE_BYTES
+    if (run->kind == 9 || run->kind == 10) {
+        code_passes(run->tiles, run->scale, (int)(run->kind - 9), x, y, run->rows, in, tokens, ldy);
+        return 1;
+    }
+#endif
+#ifdef Q4K_SUPER
+    if (run->kind == 11) {
+        q4k_passes(run->tiles, run->scale, run->zero, x, y, run->rows, in, tokens, ldy, int8_activations ? 0 : tokens);
+        return 1;
+    }
+#endif
     if (!int8_activations || (run->kind > 1 && run->kind != 5)) return 0;
     affine_q8_passes(run->tiles, run->scale, run->kind == 1 ? NULL : run->zero, x, y, run->rows, in, 0, tokens, ldy,
                      run->kind == 5 ? 5 : 4);
@@ -116,7 +133,7 @@ static void project(const Projection *p, const uint16_t *x_once, float *y, int64
             x = twice;
             in = 2 * in_once;
         }
-        if (run->kind >= 6) {  /* F16 / BF16 / F32 weights as stored: every pass in float32 */
+        if (run->kind >= 6 && run->kind <= 8) {  /* F16 / BF16 / F32 weights as stored: every pass in float32 */
             dense_passes(run->tiles, (int)(run->kind - 6), x, y + column, run->rows, in, tokens, out);
             column += run->rows;
             continue;

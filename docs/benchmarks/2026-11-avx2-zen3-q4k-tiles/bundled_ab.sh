@@ -1,0 +1,7 @@
+#!/bin/bash
+# the README's AVX2 bench command on the bundled pair: after (working tree: ar, spec, llama-cpp) and before (ar, spec)
+cd /work/main && . .venv/bin/activate
+export HF_HUB_OFFLINE=1
+B="--prompts ../shared/data/spec_bench/question.jsonl --prompts src/specdraft/bench/data/prompts.jsonl --categories translation,summarization,qa,math_reasoning,rag,writing,roleplay,reasoning,math,coding,extraction,stem,humanities,code --max-prompts 2 --turns 1 --threads 2 --max-new-tokens 128"
+SPECDRAFT_CACHE=/tmp/q4k/cache-after PYTHONPATH=/tmp/q4k/after/src python -c "from specdraft.surfaces.cli import main; main()" bench $B --methods "ar,spec,llama-cpp" --out /tmp/q4k/bundled-after > /tmp/q4k/bundled-after.txt 2>&1
+SPECDRAFT_CACHE=/tmp/q4k/cache-before PYTHONPATH=/tmp/q4k/before/src python -c "from specdraft.surfaces.cli import main; main()" bench $B --methods "ar,spec" --out /tmp/q4k/bundled-before > /tmp/q4k/bundled-before.txt 2>&1

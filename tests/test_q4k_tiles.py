@@ -1,0 +1,100 @@
+"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`): a file's Q4_K blocks as stored, times each token's
+activations on one int8 scale per 256 inputs, the scales and mins applied as integers (llama.cpp's numerics)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from specdraft.kernels import prompt_pass, q4k_tiles, tiles
+from specdraft.models.gguf_blocks import q4k_stored
+from test_gguf_native import gguf_values, random_q4k
+
+pytestmark = pytest.mark.skipif(not tiles.AVX2.available(), reason="the AVX2 kernels do not run on this CPU")
+
+
+def case(rows: int, inputs: int, tokens: int, seed: int = 0):
+    """Packed tiles of a random Q4_K matrix, its raw bytes, gguf's float32 values of it `[N, K]`, and bf16 inputs
+    `[T, K]` (a few channels 50 times the rest, as real activations have)."""
+    raw = random_q4k(rows, inputs // 256, np.random.default_rng(seed))
+    packed = q4k_tiles.pack_q4k(lambda start, stop: q4k_stored(torch.from_numpy(raw[start:stop])), rows, inputs)
+    x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(seed))  # [T, K]
+    x[:, 7::97] *= 50
+    return packed, raw, gguf_values(raw, GGMLQuantizationType.Q4_K), x.bfloat16()
+
+
+def int8_reference(raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's function in float64: â = round(x · 127 / max|x|) per 256 inputs (ties to even), a = max|x| / 127,
+    then d·a·Σ sc·Σ q·â − dmin·a·Σ m·Σ â per super-block; `[T, N]`."""
+    codes, d, dmin, sc, mn = q4k_stored(torch.from_numpy(raw))  # [N, K], [N, K/256] x 2, [N, K/32] x 2
+    rows, inputs = codes.shape
+    xs = x.float().view(x.shape[0], -1, 256)  # [T, S, 256]
+    amax = xs.abs().amax(-1, keepdim=True)  # [T, S, 1]
+    a = (amax / 127).double()  # float32 as in the kernel, as are the factor and the product below
+    xq = torch.round(xs * (127 / amax)).double()  # [T, S, 256]
+    groups = xq.view(x.shape[0], -1, 32)  # [T, K/32, 32]
+    dots = torch.einsum("tgi,ngi->tng", groups, codes.double().view(rows, -1, 32))  # [T, N, K/32]
+    per_super = (dots * sc.double()).view(x.shape[0], rows, -1, 8).sum(-1)  # [T, N, S]
+    mins = (groups.sum(-1)[:, None] * mn.double()).view(x.shape[0], rows, -1, 8).sum(-1)  # [T, N, S]
+    scale = a.squeeze(-1)[:, None]  # [T, 1, S]
+    return (d.double() * scale * per_super - dmin.double() * scale * mins).sum(-1)  # [T, N]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("rows, inputs, tokens", [(48, 512, 1), (48, 512, 3), (48, 512, 7), (16, 4096, 70)])
+def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(rows, inputs, tokens):
+    """In an int8 pass, x · W on int8 activations per 256 inputs: the float64 model of that function within float32
+    rounding (a scale, a min or a code out of place is off by far more), and gguf's own values of the weights within
+    the activations' 8 bits; out of one, the 16-bit path within 1e-4 of gguf's values; on a pass of one token, of a
+    few, and of more than one sweep over the rows takes (4,096 inputs: 64)."""
+    packed, raw, weight, x = case(rows, inputs, tokens)
+    with prompt_pass.prompt_pass():
+        got = q4k_tiles.q4k_matmul(packed, x)  # [T, N]
+    assert got.shape == (tokens, rows) and got.dtype == torch.float32
+    assert relative_error(got, int8_reference(raw, x)) < 1e-6
+    assert relative_error(got, x.double() @ weight.double().T) < 0.05  # 3.2% at most here, with the 50x channels
+    assert relative_error(q4k_tiles.q4k_matmul(packed, x), x.double() @ weight.double().T) < 1e-4
+
+
+def test_q4k_tiles_compute_each_token_alone():
+    """A token's outputs have the same bits in any pass width, on either path, and across the sweeps of a long pass,
+    so a verify pass agrees with one-token decoding; a pass that starts a sequence keeps its first token on the
+    16-bit path and the rest on int8 activations."""
+    packed, _, _, x = case(32, 4096, 70, seed=1)
+    exact = q4k_tiles.q4k_matmul(packed, x)  # [70, N], the 16-bit path
+    with prompt_pass.prompt_pass():
+        together = q4k_tiles.q4k_matmul(packed, x)  # [70, N], int8 activations
+        for i in (0, 31, 63, 64, 69):
+            assert torch.equal(q4k_tiles.q4k_matmul(packed, x[i:i + 1])[0], together[i])
+        for width in range(2, 12):
+            assert torch.equal(q4k_tiles.q4k_matmul(packed, x[30:30 + width]), together[30:30 + width]), width
+    for width in (1, 3, 4, 5, 9):
+        assert torch.equal(q4k_tiles.q4k_matmul(packed, x[30:30 + width]), exact[30:30 + width]), width
+    assert not torch.equal(exact[3], together[3])
+    with prompt_pass.prompt_pass(starts_sequence=True):
+        assert torch.equal(q4k_tiles.q4k_matmul(packed, x[3:9]), torch.cat([exact[3:4], together[4:9]]))
+
+
+def test_q4k_linear_keeps_the_files_blocks_and_adds_its_bias():
+    """`Q4KLinear`: the file's codes, 6-bit scales and mins and fp16 d and dmin (4.625 bits a weight), nothing rounded;
+    its bias added in float32."""
+    raw = random_q4k(32, 2, np.random.default_rng(2))
+    bias = torch.randn(32)
+    linear = q4k_tiles.Q4KLinear(lambda start, stop: q4k_stored(torch.from_numpy(raw[start:stop])), 32, 512, bias)
+    stored = sum(buffer.numel() * buffer.element_size() for buffer in linear.buffers())
+    assert stored * 8 / (32 * 512) == 4.625
+    d = q4k_stored(torch.from_numpy(raw))[1]  # [32, 2] float16
+    assert torch.equal(linear.packed.steps[0, :, :16].view(torch.float16), d[:16].T)
+    x = torch.randn(5, 512).bfloat16()
+    with prompt_pass.prompt_pass():
+        assert torch.equal(linear(x.float()), (q4k_tiles.q4k_matmul(linear.packed, x) + bias).float())
+
+
+@pytest.mark.parametrize("shape", [(24, 512), (32, 288)])
+def test_q4k_tiles_refuse_shapes_they_cannot_hold(shape):
+    """Rows come 16 to a tile and inputs 256 to a super-block: anything else is refused, naming the rule."""
+    with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 256 == 0"):
+        q4k_tiles.pack_q4k(lambda start, stop: None, *shape)
