@@ -1,16 +1,26 @@
-"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`): a file's Q4_K blocks as stored, times each token's
-activations on one int8 scale per 256 inputs, the scales and mins applied as integers (llama.cpp's numerics)."""
+"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`): a file's Q4_K blocks as
+stored, times each token's activations on one int8 scale per 256 inputs, the scales and mins applied as integers
+(llama.cpp's numerics); each test on every level this CPU runs (`SPECDRAFT_ISA`)."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from specdraft.kernels import prompt_pass, q4k_tiles, tiles
+from specdraft.kernels import numerics, prompt_pass, q4k_tiles, tiles
 from specdraft.models.gguf_blocks import q4k_stored
 from test_gguf_native import gguf_values, random_q4k
 
-pytestmark = pytest.mark.skipif(not tiles.AVX2.available(), reason="the AVX2 kernels do not run on this CPU")
+LEVELS = [kernel.name for kernel in (tiles.AVX2, tiles.AVX512) if kernel.available()]
+pytestmark = pytest.mark.skipif(not LEVELS, reason="neither the AVX2 nor the AVX-512 kernels run on this CPU")
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch) -> str:
+    """Each level with Q4_K tiles that this CPU runs, forced (`SPECDRAFT_ISA`)."""
+    monkeypatch.setenv(numerics.ISA_VARIABLE, request.param)
+    assert tiles.tile_kernel().name == request.param and q4k_tiles.available()
+    return request.param
 
 
 def case(rows: int, inputs: int, tokens: int, seed: int = 0):
@@ -45,7 +55,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows, inputs, tokens", [(48, 512, 1), (48, 512, 3), (48, 512, 7), (16, 4096, 70)])
-def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(rows, inputs, tokens):
+def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(level, rows, inputs, tokens):
     """In an int8 pass, x · W on int8 activations per 256 inputs: the float64 model of that function within float32
     rounding (a scale, a min or a code out of place is off by far more), and gguf's own values of the weights within
     the activations' 8 bits; out of one, the 16-bit path within 1e-4 of gguf's values; on a pass of one token, of a
@@ -59,7 +69,7 @@ def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(rows, inputs
     assert relative_error(q4k_tiles.q4k_matmul(packed, x), x.double() @ weight.double().T) < 1e-4
 
 
-def test_q4k_tiles_compute_each_token_alone():
+def test_q4k_tiles_compute_each_token_alone(level):
     """A token's outputs have the same bits in any pass width, on either path, and across the sweeps of a long pass,
     so a verify pass agrees with one-token decoding; a pass that starts a sequence keeps its first token on the
     16-bit path and the rest on int8 activations."""
@@ -78,7 +88,7 @@ def test_q4k_tiles_compute_each_token_alone():
         assert torch.equal(q4k_tiles.q4k_matmul(packed, x[3:9]), torch.cat([exact[3:4], together[4:9]]))
 
 
-def test_q4k_linear_keeps_the_files_blocks_and_adds_its_bias():
+def test_q4k_linear_keeps_the_files_blocks_and_adds_its_bias(level):
     """`Q4KLinear`: the file's codes, 6-bit scales and mins and fp16 d and dmin (4.625 bits a weight), nothing rounded;
     its bias added in float32."""
     raw = random_q4k(32, 2, np.random.default_rng(2))
@@ -91,6 +101,22 @@ def test_q4k_linear_keeps_the_files_blocks_and_adds_its_bias():
     x = torch.randn(5, 512).bfloat16()
     with prompt_pass.prompt_pass():
         assert torch.equal(linear(x.float()), (q4k_tiles.q4k_matmul(linear.packed, x) + bias).float())
+
+
+@pytest.mark.skipif(len(LEVELS) < 2, reason="needs both the AVX2 and the AVX-512 kernels")
+def test_q4k_tiles_give_the_same_bits_on_avx2_and_avx512(monkeypatch):
+    """On int8 activations both levels compute one function in one order (the same â, exact integer sums, the same
+    float32 steps per super-block), so a model's outputs do not depend on which of them runs; against the exact
+    weights each is within 1e-4 of gguf's values (AVX2 rounds activations to int16, AVX-512 keeps float32)."""
+    packed, _, weight, x = case(64, 1024, 11, seed=3)
+    got = {}
+    for name in LEVELS:
+        monkeypatch.setenv(numerics.ISA_VARIABLE, name)
+        with prompt_pass.prompt_pass():
+            got[name] = q4k_tiles.q4k_matmul(packed, x)  # [11, 64]
+        exact = q4k_tiles.q4k_matmul(packed, x)
+        assert relative_error(exact, x.double() @ weight.double().T) < 1e-4, name
+    assert torch.equal(got["avx2"], got["avx512"])
 
 
 @pytest.mark.parametrize("shape", [(24, 512), (32, 288)])

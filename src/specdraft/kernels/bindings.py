@@ -47,12 +47,11 @@ SLOTS = {  # every library's functions: name -> argument types (none returns a v
 SLOTS |= {  # 5-bit tiles (`int4_layout`, bits 5) take the 4-bit tiles' arguments
     "int5_matmul": SLOTS["int4_matmul"],
     "int5_q8_matmul": SLOTS["int4_q8_matmul"],
+    "q4k_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # codes, marks, steps, x, y, N, K, tokens, leading float32 tokens
 }
-AVX2_SLOTS = {  # the AVX2 library adds these (the other levels split Q8_0 and IQ4 codes into 4-bit halves, and run
-    #            Q4_K as 4-bit tiles)
+AVX2_SLOTS = {  # the AVX2 library adds these (the other levels split Q8_0 and IQ4 codes into 4-bit halves)
     "q8_0_matmul": [_POINTER] * 4 + [_SIZE] * 3,  # tiles, steps, x, y, N, K, tokens
     "iq4_matmul": [_POINTER] * 4 + [_SIZE] * 3,
-    "q4k_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # codes, marks, steps, x, y, N, K, tokens, leading 16-bit tokens
 }
 AMX_SLOTS = {  # the AVX-512 library's build with AMX adds these (and `amx_tiles_init`, which returns 0 when granted)
     "int4_amx_matmul": SLOTS["int4_matmul"],

@@ -1,10 +1,11 @@
 """Linears whose GGUF weights are Q4_K, multiplied as the file stores them (codes, 6-bit scales and mins, fp16 d and
-dmin per 256 weights) on the AVX2 library's Q4_K tiles (`native/avx2/q4k_tiles.h`): in an int8 pass (`prompt_pass`:
-on AVX2 every pass by default) llama.cpp's numerics, each token's activations on one int8 scale per 256 inputs and
-the scales applied as integers, one float multiply-add per 256 weights; a sequence's first token, and every token
-where int8 activations are off, on the 16-bit tiles' int16 activations against the file's exact weights. The loader
-uses them where the AVX2 tile kernel runs (`available`); elsewhere Q4_K runs as 4-bit tiles with a bf16 scale and
-offset per 32 (`quantize.Int4Linear`).
+dmin per 256 weights) on the Q4_K tiles of the AVX2 and AVX-512 libraries (`native/avx2/q4k_tiles.h`,
+`native/avx512/q4k_tiles.h`: one layout, one function, the same bits): in an int8 pass (`prompt_pass`: on both
+levels every pass by default) llama.cpp's numerics, each token's activations on one int8 scale per 256 inputs and the
+scales applied as integers, one float multiply-add per 256 weights; a sequence's first token, and every token where
+int8 activations are off, against the file's exact weights (AVX2: the 16-bit tiles' int16 activations; AVX-512: in
+float32). The loader uses them where the AVX2 or AVX-512 tile kernel runs (`available`); on AMX and PyTorch's
+level Q4_K runs as 4-bit tiles with a bf16 scale and offset per 32 (`quantize.Int4Linear`).
 
 Each token is computed alone, so a verify pass agrees bit for bit with one-token decoding; 4.625 bits a weight (the
 file: 4.5; the 4-bit tiles: 5). Against the 4-bit tiles' int8 passes (8192 x 3072 in cache, 2 cores, Zen 3): one
@@ -30,13 +31,14 @@ _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries
 
 
 def available() -> bool:
-    """Whether the loader puts Q4_K linears on these kernels: where the AVX2 tile kernel runs."""
-    return tiles.tile_kernel() is tiles.AVX2
+    """Whether the loader puts Q4_K linears on these kernels: where the AVX2 or the AVX-512 tile kernel runs (AMX
+    keeps its bf16 tiles on 16-bit activations)."""
+    return tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
 
 
 @dataclass
 class PackedQ4K:
-    """A Q4_K matrix in tiles of 16 rows (`native/avx2/q4k_tiles.h`): `tiles [N/16 · K/32 · 256]` (the `QUADS` 4-bit
+    """A Q4_K matrix in tiles of 16 rows (`native/avx2/q4k_tiles.h`, both libraries' layout): `tiles [N/16 · K/32 · 256]` (the `QUADS` 4-bit
     tiles), `marks [N/16, K/256, 256]` (uint8: each super-block's 6-bit scales, then its mins) and `steps [N/16,
     K/256, 32]` (int16: d, then dmin, as fp16 bits)."""
 
@@ -73,7 +75,7 @@ def pack_q4k(rows: Q4KRows, out_features: int, in_features: int) -> PackedQ4K:
 def q4k_matmul(packed: PackedQ4K, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for Q4_K tiles; x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
     require_input(packed, x)
-    return tiles.AVX2.q4k_matmul(packed.tiles, packed.marks, packed.steps, x, packed.out_features)
+    return tiles.tile_kernel().q4k_matmul(packed.tiles, packed.marks, packed.steps, x, packed.out_features)
 
 
 class Q4KLinear(TileLinear):

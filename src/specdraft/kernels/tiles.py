@@ -89,9 +89,9 @@ class TileKernel:
 
     def q4k_matmul(self, codes: torch.Tensor, marks: torch.Tensor, steps: torch.Tensor, x: torch.Tensor,
                    out_features: int) -> torch.Tensor:
-        """`x @ W^T` for Q4_K tiles (`q4k_tiles.pack_q4k`; the AVX2 library's): x `[tokens, K]` (rounded to bf16) ->
-        float32 `[tokens, N]`, on int8 activations per 256 inputs inside a pass context (`prompt_pass`; its leading
-        precise rows, and every row outside one, on the 16-bit path)."""
+        """`x @ W^T` for Q4_K tiles (`q4k_tiles.pack_q4k`; every library has them): x `[tokens, K]` (rounded to
+        bf16) -> float32 `[tokens, N]`, on int8 activations per 256 inputs inside a pass context (`prompt_pass`; its
+        leading precise rows, and every row outside one, against the exact weights)."""
         rows = prompt_pass.precise_rows()
         return _run(prompt_pass.bound(self._loaded().q4k_matmul, x.shape[0] if rows is None else rows),
                     (codes, marks, steps), x, out_features)

@@ -1,8 +1,8 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
 - Q4_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin: `kernels/q4k_tiles.Q4KLinear`,
-  llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2 tile kernel runs.
-- Other 4-bit affine linears (Q4_0, Q4_1; Q4_K on the other levels) run with the file's own scales and offsets
+  llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2 or AVX-512 tile kernel runs.
+- Other 4-bit affine linears (Q4_0, Q4_1; Q4_K on AMX) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
   of each group's scale and offset.

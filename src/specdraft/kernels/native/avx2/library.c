@@ -9,7 +9,7 @@
  *                             f32_matmul
  *   int8_code_tiles.h   Q8_0 and IQ4 weights as stored, on int16 activations: q8_0_matmul, iq4_matmul (this
  *                       library's alone)
- *   q4k_tiles.h    Q4_K weights as stored, on int8 activations per 256 inputs: q4k_matmul (this library's alone)
+ *   q4k_tiles.h    Q4_K weights as stored, on int8 activations per 256 inputs: q4k_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals

@@ -1,6 +1,6 @@
 /* Q4_K weights as the file stores them, times int8 activations: `q4k_matmul`, and `q4k_passes` for the decoder stack
- * (run kind 11). AVX2 only (this library's alone): elsewhere Q4_K runs as 4-bit tiles with a bf16 scale and offset
- * per 32 weights (`int4_layout`).
+ * (run kind 11). The AVX-512 library computes the same function on the same tiles (`avx512/q4k_tiles.h`); on AMX
+ * Q4_K runs as 4-bit tiles with a bf16 scale and offset per 32 weights (`int4_layout`).
  *
  * Q4_K keeps, per row and super-block of 256 weights, an fp16 d and dmin and eight 6-bit scales sc and mins m, one per
  * group of 32: w = d·sc·q − dmin·m, q in 0..15. The tiles keep exactly those (`kernels/q4k_tiles.pack_q4k`, 4.625

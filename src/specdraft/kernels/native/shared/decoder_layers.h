@@ -32,7 +32,7 @@ typedef struct {
                              5: 5-bit tiles (`int4_layout`, bits 5),
                              6, 7, 8: F16, BF16, F32 weights as stored (`shared/dense_tiles.h`: format kind − 6),
                              9, 10: Q8_0, IQ4 code tiles (`avx2/int8_code_tiles.h`, in the AVX2 library only),
-                             11: Q4_K tiles (`avx2/q4k_tiles.h`, in the AVX2 library only) */
+                             11: Q4_K tiles (`avx2/q4k_tiles.h`, `avx512/q4k_tiles.h`) */
     const uint8_t *tiles;
     const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d; Q8_0: fp16 d; IQ4: float32 steps;
                              Q4_K: its scales and mins */
@@ -91,9 +91,9 @@ static int int8_activations = 0;
 
 void use_int8_activations(int64_t on) { int8_activations = (int)on; }
 
-/* 1 where the run's rows y [tokens][ldy] were computed here: Q8_0 or IQ4 code tiles (kinds 9, 10) or Q4_K tiles
- * (kind 11), each on every pass (the AVX2 library's `int8_code_tiles.h` and `q4k_tiles.h`, the only one that has
- * them), or 4-bit, 5-bit and Q6_K ones on int8 activations; else 0 (the tile kernels' loop). */
+/* 1 where the run's rows y [tokens][ldy] were computed here: Q8_0 or IQ4 code tiles (kinds 9, 10: the AVX2 library's
+ * `int8_code_tiles.h`, the only one that has them) or Q4_K tiles (kind 11: each library's `q4k_tiles.h`), each on
+ * every pass, or 4-bit, 5-bit and Q6_K ones on int8 activations; else 0 (the tile kernels' loop). */
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
 #ifdef Q8_0_TILE_BYTES
     if (run->kind == 9 || run->kind == 10) {

@@ -1,0 +1,214 @@
+/* Q4_K weights as the file stores them, times int8 activations on AVX-512 VNNI: `q4k_matmul`, and `q4k_passes` for
+ * the decoder stack (run kind 11). The tiles are the AVX2 library's (`kernels/q4k_tiles.pack_q4k`, the layout in
+ * `avx2/q4k_tiles.h`: the `QUADS` 4-bit tiles of the codes, each super-block's 6-bit scales and mins, fp16 d and
+ * dmin; 4.625 bits a weight), and so is the function: the same int8 activations per 256 inputs, the same exact
+ * integer sums I = Σ_g sc_g · Σ q·â and M = Σ_g m_g · Σâ_g, the same float32 steps per super-block
+ *   y += (d·a) ⊙ I − (dmin·a) ⊙ M
+ * so both levels give the same bits. Here a `QUADS` chunk of 64 bytes is two `vpdpbusd` operands as it stands
+ * (dword lane c: row c's four bytes; the low nibbles are inputs 8j .. 8j + 3, the high ones 8j + 4 .. 8j + 7), a
+ * group's sum is scaled by its 6-bit scales with one `vpmulld`, and the mins take four `vpdpwssd` per super-block.
+ *
+ * Where int8 activations are off, and for a sequence's first token (`prompt_pass`), every product in float32 against
+ * the file's exact weights (s = d·sc and o = dmin·m are exact in float32): y += s ⊙ Σ q·x − o ⊙ Σ x per group of 32.
+ * Each token alone either way, so a verify pass agrees bit for bit with one-token decoding.
+ */
+#pragma once
+
+#include "tiles.h"
+
+#define Q4K_SUPER 256
+#define Q4K_GROUPS 8            /* groups of 32 in a super-block */
+#define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
+#define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
+#define Q4K_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows (they stay in L2) */
+
+/* x [K] bf16 of one token -> â [K] int8 on one scale a per 256 inputs [K/256], and each group's Σâ [K/32] (int16):
+ * the AVX2 library's `quantize_token_256`, element for element. */
+static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *scale, int16_t *group_sums) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t s = 0; s < K / Q4K_SUPER; s++) {
+        const uint16_t *xs = x + s * Q4K_SUPER;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < Q4K_SUPER / 16; i++) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, bf16x16_to_ps(xs + 16 * i)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int g = 0; g < Q4K_GROUPS; g++) {  /* nearest, ties even */
+            const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_ps(xs + GROUP * g), inverse));
+            const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_ps(xs + GROUP * g + 16), inverse));
+            _mm_storeu_si128((__m128i *)(q + s * Q4K_SUPER + GROUP * g), _mm512_cvtsepi32_epi8(lo));
+            _mm_storeu_si128((__m128i *)(q + s * Q4K_SUPER + GROUP * g + 16), _mm512_cvtsepi32_epi8(hi));
+            group_sums[s * Q4K_GROUPS + g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        }
+        scale[s] = amax / 127.0f;
+    }
+}
+
+/* A block of 16 rows of Q4_K tiles against `tokens` tokens (a constant after inlining) on int8 activations: â, a
+ * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *codes, const uint8_t *marks,
+                                                              const uint16_t *steps, const int8_t *xq,
+                                                              const float *act_scale, const int16_t *group_sums,
+                                                              int64_t K, int tokens, float *y, int64_t ldy, int ahead) {
+    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *mark = marks + s * Q4K_MARK_BYTES;
+        __m512i dots[MAX_TOKENS];  /* I of each token, a row a lane */
+        for (int gl = 0; gl < Q4K_GROUPS; gl++) {
+            const int64_t g = s * Q4K_GROUPS + gl;
+            const uint8_t *tile = codes + g * INT4_TILE_BYTES;
+            prefetch_ahead(tile, INT4_TILE_BYTES, ahead);
+            __m512i quads[8];  /* quads[i]: the codes of inputs 4i .. 4i + 3 of each row */
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
+                quads[2 * j] = _mm512_and_si512(v, low);
+                quads[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl)));
+            for (int t = 0; t < tokens; t++) {
+                const int32_t *xw = (const int32_t *)(xq + t * K + g * GROUP);
+                __m512i dot = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, quads[i], _mm512_set1_epi32(xw[i]));
+                const __m512i scaled = _mm512_mullo_epi32(dot, sc);
+                dots[t] = gl == 0 ? scaled : _mm512_add_epi32(dots[t], scaled);
+            }
+        }
+        __m512i mins[4];  /* pair p: (m of group 2p, m of group 2p + 1) of each row, as int16 */
+        for (int p = 0; p < 4; p++)
+            mins[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mark + 128 + 32 * p)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + s * Q4K_STEP_HALFWORDS)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + s * Q4K_STEP_HALFWORDS + 16)));
+        for (int t = 0; t < tokens; t++) {
+            const int32_t *b = (const int32_t *)(group_sums + t * groups + s * Q4K_GROUPS);  /* pairs of group sums */
+            __m512i m = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, mins[p], _mm512_set1_epi32(b[p]));
+            const __m512 a = _mm512_set1_ps(act_scale[t * supers + s]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, a), _mm512_cvtepi32_ps(dots[t]), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, a), _mm512_cvtepi32_ps(m), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+/* A block of 16 rows of Q4_K tiles against `tokens` tokens in float32: x [tokens][K] float32 (K apart), each group's
+ * Σx [tokens][K/32]. Four chains of products per group (inputs 8j + b, low and high nibble, b even and odd), added
+ * in one order. */
+static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t *codes, const uint8_t *marks,
+                                                                 const uint16_t *steps, const float *xf,
+                                                                 const float *group_x, int64_t K, int tokens, float *y,
+                                                                 int64_t ldy) {
+    const int64_t groups = K / GROUP;
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
+        const uint8_t *tile = codes + g * INT4_TILE_BYTES, *mark = marks + super * Q4K_MARK_BYTES;
+        prefetch_ahead(tile, INT4_TILE_BYTES, PREFETCH_BYTES);
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl))));
+        /* m of group gl: the low (gl even) or high (gl odd) int16 of each row's pair */
+        const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mark + 128 + 32 * (gl / 2))));
+        const __m512i m = gl % 2 ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF));
+        const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS;
+        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)step)), sc);
+        const __m512 offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(step + 16))),
+                                            _mm512_cvtepi32_ps(m));
+        __m512 chain[MAX_TOKENS][4];
+        for (int t = 0; t < tokens; t++) chain[t][0] = chain[t][1] = chain[t][2] = chain[t][3] = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
+            for (int b = 0; b < 4; b++) {
+                const __m512i byte = _mm512_srli_epi32(v, 8 * b);
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(byte, nibble));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(byte, 4), nibble));
+                for (int t = 0; t < tokens; t++) {
+                    const float *xg = xf + t * K + g * GROUP + 8 * j;
+                    chain[t][b % 2] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[b]), chain[t][b % 2]);
+                    chain[t][2 + b % 2] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[4 + b]), chain[t][2 + b % 2]);
+                }
+            }
+        }
+        for (int t = 0; t < tokens; t++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(chain[t][0], chain[t][1]), _mm512_add_ps(chain[t][2], chain[t][3]));
+            acc[t] = _mm512_fmadd_ps(s, sum, acc[t]);
+            acc[t] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(group_x[t * groups + g]), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+/* Tokens 0 .. exact − 1 of x in float32 (`q4k_block_exact`), MAX_TOKENS at a time. */
+static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x,
+                             float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy) {
+    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
+    float *xf = malloc(sizeof(float) * (size_t)(MAX_TOKENS * K));
+    float *group_x = malloc(sizeof(float) * (size_t)(MAX_TOKENS * groups));
+    for (int64_t t0 = 0; t0 < exact; t0 += MAX_TOKENS) {
+        const int chunk = (int)(exact - t0 < MAX_TOKENS ? exact - t0 : MAX_TOKENS);
+        for (int t = 0; t < chunk; t++)
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 lo = bf16x16_to_ps(x + (t0 + t) * K + g * GROUP);
+                const __m512 hi = bf16x16_to_ps(x + (t0 + t) * K + g * GROUP + 16);
+                _mm512_storeu_ps(xf + t * K + g * GROUP, lo);
+                _mm512_storeu_ps(xf + t * K + g * GROUP + 16, hi);
+                group_x[t * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            }
+#pragma omp parallel for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+#define Q4K_EXACT(T) q4k_block_exact(codes + nb * groups * INT4_TILE_BYTES, marks + nb * supers * Q4K_MARK_BYTES, \
+                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,                \
+                                     y + t0 * ldy + nb * 16, ldy)
+            WITH_CONSTANT_TOKENS(chunk, Q4K_EXACT)
+#undef Q4K_EXACT
+        }
+    }
+    free(xf);
+    free(group_x);
+}
+
+/* y [tokens, N] float32 (rows `ldy` apart) = x [tokens, K] bf16 · W^T, W in Q4_K tiles; K % 256 == 0, N % 16 == 0.
+ * The first `precise` tokens in float32 (a sequence's first token, or every token where int8 activations are off:
+ * `prompt_pass`), the others on int8 activations: taken in spans whose int8 activations fit in L2; in a span each
+ * block of 16 rows meets MAX_TOKENS tokens at a time while its codes stay in L1/L2. */
+static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
+                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise) {
+    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
+    const int64_t fit = Q4K_SPAN_BYTES / K, span = fit < MAX_TOKENS ? MAX_TOKENS : fit - fit % MAX_TOKENS;
+    if (precise > tokens) precise = tokens;
+    if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy);
+    if (precise == tokens) return;
+    int8_t *q = malloc((size_t)(tokens * K));
+    float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
+    int16_t *sums = malloc(sizeof(int16_t) * (size_t)(tokens * groups));
+#pragma omp parallel for schedule(static) if (tokens - precise > 1)
+    for (int64_t t = precise; t < tokens; t++) quantize_token_256(x + t * K, K, q + t * K, a + t * supers, sums + t * groups);
+    const int ahead = tokens - precise <= PREFETCH_FAR_TOKENS ? PREFETCH_BYTES : PREFETCH_NEAR_BYTES;
+    for (int64_t s0 = precise; s0 < tokens; s0 += span) {
+        const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
+#pragma omp parallel for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const uint8_t *block = codes + nb * groups * INT4_TILE_BYTES, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
+            const uint16_t *block_steps = steps + nb * supers * Q4K_STEP_HALFWORDS;
+            for (int64_t t0 = s0; t0 < s1; t0 += MAX_TOKENS) {
+                const int chunk = (int)(s1 - t0 < MAX_TOKENS ? s1 - t0 : MAX_TOKENS);
+                float *out = y + t0 * ldy + nb * 16;
+#define Q4K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, \
+                                  T, out, ldy, ahead)
+                WITH_CONSTANT_TOKENS(chunk, Q4K_BLOCK)
+#undef Q4K_BLOCK
+            }
+        }
+    }
+    free(q);
+    free(a);
+    free(sums);
+}
+
+/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q4_K tiles (`codes`, `marks`, `steps`: `avx2/q4k_tiles.h`'s
+ * layout), the first `precise` tokens in float32. */
+void q4k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
+                int64_t N, int64_t K, int64_t tokens, int64_t precise) {
+    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise);
+}
