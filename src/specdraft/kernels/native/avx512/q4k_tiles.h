@@ -100,7 +100,8 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
                                                                  const float *group_x, int64_t K, int tokens, float *y,
                                                                  int64_t ldy) {
     const int64_t groups = K / GROUP;
-    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    /* a code to float32 by `vpermps`, which reads the low 4 bits of each index: no mask, no conversion */
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -120,9 +121,8 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
             for (int b = 0; b < 4; b++) {
-                const __m512i byte = _mm512_srli_epi32(v, 8 * b);
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(byte, nibble));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(byte, 4), nibble));
+                const __m512 lo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b), values);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b + 4), values);
                 for (int t = 0; t < tokens; t++) {
                     const float *xg = xf + t * K + g * GROUP + 8 * j;
                     chain[t][b % 2] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[b]), chain[t][b % 2]);
