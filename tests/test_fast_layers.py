@@ -375,10 +375,10 @@ def test_fused_layers_run_five_bit_tiles_bit_for_bit(kernel, decoder_build, monk
 @tiles_run
 @fused_run
 def test_fused_layers_run_code_tiles_bit_for_bit(decoder_build, monkeypatch):
-    """Q8_0 and IQ4 linears as the file's codes (the AVX2 level's code tiles), stacked beside 4-bit runs, on the fused
-    stack as on the PyTorch path, bit for bit."""
-    if decoder_build != "avx2" or not int8_codes.available():
-        pytest.skip("code tiles run on the AVX2 level only")
+    """Q8_0 and IQ4 linears as the file's codes (the AVX2 and AVX-512 levels' code tiles), stacked beside 4-bit runs,
+    on the fused stack as on the PyTorch path, bit for bit."""
+    if not int8_codes.available():
+        pytest.skip("code tiles run on the AVX2 and AVX-512 tile kernels (not AMX's)")
     model = int4_model_with(10, {"layers.0.self_attn.v_proj": code_linear("Q8_0"),
                                  "layers.0.mlp.down_proj": code_linear("IQ4_NL"),
                                  "layers.1.self_attn.q_proj": code_linear("IQ4_NL"),

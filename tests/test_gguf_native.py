@@ -192,11 +192,11 @@ def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
     """The module a GGUF linear of `type_name` should become (the loader's documented policy); `requantize`: in a
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
-    if type_name == "Q4_K":  # the file's blocks on the AVX2 level (a draft's too), else 4-bit tiles
+    if type_name == "Q4_K":  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit tiles
         return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized
         return Int4Linear
-    if type_name in int8_codes.TYPES:  # the file's codes on the AVX2 level, else two 4-bit halves
+    if type_name in int8_codes.TYPES:  # the file's codes on the AVX2 and AVX-512 levels, else two 4-bit halves
         return int8_codes.CodeLinear if int8_codes.available() else SplitInt4Linear
     if backend == "native" and type_name in gguf_matmul.BLOCK_BYTES:
         return gguf_matmul.BlockLinear

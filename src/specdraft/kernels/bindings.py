@@ -48,8 +48,6 @@ SLOTS |= {  # 5-bit tiles (`int4_layout`, bits 5) take the 4-bit tiles' argument
     "int5_matmul": SLOTS["int4_matmul"],
     "int5_q8_matmul": SLOTS["int4_q8_matmul"],
     "q4k_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # codes, marks, steps, x, y, N, K, tokens, leading float32 tokens
-}
-AVX2_SLOTS = {  # the AVX2 library adds these (the other levels split Q8_0 and IQ4 codes into 4-bit halves)
     "q8_0_matmul": [_POINTER] * 4 + [_SIZE] * 3,  # tiles, steps, x, y, N, K, tokens
     "iq4_matmul": [_POINTER] * 4 + [_SIZE] * 3,
 }
@@ -120,7 +118,7 @@ def library(build: Build) -> ctypes.CDLL | None:
                               name=build.name())
     if loaded is None or (build.amx and loaded.amx_tiles_init() != 0):
         return None
-    bind(loaded, SLOTS | (AMX_SLOTS if build.amx else {}) | (AVX2_SLOTS if build.level == "avx2" else {}))
+    bind(loaded, SLOTS | (AMX_SLOTS if build.amx else {}))
     exp = _torch_exp(spec.torch_exp)
     if exp is not None:
         loaded.use_exp(exp)

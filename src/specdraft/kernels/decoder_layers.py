@@ -18,8 +18,8 @@ from specdraft.kernels import bindings, numerics, prompt_pass, tiles
 
 MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in the attention C files)
-# run kinds (the AMX ones only where `tiles.AMX` runs; the code tiles Q8_0 and IQ4 only in the AVX2 build; Q4_K's in the
-# AVX2 and AVX-512 builds, where their tile kernel runs)
+# run kinds (the AMX ones only where `tiles.AMX` runs; the code tiles Q8_0 and IQ4, and Q4_K's, where the AVX2 or the
+# AVX-512 tile kernel runs)
 INT4, Q6K, INT4_AMX, Q6K_AMX, INT5_AMX, INT5, F16, BF16, F32, Q8_0, IQ4, Q4K = range(12)
 _STORED_KINDS = {"Q8_0": Q8_0, "IQ4_NL": IQ4, "IQ4_XS": IQ4, "Q4_K": Q4K}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -90,12 +90,11 @@ def q6k_kind() -> int | None:
 
 
 def code_kind(type_name: str) -> int | None:
-    """The run kind of tiles that keep a file's `type_name` blocks as stored (`int8_codes`: Q8_0, IQ4_NL, IQ4_XS, the
-    AVX2 library's alone; `q4k_tiles`: Q4_K, the AVX2 and AVX-512 libraries'), or None where the loaded build does not
-    run their kernel."""
-    kernel, chosen = tiles.tile_kernel(), level()
-    runs = {"avx2": tiles.AVX2, "avx512": tiles.AVX512 if type_name == "Q4_K" else None}.get(chosen)
-    return _STORED_KINDS[type_name] if runs is not None and kernel is runs else None
+    """The run kind of tiles that keep a file's `type_name` blocks as stored (`int8_codes`: Q8_0, IQ4_NL, IQ4_XS;
+    `q4k_tiles`: Q4_K), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
+    do, AMX does not)."""
+    runs = {"avx2": tiles.AVX2, "avx512": tiles.AVX512}.get(level())
+    return _STORED_KINDS[type_name] if runs is not None and tiles.tile_kernel() is runs else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

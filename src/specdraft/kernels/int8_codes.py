@@ -1,7 +1,8 @@
 """Linears whose GGUF weights are int8 values times a step per 32, multiplied as the file stores them: Q8_0 (int8
 codes, an fp16 step d: w = d·q) and IQ4_NL / IQ4_XS (4-bit indices into llama.cpp's 16 int8 values, a step d or
-d·(scale − 32)), on the AVX2 library's code tiles (`native/avx2/int8_code_tiles.h`). The loader uses them where the
-AVX2 tile kernel runs (`available`), and splits these codes into two 4-bit halves elsewhere
+d·(scale − 32)), on the code tiles of the AVX2 and AVX-512 libraries (`native/avx2/int8_code_tiles.h`,
+`native/avx512/int8_code_tiles.h`: one layout, one function, the same bits). The loader uses them where the AVX2 or
+AVX-512 tile kernel runs (`available`), and splits these codes into two 4-bit halves on AMX
 (`quantize.SplitInt4Linear`, 10 bits a weight).
 
 The codes meet each token's activations on the 16-bit tiles' int16 grid, on every pass (no int8 pass), so a verify
@@ -33,9 +34,9 @@ _PACK_ROWS = 16384  # rows repacked at a time (a multiple of 8): the temporaries
 
 
 def available() -> bool:
-    """Whether the loader puts Q8_0 and IQ4 linears on these kernels: where the AVX2 tile kernel runs (the AVX-512 and
-    AMX levels split them into 4-bit halves for their own kernels)."""
-    return tiles.tile_kernel() is tiles.AVX2
+    """Whether the loader puts Q8_0 and IQ4 linears on these kernels: where the AVX2 or AVX-512 tile kernel runs (AMX
+    splits them into 4-bit halves for its bf16 tiles)."""
+    return tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
 
 
 @dataclass
@@ -82,7 +83,7 @@ def pack_codes(rows: CodeRows, out_features: int, in_features: int, type_name: s
 def code_matmul(packed: PackedCodes, x: torch.Tensor) -> torch.Tensor:
     """`x @ W^T` for code tiles; x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`."""
     require_input(packed, x)
-    return tiles.AVX2.code_matmul(packed.tiles, packed.steps, packed.type_name, x, packed.out_features)
+    return tiles.tile_kernel().code_matmul(packed.tiles, packed.steps, packed.type_name, x, packed.out_features)
 
 
 class CodeLinear(TileLinear):

@@ -81,7 +81,7 @@ class TileKernel:
 
     def code_matmul(self, tiles: torch.Tensor, steps: torch.Tensor, type_name: str, x: torch.Tensor,
                     out_features: int) -> torch.Tensor:
-        """`x @ W^T` for the code tiles of `type_name` (Q8_0, IQ4_NL, IQ4_XS: `int8_codes.pack_codes`; the AVX2
+        """`x @ W^T` for the code tiles of `type_name` (Q8_0, IQ4_NL, IQ4_XS: `int8_codes.pack_codes`; every
         library's): x `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`, on int16 activations on every pass
         (no int8 pass)."""
         kernel = getattr(self._loaded(), "q8_0_matmul" if type_name == "Q8_0" else "iq4_matmul")

@@ -1,7 +1,8 @@
 /* Weights that are int8 values times a step per 32, as the file stores them, times bf16 activations: Q8_0 (int8
  * codes, an fp16 step d: w = d·q) and IQ4_NL / IQ4_XS (4-bit indices into llama.cpp's 16 int8 values, a float32 step:
  * IQ4_NL's d, IQ4_XS's d·(scale − 32)). `q8_0_matmul`, `iq4_matmul`, and `code_passes` for the decoder stack (run
- * kinds 9 and 10). AVX2 only: elsewhere the loader splits these codes into two 4-bit halves (`SplitInt4Linear`).
+ * kinds 9 and 10). The AVX-512 library computes the same function on the same tiles (`avx512/int8_code_tiles.h`); on
+ * AMX the loader splits these codes into two 4-bit halves (`SplitInt4Linear`).
  *
  * Layout (`kernels/int8_codes.pack_codes`): tiles of 8 rows x 32 inputs, [N/8][K/32][tile], so that a block of 8 rows
  * streams as one run of memory. A "pair step" (chunk j: inputs 8j .. 8j + 7; pair b < 4) holds, for each row c, the

@@ -9,6 +9,8 @@
  *                  q6k_amx_matmul
  *   ../shared/dense_tiles.h   F16, BF16 and F32 weights as stored: f16_matmul, bf16_matmul,
  *                             f32_matmul
+ *   int8_code_tiles.h   Q8_0 and IQ4 weights as stored (the AVX2 library's tiles and function), on int16
+ *                       activations: q8_0_matmul, iq4_matmul
  *   q4k_tiles.h    Q4_K weights as stored (the AVX2 library's tiles and function), on int8 activations per 256
  *                  inputs: q4k_matmul
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
@@ -20,6 +22,7 @@
 #include "int8_tiles.h"
 #include "../shared/int8_entries.h"
 #include "../shared/dense_tiles.h"
+#include "int8_code_tiles.h"
 #include "q4k_tiles.h"
 #ifdef WITH_AMX  /* the build for CPUs that grant AMX: 4-bit and Q6_K runs may name the AMX kernels */
 #include "amx_tiles.h"
