@@ -212,3 +212,19 @@ def test_real_shape_streams(llama_quantize, tmp_path):
     1152-wide rows need llama.cpp's fallbacks)."""
     out = random_gguf.make_real_shape("gemma-3-1b", "Q4_K_M", tmp_path / "gemma.gguf")
     assert read_types(out) == preset_types(random_gguf.shape_config("gemma-3-1b"), "Q4_K_M")
+
+
+def test_real_shape_always_gets_a_tokenizer(tmp_path, monkeypatch):
+    """Without `tokenizer`, a real shape takes the bundled draft's, assembled from its packages where the cache folder
+    lacks it (a model written with none failed to load, and nothing said so while writing it)."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    asked = []
+
+    def written(config, path, quant, tokenizer, seed):  # stands for the 2.5 GB F16 write
+        asked.append(tokenizer)
+        raise RuntimeError("written")
+
+    monkeypatch.setattr(random_gguf, "write_random_gguf", written)
+    with pytest.raises(RuntimeError, match="written"):
+        random_gguf.make_real_shape("llama-3.2-1b", "Q4_K_M", tmp_path / "llama.gguf")
+    assert asked == [tmp_path / "cache" / "qwen2.5-coder-0.5b-instruct.gguf"] and asked[0].is_file()

@@ -636,6 +636,14 @@ def default_tokenizer() -> Path | None:
     return path if path.is_file() else None
 
 
+def bundled_tokenizer() -> Path:
+    """The bundled Qwen2.5-Coder-0.5B GGUF, assembled from its packages into the cache folder where it is not there
+    yet (a clear error names the pip command where they are not installed)."""
+    from specdraft.models.registry import DEFAULT_DRAFT, assemble, get_bundled
+
+    return default_tokenizer() or assemble(get_bundled(DEFAULT_DRAFT))
+
+
 def shape_config(shape: str):
     """The config of a `REAL_SHAPES` name, or of `tiny-<family>`."""
     if shape.startswith("tiny-") and shape[5:] in FAMILIES:
@@ -649,7 +657,7 @@ def shape_config(shape: str):
 def make_real_shape(shape: str, quant: str, out: str | os.PathLike, seed: int = 0,
                     tokenizer: str | os.PathLike | None = None) -> Path:
     """A random model of a published shape at `out`: written F16 tensor by tensor (with `tokenizer`,
-    default the bundled one), then `llama-quantize`d to `quant` (F16 / BF16 / F32: written as is).
+    default the bundled one, assembled from its packages if need be), then `llama-quantize`d to `quant` (F16 / BF16 / F32: written as is).
     `tiny-<family>` shapes are written with `preset_types` directly, no llama-quantize.
 
     On 2 cores (Q4_K_M): Llama-3.2-1B 19 s to write + 91 s to quantize, Qwen3-4B 56 + 237 s; peak
@@ -657,7 +665,8 @@ def make_real_shape(shape: str, quant: str, out: str | os.PathLike, seed: int = 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = shape_config(shape)
-    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
+    if tokenizer is None:  # a model the loader can read: it needs a tokenizer
+        tokenizer = default_tokenizer() if shape.startswith("tiny-") else bundled_tokenizer()
     if shape.startswith("tiny-") or quant in ("F16", "BF16", "F32"):
         return write_random_gguf(config, out, quant, tokenizer, seed)
     float_file = out.with_name(out.name + ".f16.partial")
