@@ -69,6 +69,20 @@ static inline __attribute__((always_inline)) void code_pairs16(const uint8_t *a,
     }
 }
 
+/* Fetch every line of both blocks' tiles of group g + D, D = ahead / (2 · tile bytes) groups on; past the last group,
+ * the next pair's (two blocks on: a thread's pairs run through memory in order, each a then b, so one stream ahead of
+ * each block would fetch b's tiles while they are read, and the next pair's late). */
+static inline __attribute__((always_inline)) void prefetch_pair(const uint8_t *a, const uint8_t *b, int64_t g,
+                                                               int64_t groups, int tile_bytes, int ahead) {
+    int64_t at = g + ahead / (2 * tile_bytes), skip = 0;
+    if (at >= groups) {
+        at -= groups;
+        skip = 2 * groups * tile_bytes;
+    }
+    prefetch_ahead(a + skip + at * tile_bytes, tile_bytes, 0);
+    prefetch_ahead(b + skip + at * tile_bytes, tile_bytes, 0);
+}
+
 /* Two blocks of 8 output rows (`a`, `b`: their tiles and steps) against `tokens` tokens (constants after inlining), the
  * activations from token `first` of `act` on; y's 16 columns: a's rows, then b's. */
 static inline __attribute__((always_inline)) void code_rows16(const uint8_t *a, const uint8_t *b, const void *steps_a,
@@ -81,8 +95,7 @@ static inline __attribute__((always_inline)) void code_rows16(const uint8_t *a, 
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile_a = a + g * tile_bytes, *tile_b = b + g * tile_bytes;
-        prefetch_ahead(tile_a, tile_bytes, ahead);
-        prefetch_ahead(tile_b, tile_bytes, ahead);
+        prefetch_pair(a, b, g, groups, tile_bytes, ahead);
         const __m512 step = format == CODES_Q8_0
             ? _mm512_cvtph_ps(_mm256_loadu2_m128i((const __m128i *)((const uint16_t *)steps_b + g * 8),
                                                   (const __m128i *)((const uint16_t *)steps_a + g * 8)))
