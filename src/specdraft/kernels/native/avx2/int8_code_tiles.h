@@ -117,15 +117,3 @@ static void code_passes(const uint8_t *tiles, const void *steps, int format, con
     }
     release_activations(act);
 }
-
-/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q8_0 tiles (`d` their fp16 steps). */
-void q8_0_matmul(const uint8_t *tiles, const uint16_t *d, const uint16_t *x, float *y, int64_t N, int64_t K,
-                 int64_t tokens) {
-    code_passes(tiles, d, CODES_Q8_0, x, y, N, K, tokens, N);
-}
-
-/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in IQ4 tiles (`steps` float32). */
-void iq4_matmul(const uint8_t *tiles, const float *steps, const uint16_t *x, float *y, int64_t N, int64_t K,
-                int64_t tokens) {
-    code_passes(tiles, steps, CODES_IQ4, x, y, N, K, tokens, N);
-}

@@ -205,10 +205,3 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
     free(a);
     free(sums);
 }
-
-/* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q4_K tiles (`codes`, `marks`, `steps`: `avx2/q4k_tiles.h`'s
- * layout), the first `precise` tokens in float32. */
-void q4k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                int64_t N, int64_t K, int64_t tokens, int64_t precise) {
-    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise);
-}
