@@ -9,9 +9,9 @@
 - Q6_K linears keep the file's bits, repacked into tiles (`kernels/gguf_matmul.pack_q6k`), on the
   tile kernels where they build and run; elsewhere they are unpacked.
 - Q8_0, IQ4_NL and IQ4_XS linears keep the file's codes (IQ4: its indices) and steps (`kernels/int8_codes.CodeLinear`,
-  8.5 and 5 bits a weight, on int16 activations on every pass) where the AVX2 tile kernel runs.
+  8.5 and 5 bits a weight, on int16 activations on every pass) where the AVX2 or AVX-512 tile kernel runs.
 - Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
-  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears elsewhere (and 5-bit ones on PyTorch's kernel) split each code into its
+  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears on AMX (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
   code (llama.cpp's 16-value table; IQ4_XS's 6-bit sub-block scales times d as each group's step).
