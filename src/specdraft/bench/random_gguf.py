@@ -657,7 +657,8 @@ def shape_config(shape: str):
 def make_real_shape(shape: str, quant: str, out: str | os.PathLike, seed: int = 0,
                     tokenizer: str | os.PathLike | None = None) -> Path:
     """A random model of a published shape at `out`: written F16 tensor by tensor (with `tokenizer`,
-    default the bundled one, assembled from its packages if need be), then `llama-quantize`d to `quant` (F16 / BF16 / F32: written as is).
+    default the bundled one, assembled from its packages if need be), then `llama-quantize`d to `quant`
+    (F16 / BF16 / F32: written as is).
     `tiny-<family>` shapes are written with `preset_types` directly, no llama-quantize.
 
     On 2 cores (Q4_K_M): Llama-3.2-1B 19 s to write + 91 s to quantize, Qwen3-4B 56 + 237 s; peak
