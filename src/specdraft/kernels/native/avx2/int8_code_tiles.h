@@ -23,15 +23,7 @@
 #pragma once
 
 #include "tiles.h"
-
-#define Q8_0_TILE_BYTES 256
-#define IQ4_TILE_BYTES 128
-#define CODE_SPAN_BYTES (256 * 1024)  /* int16 activations of the tokens one sweep over the rows takes */
-
-enum { CODES_Q8_0 = 0, CODES_IQ4 = 1 };  /* the formats; the decoder's run kinds 9, 10 in order */
-
-/* The int8 values IQ4_NL and IQ4_XS index (llama.cpp's `kvalues_iq4nl`). */
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#include "../shared/stored_layout.h"
 
 /* The four pair steps of chunk `chunk` of a tile, as int16 code pairs (`rows[b]`: pair b). */
 static inline __attribute__((always_inline)) void code_pairs(const uint8_t *tile, int chunk, int format,

@@ -25,11 +25,7 @@
 #pragma once
 
 #include "int8_tiles.h"
-
-#define Q4K_SUPER 256
-#define Q4K_GROUPS 8            /* groups of 32 in a super-block */
-#define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
-#define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
+#include "../shared/stored_layout.h"
 
 /* x [K] bf16 of one token -> â [K] int8 on one scale a per 256 inputs [K/256], and each group's Σâ [K/32] (int16). */
 static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *scale, int16_t *group_sums) {

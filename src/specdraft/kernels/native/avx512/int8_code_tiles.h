@@ -11,15 +11,7 @@
 #pragma once
 
 #include "tiles.h"
-
-#define Q8_0_TILE_BYTES 256
-#define IQ4_TILE_BYTES 128
-#define CODE_SPAN_BYTES (256 * 1024)  /* int16 activations of the tokens one sweep over the rows takes */
-
-enum { CODES_Q8_0 = 0, CODES_IQ4 = 1 };  /* the formats; the decoder's run kinds 9, 10 in order */
-
-/* The int8 values IQ4_NL and IQ4_XS index (llama.cpp's `kvalues_iq4nl`). */
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#include "../shared/stored_layout.h"
 
 /* Token activations on the int16 grid per 16 inputs, in the code tiles' pair order (dword 4·(i / 8) + i % 4 of a
  * token's 16 inputs holds (x̂[i], x̂[i + 4]) for i % 8 < 4): x [tokens, K] bf16 -> x̂ [tokens, K], 2^e [tokens, K/16]. */

@@ -15,11 +15,8 @@
 #pragma once
 
 #include "tiles.h"
+#include "../shared/stored_layout.h"
 
-#define Q4K_SUPER 256
-#define Q4K_GROUPS 8            /* groups of 32 in a super-block */
-#define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
-#define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
 #define Q4K_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows (they stay in L2) */
 
 /* x [K] bf16 of one token -> â [K] int8 on one scale a per 256 inputs [K/256], and each group's Σâ [K/32] (int16):

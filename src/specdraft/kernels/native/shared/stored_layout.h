@@ -1,0 +1,20 @@
+/* The tile layouts of weights kept as the file stores them, one for every library that multiplies them
+ * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`; each layout spelled out in `avx2/int8_code_tiles.h`
+ * and `avx2/q4k_tiles.h`). */
+#pragma once
+
+#include <stdint.h>
+
+#define Q8_0_TILE_BYTES 256
+#define IQ4_TILE_BYTES 128
+#define CODE_SPAN_BYTES (256 * 1024)  /* int16 activations of the tokens one sweep over the rows takes */
+
+enum { CODES_Q8_0 = 0, CODES_IQ4 = 1 };  /* the formats; the decoder's run kinds 9, 10 in order */
+
+/* The int8 values IQ4_NL and IQ4_XS index (llama.cpp's `kvalues_iq4nl`). */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+#define Q4K_SUPER 256
+#define Q4K_GROUPS 8            /* groups of 32 in a super-block */
+#define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
+#define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
