@@ -78,6 +78,23 @@ def tile_kernel(request, monkeypatch):
     return kernel
 
 
+def stored_levels() -> list[str]:
+    """The levels with tiles of weights as the file stores them (Q4_K, Q8_0, IQ4) that this CPU runs: AVX2, AVX-512."""
+    from specdraft.kernels import tiles
+
+    return [kernel.name for kernel in (tiles.AVX2, tiles.AVX512) if kernel.available()]
+
+
+@pytest.fixture(params=stored_levels())
+def stored_level(request, monkeypatch) -> str:
+    """Each level of `stored_levels`, forced for the test (`SPECDRAFT_ISA`: AVX2 even where AVX-512 is there)."""
+    from specdraft.kernels import numerics, tiles
+
+    monkeypatch.setenv(numerics.ISA_VARIABLE, request.param)
+    assert tiles.tile_kernel().name == request.param
+    return request.param
+
+
 @pytest.fixture(params=["int16", "bf16"])
 def tile_dots(request, monkeypatch):
     """Each dot flavour of the AVX-512 tile kernels this CPU runs, set for the whole test (decoder and prompt kernels too)."""

@@ -7,20 +7,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from specdraft.kernels import int8_codes, numerics, prompt_pass, tiles
+from specdraft.kernels import int8_codes, numerics, prompt_pass
 from specdraft.models.gguf_blocks import stored_codes
+from conftest import stored_levels
 from test_gguf_native import gguf_values, random_split_rows  # gguf's quantizer for Q8_0, random bytes for IQ4
 
-LEVELS = [kernel.name for kernel in (tiles.AVX2, tiles.AVX512) if kernel.available()]
+LEVELS = stored_levels()
 pytestmark = pytest.mark.skipif(not LEVELS, reason="neither the AVX2 nor the AVX-512 kernels run on this CPU")
 
 
-@pytest.fixture(params=LEVELS)
-def level(request, monkeypatch) -> str:
-    """Each level with code tiles that this CPU runs, forced (`SPECDRAFT_ISA`)."""
-    monkeypatch.setenv(numerics.ISA_VARIABLE, request.param)
-    assert tiles.tile_kernel().name == request.param and int8_codes.available()
-    return request.param
+@pytest.fixture
+def level(stored_level) -> str:
+    """Each level with code tiles that this CPU runs, forced."""
+    assert int8_codes.available()
+    return stored_level
 
 
 def case(type_name: str, rows: int, inputs: int, tokens: int, seed: int = 0):

@@ -7,20 +7,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from specdraft.kernels import numerics, prompt_pass, q4k_tiles, tiles
+from specdraft.kernels import numerics, prompt_pass, q4k_tiles
 from specdraft.models.gguf_blocks import q4k_stored
+from conftest import stored_levels
 from test_gguf_native import gguf_values, random_q4k
 
-LEVELS = [kernel.name for kernel in (tiles.AVX2, tiles.AVX512) if kernel.available()]
+LEVELS = stored_levels()
 pytestmark = pytest.mark.skipif(not LEVELS, reason="neither the AVX2 nor the AVX-512 kernels run on this CPU")
 
 
-@pytest.fixture(params=LEVELS)
-def level(request, monkeypatch) -> str:
-    """Each level with Q4_K tiles that this CPU runs, forced (`SPECDRAFT_ISA`)."""
-    monkeypatch.setenv(numerics.ISA_VARIABLE, request.param)
-    assert tiles.tile_kernel().name == request.param and q4k_tiles.available()
-    return request.param
+@pytest.fixture
+def level(stored_level) -> str:
+    """Each level with Q4_K tiles that this CPU runs, forced."""
+    assert q4k_tiles.available()
+    return stored_level
 
 
 def case(rows: int, inputs: int, tokens: int, seed: int = 0):

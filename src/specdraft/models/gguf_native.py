@@ -16,8 +16,8 @@
   4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
   code (llama.cpp's 16-value table; IQ4_XS's 6-bit sub-block scales times d as each group's step).
 - F16, BF16 and F32 linears keep the file's elements, multiplied in float32 (`kernels/dense_matmul.DenseLinear`)
-  where the AVX2 tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM,
-  whose roundings depend on the pass width. On the AVX-512 and AMX levels they are unpacked to bf16 as below
+  where the AVX2 or AVX-512 tile kernel runs: a bf16 model would otherwise round F16 and F32 and run BF16 on PyTorch's GEMM,
+  whose roundings depend on the pass width. On AMX they are unpacked to bf16 as below
   (`dense_matmul.available`). A draft that `prepare_draft` re-quantizes (`split=False`) has them unpacked.
 - Other linears (Q2_K, Q3_K, ...) have no kernel here and are unpacked to the model's
   dtype (a draft's `prepare_draft(..., "int4")` then re-quantizes them: lossy but cheap,
