@@ -93,8 +93,8 @@ def code_kind(type_name: str) -> int | None:
     """The run kind of tiles that keep a file's `type_name` blocks as stored (`int8_codes`: Q8_0, IQ4_NL, IQ4_XS;
     `q4k_tiles`: Q4_K), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
     do, AMX does not)."""
-    runs = {"avx2": tiles.AVX2, "avx512": tiles.AVX512}.get(level())
-    return _STORED_KINDS[type_name] if runs is not None and tiles.tile_kernel() is runs else None
+    kernel = tiles.tile_kernel()
+    return _STORED_KINDS[type_name] if tiles.runs_stored_weights() and kernel.name == level() else None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

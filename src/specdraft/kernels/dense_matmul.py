@@ -30,7 +30,7 @@ def available() -> bool:
     against 6.2 on PyTorch's bf16 linears (llama.cpp 12.3), and the `oracle` drafter at α 0.8 1.87x `ar` against
     1.05x (PyTorch's roundings depend on the pass width, so a verify pass rejected the target's own tokens). AMX keeps
     PyTorch's bf16 linears (its bf16 tiles; not measured against this kernel)."""
-    return tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
+    return tiles.runs_stored_weights()
 
 
 @dataclass

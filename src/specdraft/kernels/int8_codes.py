@@ -36,7 +36,7 @@ _PACK_ROWS = 16384  # rows repacked at a time (a multiple of 8): the temporaries
 def available() -> bool:
     """Whether the loader puts Q8_0 and IQ4 linears on these kernels: where the AVX2 or AVX-512 tile kernel runs (AMX
     splits them into 4-bit halves for its bf16 tiles)."""
-    return tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
+    return tiles.runs_stored_weights()
 
 
 @dataclass

@@ -33,7 +33,7 @@ _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries
 def available() -> bool:
     """Whether the loader puts Q4_K linears on these kernels: where the AVX2 or the AVX-512 tile kernel runs (AMX
     keeps its bf16 tiles on 16-bit activations)."""
-    return tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
+    return tiles.runs_stored_weights()
 
 
 @dataclass

@@ -114,6 +114,8 @@ AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "int5_amx_matmul", "q6k
 AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 KERNELS = (AMX, AVX512, AVX2)  # fastest first
+STORED_KERNELS = (AVX512, AVX2)  # the tile kernels that also run weights as the file stores them (Q4_K, Q8_0, IQ4,
+#                                  F16 / BF16 / F32: `q4k_tiles`, `int8_codes`, `dense_matmul`); AMX keeps its bf16 tiles
 
 
 def kernel_named(name: str) -> TileKernel:
@@ -125,6 +127,12 @@ def tile_kernel(config: NumericConfig | None = None) -> TileKernel | None:
     """The fastest tile kernel that runs here under `config` (default: `numerics.current()`), or None."""
     config = config or numerics.current()
     return next((kernel for kernel in KERNELS if kernel.available(config)), None)
+
+
+def runs_stored_weights(config: NumericConfig | None = None) -> bool:
+    """Whether the tile kernel that runs here (under `config`) multiplies weights as the file stores them
+    (`STORED_KERNELS`): where the loader packs Q4_K, Q8_0, IQ4 and F16 / BF16 / F32 linears for it."""
+    return tile_kernel(config) in STORED_KERNELS
 
 
 def kernel_name(kernel: TileKernel | None) -> str:
