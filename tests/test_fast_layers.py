@@ -412,12 +412,12 @@ def test_fused_layers_run_each_stacked_family_bit_for_bit(family, decoder_build,
 
 @tiles_run
 @fused_run
-@pytest.mark.parametrize("mix", ["F16", "BF16", "F32", "Q4_K_M"])
+@pytest.mark.parametrize("mix", ["F16", "BF16", "F32", "Q4_K_M", "Q4_0"])
 def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path, monkeypatch):
     """A file's F16, BF16 and F32 linears, kept as stored, run on the fused stack (one C call a pass, as their stacked
     PyTorch layers compute), bit for bit; in a Q4_K_M file they sit beside 4-bit and Q6_K runs (here none: the tiny
     model's rows fit the K-quants: no dense run there), and on the AVX2 and AVX-512 levels its Q4_K linears run as
-    Q4_K tiles (AMX keeps its bf16 tiles)."""
+    Q4_K tiles, a Q4_0 file's as Q4_0 tiles (AMX keeps its bf16 tiles)."""
     if mix != "Q4_K_M" and not dense_matmul.available():
         pytest.skip("the loader keeps F16, BF16 and F32 on PyTorch's bf16 linears on this level")
     path = write_random_gguf(family_config("llama"), tmp_path / f"llama-{mix}.gguf", mix, seed=2)
@@ -428,8 +428,9 @@ def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path
              for run in p.run[:p.runs]}
     dense_kinds = {"F16": decoder_layers.F16, "BF16": decoder_layers.BF16, "F32": decoder_layers.F32}
     assert kinds == {dense_kinds[mix]} if mix in dense_kinds else not kinds & set(dense_kinds.values())
-    q4k_runs = mix == "Q4_K_M" and tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
-    assert (decoder_layers.Q4K in kinds) == q4k_runs
+    stored = tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
+    assert (decoder_layers.Q4K in kinds) == (stored and mix == "Q4_K_M")
+    assert (decoder_layers.Q4_0 in kinds) == (stored and mix == "Q4_0")
     got = pass_sequence(model)
     monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
     assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, layer_ops, q4k_tiles
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, layer_ops, q4_0_tiles, q4k_tiles
 from specdraft.kernels.tile_linear import packed_tensors
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import drop_file_pages, trim_heap
@@ -98,9 +98,15 @@ def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
     return (query * cos) + (rotate_half(query) * sin), (key * cos) + (rotate_half(key) * sin)
 
 
+# Linears over weights kept as the file stores them, whose `type_name` is their run kind, and those of their kernels
+# whose decoder run kind is `decoder_layers.code_kind(type_name)` (the dense ones have one per element type)
+STORED_LINEARS = (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear, q4_0_tiles.Q40Linear)
+CODE_MATMULS = (int8_codes.code_matmul, q4k_tiles.q4k_matmul, q4_0_tiles.q4_0_matmul)
+
+
 def run_kind(linear: nn.Module) -> str | None:
-    """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`, `Q8_0`, `IQ4_NL`, `IQ4_XS`, `Q4_K`), None when
-    it cannot be stacked. 4-bit
+    """Which stackable kind a projection is (`int4`, `q6k`, `F16`, `BF16`, `F32`, `Q8_0`, `IQ4_NL`, `IQ4_XS`, `Q4_K`,
+    `Q4_0`), None when it cannot be stacked. 4-bit
     halves side by side (`SplitInt4Linear`) are `int4` runs whose packed matrix reads each input twice."""
     if isinstance(linear, SplitInt4Linear):
         linear = linear.halves
@@ -108,8 +114,8 @@ def run_kind(linear: nn.Module) -> str | None:
         return "int4"
     if isinstance(linear, gguf_matmul.BlockLinear):
         return "q6k"
-    if isinstance(linear, (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear)):
-        return linear.type_name  # F16, BF16, F32, or Q8_0, IQ4_NL, IQ4_XS, Q4_K
+    if isinstance(linear, STORED_LINEARS):
+        return linear.type_name  # F16, BF16, F32, or Q8_0, IQ4_NL, IQ4_XS, Q4_K, Q4_0
     return None
 
 

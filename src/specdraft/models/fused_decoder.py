@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, q4k_tiles
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, stacked_architecture
-from specdraft.models.fast_layers import FUSED_ATTRIBUTE, NativeRMSNorm, StackedAttention, StackedMLP, StackedProjection
+from specdraft.models.fast_layers import (CODE_MATMULS, FUSED_ATTRIBUTE, STORED_LINEARS, NativeRMSNorm, StackedAttention,
+                                          StackedMLP, StackedProjection)
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 
@@ -43,7 +44,7 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
                 runs.append((q6k_kind, packed))
             elif matmul is dense_matmul.dense_matmul and q6k_kind is not None:  # the build is the tile kernel's
                 runs.append((_dense_kind(packed), packed))
-            elif (matmul in (int8_codes.code_matmul, q4k_tiles.q4k_matmul)
+            elif (matmul in CODE_MATMULS
                   and (code_kind := decoder_layers.code_kind(packed.type_name)) is not None):
                 runs.append((code_kind, packed))
             else:
@@ -60,7 +61,7 @@ def _runs(projection: nn.Module) -> tuple[list[tuple[int, object]], torch.Tensor
         return [(q6k_kind, projection.packed)], bias
     if isinstance(projection, dense_matmul.DenseLinear) and q6k_kind is not None:
         return [(_dense_kind(projection.packed), projection.packed)], bias
-    if isinstance(projection, (int8_codes.CodeLinear, q4k_tiles.Q4KLinear)) and (
+    if isinstance(projection, STORED_LINEARS) and not isinstance(projection, dense_matmul.DenseLinear) and (
             code_kind := decoder_layers.code_kind(projection.type_name)) is not None:
         return [(code_kind, projection.packed)], bias
     return None
@@ -89,7 +90,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         elif kind in (decoder_layers.F16, decoder_layers.BF16, decoder_layers.F32):
             slot.scale, slot.zero = 0, 0
-        elif kind in (decoder_layers.Q8_0, decoder_layers.IQ4):
+        elif kind in (decoder_layers.Q8_0, decoder_layers.IQ4, decoder_layers.Q4_0):
             slot.scale, slot.zero = packed.steps.data_ptr(), 0
         elif kind == decoder_layers.Q4K:
             slot.scale, slot.zero = packed.marks.data_ptr(), packed.steps.data_ptr()

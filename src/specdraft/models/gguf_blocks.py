@@ -58,6 +58,20 @@ def q4k_stored(raw: np.ndarray | torch.Tensor, type_name: str = "Q4_K") -> tuple
             mn.reshape(rows, nb * 8).to(torch.uint8))
 
 
+def q4_0_stored(raw: torch.Tensor, type_name: str = "Q4_0") -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0 matrix given as its raw bytes `[rows, blocks · 18]`, as stored: `codes [rows, K]` (uint8, 0..15) and each
+    group's `d [rows, K / 32]` (float16), w = d·(q − 8). (`type_name`: the loader's convert signature; Q4_0 only.)"""
+    if type_name != "Q4_0" or raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % Q4_0_BLOCK_BYTES:
+        raise ValueError(f"Q4_0 data must be uint8 [rows, blocks * {Q4_0_BLOCK_BYTES}], got {type_name} "
+                         f"{tuple(raw.shape)} {raw.dtype}")
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q4_0_BLOCK_BYTES)  # [rows, nb, 18]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)  # [rows, nb]
+    qs = blocks[..., 2:].unsqueeze(2)  # [rows, nb, 1, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [rows, nb, 2, 16]: weights j, then 16 + j
+    return codes.reshape(rows, -1), d
+
+
 def q4k_affine(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and mins of a Q4_K matrix given as its raw bytes `[rows, blocks · 144]`.
 

@@ -2,7 +2,9 @@
 
 - Q4_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin: `kernels/q4k_tiles.Q4KLinear`,
   llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2 or AVX-512 tile kernel runs.
-- Other 4-bit affine linears (Q4_0, Q4_1; Q4_K on AMX) run with the file's own scales and offsets
+- Q4_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4_0_tiles.Q40Linear`, the same int8 activations)
+  where the AVX2 or AVX-512 tile kernel runs and their rows are whole blocks of 256.
+- Other 4-bit affine linears (Q4_1; Q4_0 and Q4_K on AMX) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
   of each group's scale and offset.
@@ -43,17 +45,17 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import dense_matmul, gguf_matmul, int8_codes, q4k_tiles
+from specdraft.kernels import dense_matmul, gguf_matmul, int8_codes, q4_0_tiles, q4k_tiles
 from specdraft.kernels.int4_layout import AffineRows
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LAYER_NORMS, LONGROPE_FACTORS, Architecture,
                                             architecture_for, head_dim_of, known_model_types)
 from specdraft.models import packed_model
-from specdraft.models.fast_layers import (StackedAttention, StackedMLP, StackedProjection, run_kind,
-                                          fast_decoder_layers)
+from specdraft.models.fast_layers import (CODE_MATMULS, STORED_LINEARS, StackedAttention, StackedMLP,
+                                          StackedProjection, run_kind, fast_decoder_layers)
 from specdraft.models.gguf_header import TensorEntry, read_header
 from specdraft.gguf_layout import Q4K_GROUP  # every affine type groups 32 weights
 from specdraft.models.gguf_blocks import (AFFINE_4BIT, FIVE_BIT, SPLIT_INTO_4BIT, five_bit_affine, q4_affine,
-                                          q4k_stored, stored_codes, split_affine, unpack_rows)
+                                          q4_0_stored, q4k_stored, stored_codes, split_affine, unpack_rows)
 from specdraft.models import packed_store
 from specdraft.models.heap import trim_heap
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear, five_bit_tiles_run, int4_kernel_available
@@ -210,6 +212,9 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if (pack and weight.type_name == q4k_tiles.PackedQ4K.type_name and out_features % 16 == 0
             and q4k_tiles.available()):
         return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias)
+    if pack and weight.type_name == q4_0_tiles.PackedQ40.type_name and q4_0_tiles.fits(out_features, in_features) \
+            and q4_0_tiles.available():
+        return q4_0_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias)
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
         return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)
     if pack and split and weight.type_name in FIVE_BIT and five_bit_tiles_run(out_features, in_features):
@@ -290,7 +295,7 @@ def describe_packing(model: nn.Module) -> str:
                 split = packed.in_features != module.in_features
                 kinds["Q6_K kernels" if matmul is gguf_matmul.block_matmul else
                       f"{packed.type_name} kernels" if matmul is dense_matmul.dense_matmul else
-                      f"{packed.type_name} kernels" if matmul in (int8_codes.code_matmul, q4k_tiles.q4k_matmul) else
+                      f"{packed.type_name} kernels" if matmul in CODE_MATMULS else
                       "4-bit kernels, split in two halves" if split else f"{packed.bits}-bit kernels"] += 1
         elif isinstance(module, SplitInt4Linear):
             kinds["4-bit kernels, split in two halves"] += 1
@@ -299,7 +304,7 @@ def describe_packing(model: nn.Module) -> str:
                   if module.dense_weight is None else "unpacked"] += 1
         elif isinstance(module, gguf_matmul.BlockLinear):
             kinds["Q6_K kernels"] += 1
-        elif isinstance(module, (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear)):
+        elif isinstance(module, STORED_LINEARS):
             kinds[f"{module.type_name} kernels"] += 1
         elif isinstance(module, FlatLinear):
             kinds[f"unpacked to {str(module.weight.dtype).removeprefix('torch.')}"] += 1

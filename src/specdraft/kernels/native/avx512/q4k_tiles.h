@@ -136,6 +136,19 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
+/* x [tokens][K] bf16 -> xf [tokens][K] float32 and each group's Σx [tokens][K/32]: what the float32 paths read. */
+static void exact_activations(const uint16_t *x, int64_t K, int tokens, float *xf, float *group_x) {
+    const int64_t groups = K / GROUP;
+    for (int t = 0; t < tokens; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 lo = bf16x16_to_ps(x + t * K + g * GROUP);
+            const __m512 hi = bf16x16_to_ps(x + t * K + g * GROUP + 16);
+            _mm512_storeu_ps(xf + t * K + g * GROUP, lo);
+            _mm512_storeu_ps(xf + t * K + g * GROUP + 16, hi);
+            group_x[t * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+}
+
 /* Tokens 0 .. exact − 1 of x in float32 (`q4k_block_exact`), MAX_TOKENS at a time. */
 static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x,
                              float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy) {
@@ -144,14 +157,7 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
     float *group_x = malloc(sizeof(float) * (size_t)(MAX_TOKENS * groups));
     for (int64_t t0 = 0; t0 < exact; t0 += MAX_TOKENS) {
         const int chunk = (int)(exact - t0 < MAX_TOKENS ? exact - t0 : MAX_TOKENS);
-        for (int t = 0; t < chunk; t++)
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512 lo = bf16x16_to_ps(x + (t0 + t) * K + g * GROUP);
-                const __m512 hi = bf16x16_to_ps(x + (t0 + t) * K + g * GROUP + 16);
-                _mm512_storeu_ps(xf + t * K + g * GROUP, lo);
-                _mm512_storeu_ps(xf + t * K + g * GROUP + 16, hi);
-                group_x[t * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-            }
+        exact_activations(x + t0 * K, K, chunk, xf, group_x);
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
 #define Q4K_EXACT(T) q4k_block_exact(codes + nb * groups * INT4_TILE_BYTES, marks + nb * supers * Q4K_MARK_BYTES, \

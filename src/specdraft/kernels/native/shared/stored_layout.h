@@ -1,6 +1,6 @@
 /* The tile layouts of weights kept as the file stores them, one for every library that multiplies them
- * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`; each layout spelled out in `avx2/int8_code_tiles.h`
- * and `avx2/q4k_tiles.h`). */
+ * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`, `kernels/q4_0_tiles.pack_q4_0`; each layout spelled out
+ * in `avx2/int8_code_tiles.h`, `avx2/q4k_tiles.h` and `avx2/q4_0_tiles.h`). */
 #pragma once
 
 #include <stdint.h>
@@ -18,3 +18,4 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 #define Q4K_GROUPS 8            /* groups of 32 in a super-block */
 #define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
 #define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
+#define Q4_0_STEP_HALFWORDS 16  /* d of a group of 32 inputs of 16 rows (Q4_0 tiles) */
