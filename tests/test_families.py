@@ -10,7 +10,7 @@ import torch
 from specdraft import ModelDrafter, SpeculativeDecoder
 from specdraft.bench.random_gguf import file_reference, tiny_config, write_random_gguf
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, isa, numerics
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, isa, numerics, q4k_tiles
 from specdraft.models.causal_lm import CausalLM
 from specdraft.models.context import hold_context
 from specdraft.models.fast_layers import StackedAttention
@@ -65,7 +65,9 @@ def test_packed_family_matches_the_float32_reference(files, family, mix):
     all_packed = gguf_matmul.available() and (mix not in dense_matmul.ELEMENT_BYTES or dense_matmul.available())
     if all_packed:  # else Q6_K (no tile kernel: the PyTorch level) or F16, BF16, F32 (AVX-512, AMX) are unpacked to bf16
         assert not any(isinstance(m, FlatLinear) for m in model.modules()), describe_packing(model)
-    if mix == "Q5_K_M" and int4_kernel_available():  # its Q5_K rows: 5-bit tiles where the kernel has them, else halves
+    if mix == "Q5_K_M" and q4k_tiles.available():  # its Q5_K rows: as stored on the AVX2 and AVX-512 levels
+        assert "Q5_K kernels" in describe_packing(model) and "5-bit" not in describe_packing(model), describe_packing(model)
+    elif mix == "Q5_K_M" and int4_kernel_available():  # else 5-bit tiles where the kernel has them, else halves
         five_bit = five_bit_tiles_run(reference.config.hidden_size, reference.config.hidden_size)
         assert ("5-bit kernels" in describe_packing(model)) == five_bit, describe_packing(model)
         assert ("split in two halves" in describe_packing(model)) != five_bit, describe_packing(model)

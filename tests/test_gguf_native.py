@@ -193,8 +193,8 @@ def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
     """The module a GGUF linear of `type_name` should become (the loader's documented policy); `requantize`: in a
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
-    if type_name == "Q4_K":  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit tiles
-        return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear
+    if type_name in q4k_tiles.BITS:  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit (Q5_K:
+        return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear  # 5-bit) tiles
     if type_name == "Q4_0":  # the same where its rows are whole blocks of 256 (every matrix here)
         return q4_0_tiles.Q40Linear if q4_0_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized

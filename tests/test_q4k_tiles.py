@@ -1,6 +1,6 @@
-"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`): a file's Q4_K blocks as
-stored, times each token's activations on one int8 scale per 256 inputs, the scales and mins applied as integers
-(llama.cpp's numerics); each test on every level this CPU runs (`SPECDRAFT_ISA`)."""
+"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`): a file's Q4_K and Q5_K
+blocks as stored, times each token's activations on one int8 scale per 256 inputs, the scales and mins applied as
+integers (llama.cpp's numerics); each test on every level this CPU runs (`SPECDRAFT_ISA`), for both types."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from specdraft.kernels import numerics, prompt_pass, q4k_tiles
 from specdraft.models.gguf_blocks import q4k_stored
 from conftest import stored_levels
-from test_gguf_native import gguf_values, random_q4k
+from test_gguf_native import gguf_values, random_q4k, random_q5k
 
 LEVELS = stored_levels()
 pytestmark = pytest.mark.skipif(not LEVELS, reason="neither the AVX2 nor the AVX-512 kernels run on this CPU")
@@ -23,20 +23,35 @@ def level(stored_level) -> str:
     return stored_level
 
 
-def case(rows: int, inputs: int, tokens: int, seed: int = 0):
-    """Packed tiles of a random Q4_K matrix, its raw bytes, gguf's float32 values of it `[N, K]`, and bf16 inputs
-    `[T, K]` (a few channels 50 times the rest, as real activations have)."""
-    raw = random_q4k(rows, inputs // 256, np.random.default_rng(seed))
-    packed = q4k_tiles.pack_q4k(lambda start, stop: q4k_stored(torch.from_numpy(raw[start:stop])), rows, inputs)
+@pytest.fixture(params=["Q4_K", "Q5_K"])
+def kind(request) -> str:
+    """Each type the tiles hold."""
+    return request.param
+
+
+def random_raw(kind: str, rows: int, inputs: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return random_q4k(rows, inputs // 256, rng) if kind == "Q4_K" else random_q5k(rows, inputs // 256, rng)
+
+
+def rows_of(raw: np.ndarray, kind: str):
+    return lambda start, stop: q4k_stored(torch.from_numpy(raw[start:stop]), kind)
+
+
+def case(rows: int, inputs: int, tokens: int, seed: int = 0, kind: str = "Q4_K"):
+    """Packed tiles of a random Q4_K (or Q5_K) matrix, its raw bytes, gguf's float32 values of it `[N, K]`, and bf16
+    inputs `[T, K]` (a few channels 50 times the rest, as real activations have)."""
+    raw = random_raw(kind, rows, inputs, seed)
+    packed = q4k_tiles.pack_q4k(rows_of(raw, kind), rows, inputs, kind)
     x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(seed))  # [T, K]
     x[:, 7::97] *= 50
-    return packed, raw, gguf_values(raw, GGMLQuantizationType.Q4_K), x.bfloat16()
+    return packed, raw, gguf_values(raw, GGMLQuantizationType[kind]), x.bfloat16()
 
 
-def int8_reference(raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+def int8_reference(raw: np.ndarray, x: torch.Tensor, kind: str = "Q4_K") -> torch.Tensor:
     """The kernel's function in float64: â = round(x · 127 / max|x|) per 256 inputs (ties to even), a = max|x| / 127,
     then d·a·Σ sc·Σ q·â − dmin·a·Σ m·Σ â per super-block; `[T, N]`."""
-    codes, d, dmin, sc, mn = q4k_stored(torch.from_numpy(raw))  # [N, K], [N, K/256] x 2, [N, K/32] x 2
+    codes, d, dmin, sc, mn = q4k_stored(torch.from_numpy(raw), kind)  # [N, K], [N, K/256] x 2, [N, K/32] x 2
     rows, inputs = codes.shape
     xs = x.float().view(x.shape[0], -1, 256)  # [T, S, 256]
     amax = xs.abs().amax(-1, keepdim=True)  # [T, S, 1]
@@ -55,25 +70,25 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows, inputs, tokens", [(48, 512, 1), (48, 512, 3), (48, 512, 7), (16, 4096, 70)])
-def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(level, rows, inputs, tokens):
+def test_q4k_tiles_compute_llama_cpps_function_of_the_files_weights(level, kind, rows, inputs, tokens):
     """In an int8 pass, x · W on int8 activations per 256 inputs: the float64 model of that function within float32
     rounding (a scale, a min or a code out of place is off by far more), and gguf's own values of the weights within
     the activations' 8 bits; out of one, the 16-bit path within 1e-4 of gguf's values; on a pass of one token, of a
     few, and of more than one sweep over the rows takes (4,096 inputs: 64)."""
-    packed, raw, weight, x = case(rows, inputs, tokens)
+    packed, raw, weight, x = case(rows, inputs, tokens, kind=kind)
     with prompt_pass.prompt_pass():
         got = q4k_tiles.q4k_matmul(packed, x)  # [T, N]
     assert got.shape == (tokens, rows) and got.dtype == torch.float32
-    assert relative_error(got, int8_reference(raw, x)) < 1e-6
+    assert relative_error(got, int8_reference(raw, x, kind)) < 1e-6
     assert relative_error(got, x.double() @ weight.double().T) < 0.05  # 3.2% at most here, with the 50x channels
     assert relative_error(q4k_tiles.q4k_matmul(packed, x), x.double() @ weight.double().T) < 1e-4
 
 
-def test_q4k_tiles_compute_each_token_alone(level):
+def test_q4k_tiles_compute_each_token_alone(level, kind):
     """A token's outputs have the same bits in any pass width, on either path, and across the sweeps of a long pass,
     so a verify pass agrees with one-token decoding; a pass that starts a sequence keeps its first token on the
     16-bit path and the rest on int8 activations."""
-    packed, _, _, x = case(32, 4096, 70, seed=1)
+    packed, _, _, x = case(32, 4096, 70, seed=1, kind=kind)
     exact = q4k_tiles.q4k_matmul(packed, x)  # [70, N], the 16-bit path
     with prompt_pass.prompt_pass():
         together = q4k_tiles.q4k_matmul(packed, x)  # [70, N], int8 activations
@@ -104,11 +119,11 @@ def test_q4k_linear_keeps_the_files_blocks_and_adds_its_bias(level):
 
 
 @pytest.mark.skipif(len(LEVELS) < 2, reason="needs both the AVX2 and the AVX-512 kernels")
-def test_q4k_tiles_give_the_same_bits_on_avx2_and_avx512(monkeypatch):
+def test_q4k_tiles_give_the_same_bits_on_avx2_and_avx512(monkeypatch, kind):
     """On int8 activations both levels compute one function in one order (the same â, exact integer sums, the same
     float32 steps per super-block), so a model's outputs do not depend on which of them runs; against the exact
     weights each is within 1e-4 of gguf's values (AVX2 rounds activations to int16, AVX-512 keeps float32)."""
-    packed, _, weight, x = case(64, 1024, 11, seed=3)
+    packed, _, weight, x = case(64, 1024, 11, seed=3, kind=kind)
     got = {}
     for name in LEVELS:
         monkeypatch.setenv(numerics.ISA_VARIABLE, name)
@@ -124,3 +139,16 @@ def test_q4k_tiles_refuse_shapes_they_cannot_hold(shape):
     """Rows come 16 to a tile and inputs 256 to a super-block: anything else is refused, naming the rule."""
     with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 256 == 0"):
         q4k_tiles.pack_q4k(lambda start, stop: None, *shape)
+
+
+def test_q5k_linear_keeps_the_files_blocks(level):
+    """`Q4KLinear` of a Q5_K matrix: the file's 5-bit codes (the 4-bit tiles' nibbles, then the fifth bits), 6-bit
+    scales and mins and fp16 d and dmin, 5.625 bits a weight (the file's 5.5; the 5-bit tiles took 6); its loading
+    name is Q5_K's."""
+    raw = random_q5k(32, 2, np.random.default_rng(4))
+    linear = q4k_tiles.Q4KLinear(rows_of(raw, "Q5_K"), 32, 512, type_name="Q5_K")
+    stored = sum(buffer.numel() * buffer.element_size() for buffer in linear.buffers())
+    assert stored * 8 / (32 * 512) == 5.625
+    assert linear.type_name == linear.packed.type_name == "Q5_K"
+    assert relative_error(q4k_tiles.q4k_matmul(linear.packed, torch.eye(512).bfloat16()).T,
+                          gguf_values(raw, GGMLQuantizationType.Q5_K)) < 1e-6  # the weights themselves

@@ -153,10 +153,19 @@ def _fifth_bit_quads(high: torch.Tensor) -> torch.Tensor:
 _FIFTH_BITS = {PAIRS: _fifth_bit_masks, QUADS: _fifth_bit_quads}
 
 
+def code_tiles(codes: torch.Tensor, layout: str, bits: int = 4) -> torch.Tensor:
+    """Codes `[rows, K]` (0..2^bits − 1, rows % 16 == 0) as `layout`'s tile bytes `[rows / 16, K / 32, TILE_BYTES[bits]]`:
+    the low nibbles' tile, then (5 bits) the fifth bits placed for the layout's unpacking (module doc)."""
+    if bits not in TILE_BYTES:
+        raise ValueError(f"tiles hold 4- or 5-bit codes, not {bits}-bit ones")
+    nibbles = tile_bytes(layout)(codes & 0x0F).view(codes.shape[0] // BLOCK_ROWS, codes.shape[1] // GROUP, 256)
+    return nibbles if bits == 4 else torch.cat([nibbles, _FIFTH_BITS[layout](codes >> 4)], dim=-1)
+
+
 def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = PAIRS, bits: int = 4) -> PackedInt4:
     """An `[n, k]` matrix in groups of `group_size`, asked of `rows` a slice at a time, as tiles in `layout` of
     `bits`-bit codes (4 or 5: module doc)."""
-    to_bytes = tile_bytes(layout)
+    tile_bytes(layout)  # an unknown layout is refused before any work
     if not fits(n, k, group_size):
         raise ValueError(f"int4 tile packing needs N % 16 == 0, K % 64 == 0 and groups of 32; got {n}x{k}")
     if bits not in TILE_BYTES:
@@ -171,9 +180,7 @@ def pack_rows(rows: AffineRows, n: int, k: int, group_size: int, layout: str = P
         codes, scale, minimum = rows(start, stop)
         part_blocks = (stop - start) // BLOCK_ROWS
         block_range = slice(start // BLOCK_ROWS, stop // BLOCK_ROWS)
-        tiles[block_range, :, :256] = to_bytes(codes & 0x0F).view(part_blocks, groups, 256)
-        if bits == 5:
-            tiles[block_range, :, 256:] = _FIFTH_BITS[layout](codes >> 4)
+        tiles[block_range] = code_tiles(codes, layout, bits)
         scale = scale.float()
         tile_scale[block_range] = scale.view(part_blocks, BLOCK_ROWS, groups).permute(0, 2, 1)
         middle = 1 << (bits - 1)

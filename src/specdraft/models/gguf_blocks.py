@@ -38,22 +38,25 @@ def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def q4k_stored(raw: np.ndarray | torch.Tensor, type_name: str = "Q4_K") -> tuple[torch.Tensor, ...]:
-    """A Q4_K matrix given as its raw bytes `[rows, blocks · 144]`, part by part as stored: `codes [rows, K]` (uint8,
-    0..15), `d` and `dmin [rows, K / 256]` (float16), the 6-bit `sc` and `m [rows, K / 32]` (uint8), with
-    w = d·sc·q − dmin·m per group of 32, K = blocks · 256. (`type_name`: the loader's convert signature; Q4_K only.)"""
+    """A Q4_K or Q5_K matrix given as its raw bytes `[rows, blocks · 144 or 176]`, part by part as stored: `codes
+    [rows, K]` (uint8: 0..15, Q5_K 0..31 with its fifth bits), `d` and `dmin [rows, K / 256]` (float16), the 6-bit
+    `sc` and `m [rows, K / 32]` (uint8), with w = d·sc·q − dmin·m per group of 32, K = blocks · 256."""
     data = torch.as_tensor(np.asarray(raw)) if not isinstance(raw, torch.Tensor) else raw
-    if type_name != "Q4_K" or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % Q4K_BLOCK_BYTES:
-        raise ValueError(f"Q4_K data must be uint8 [rows, blocks * {Q4K_BLOCK_BYTES}], got {type_name} "
-                         f"{tuple(data.shape)} {data.dtype}")
+    block_bytes = {"Q4_K": Q4K_BLOCK_BYTES, "Q5_K": Q5K_BLOCK_BYTES}.get(type_name)
+    if block_bytes is None or data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % block_bytes:
+        raise ValueError(f"Q4_K or Q5_K data must be uint8 [rows, blocks * {Q4K_BLOCK_BYTES} or {Q5K_BLOCK_BYTES}], "
+                         f"got {type_name} {tuple(data.shape)} {data.dtype}")
     rows = data.shape[0]
-    blocks = data.reshape(rows, -1, Q4K_BLOCK_BYTES)  # [rows, nb, 144]
+    blocks = data.reshape(rows, -1, block_bytes)  # [rows, nb, 144 or 176]
     nb = blocks.shape[1]
     d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, nb)
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).reshape(rows, nb)
     sc, mn = _k_scales_and_mins(blocks[..., 4:16])  # [rows, nb, 8] each
-    qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
+    qs = blocks[..., block_bytes - 128:].reshape(rows, nb, 4, 1, 32)  # [rows, nb, pair, 1, 32]
     # Each pair of sub-blocks shares 32 bytes: low nibbles are the first, high nibbles the second.
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, nb, 8, 32)  # [rows, nb, sub-block, 32]
+    if type_name == "Q5_K":  # bit s of byte e of its 32 bytes is sub-block s's weight e's fifth bit
+        codes = codes | (_bits(blocks[..., 16:48]).transpose(-1, -2) << 4)
     return (codes.reshape(rows, nb * QK_K), d, dmin, sc.reshape(rows, nb * 8).to(torch.uint8),
             mn.reshape(rows, nb * 8).to(torch.uint8))
 

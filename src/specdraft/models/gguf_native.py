@@ -1,7 +1,8 @@
 """Build a model straight from a GGUF file's blocks, without unpacking it to bf16.
 
-- Q4_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin: `kernels/q4k_tiles.Q4KLinear`,
-  llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2 or AVX-512 tile kernel runs.
+- Q4_K and Q5_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin:
+  `kernels/q4k_tiles.Q4KLinear`, llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2
+  or AVX-512 tile kernel runs.
 - Q4_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4_0_tiles.Q40Linear`, the same int8 activations)
   where the AVX2 or AVX-512 tile kernel runs and their rows are whole blocks of 256.
 - Other 4-bit affine linears (Q4_1; Q4_0 and Q4_K on AMX) run with the file's own scales and offsets
@@ -12,8 +13,8 @@
   tile kernels where they build and run; elsewhere they are unpacked.
 - Q8_0, IQ4_NL and IQ4_XS linears keep the file's codes (IQ4: its indices) and steps (`kernels/int8_codes.CodeLinear`,
   8.5 and 5 bits a weight, on int16 activations on every pass) where the AVX2 or AVX-512 tile kernel runs.
-- Q5_0, Q5_1 and Q5_K linears keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a weight) where
-  a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears on AMX (and 5-bit ones on PyTorch's kernel) split each code into its
+- Q5_0 and Q5_1 linears (and Q5_K on AMX) keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a
+  weight) where a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears on AMX (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
   code (llama.cpp's 16-value table; IQ4_XS's 6-bit sub-block scales times d as each group's step).
@@ -209,9 +210,9 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if bias is not None and order is not None:
         bias = bias[order]
     raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
-    if (pack and weight.type_name == q4k_tiles.PackedQ4K.type_name and out_features % 16 == 0
-            and q4k_tiles.available()):
-        return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias)
+    if pack and weight.type_name in q4k_tiles.BITS and out_features % 16 == 0 and q4k_tiles.available():
+        return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias,
+                                   weight.type_name)
     if pack and weight.type_name == q4_0_tiles.PackedQ40.type_name and q4_0_tiles.fits(out_features, in_features) \
             and q4_0_tiles.available():
         return q4_0_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias)

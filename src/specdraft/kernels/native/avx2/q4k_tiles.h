@@ -52,13 +52,16 @@ static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *s
     }
 }
 
-/* A block of 16 rows of Q4_K tiles against `tokens` tokens (a constant after inlining): â, a and the group sums from
- * the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5; constants after inlining) against `tokens` tokens: â, a
+ * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next.
+ * 5-bit words fill an int16 in four `vpmaddubsw` sums (2·31·127 each): without AVX-VNNI a group's words are widened
+ * after two chunks and again after four, then scaled as int32. */
 static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *codes, const uint8_t *marks,
                                                             const uint16_t *steps, const int8_t *xq,
                                                             const float *act_scale, const int16_t *group_sums,
-                                                            int64_t K, int tokens, float *y, int64_t ldy) {
+                                                            int64_t K, int tokens, float *y, int64_t ldy, int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     /* a row's 6-bit scale in both int16 halves of its dword: rows 0-7 (half 0) or 8-15 (half 1) of 16 bytes */
     const __m256i spread[2] = {
         _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
@@ -72,13 +75,26 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
         __m256i dots[Q8_WIDEST][2];  /* I of each token and half */
         for (int gl = 0; gl < Q4K_GROUPS; gl++) {
             const int64_t g = s * Q4K_GROUPS + gl;
-            const uint8_t *tile = codes + g * INT4_TILE_BYTES;
+            const uint8_t *tile = codes + g * tile_bytes;
             const int8_t *xg = xq + g * GROUP;
-            prefetch_tile(tile, INT4_TILE_BYTES, 0);
+            prefetch_tile(tile, tile_bytes, 0);
             __m256i words[Q8_WIDEST][2];
-            affine_chunk_q8(tile, 0, 4, xg, K, tokens, 1, words);
+#ifndef __AVXVNNI__
+            __m256i first_half[Q8_WIDEST][2];  /* 5-bit: the int32 sums of chunks 0-1 */
+#endif
+            affine_chunk_q8(tile, 0, bits, xg, K, tokens, 1, words);
 #pragma GCC unroll 1
-            for (int chunk = 1; chunk < 4; chunk++) affine_chunk_q8(tile, chunk, 4, xg + 8 * chunk, K, tokens, 0, words);
+            for (int chunk = 1; chunk < 4; chunk++) {
+#ifndef __AVXVNNI__
+                if (bits == 5 && chunk == 2) {
+                    for (int t = 0; t < tokens; t++)
+                        for (int h = 0; h < 2; h++) first_half[t][h] = widen16(words[t][h]);
+                    affine_chunk_q8(tile, chunk, bits, xg + 8 * chunk, K, tokens, 1, words);
+                    continue;
+                }
+#endif
+                affine_chunk_q8(tile, chunk, bits, xg + 8 * chunk, K, tokens, 0, words);
+            }
             const __m256i sc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(mark + 16 * gl)));
             for (int h = 0; h < 2; h++) {
                 const __m256i sc_h = _mm256_shuffle_epi8(sc, spread[h]);
@@ -86,7 +102,9 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
 #ifdef __AVXVNNI__
                     const __m256i scaled = _mm256_mullo_epi32(words[t][h], _mm256_srli_epi32(sc_h, 16));
 #else
-                    const __m256i scaled = _mm256_madd_epi16(words[t][h], sc_h);
+                    const __m256i scaled = bits == 5
+                        ? _mm256_mullo_epi32(_mm256_add_epi32(first_half[t][h], widen16(words[t][h])), _mm256_srli_epi32(sc_h, 16))
+                        : _mm256_madd_epi16(words[t][h], sc_h);
 #endif
                     dots[t][h] = gl == 0 ? scaled : _mm256_add_epi32(dots[t][h], scaled);
                 }
@@ -120,15 +138,17 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
  * an fp16 times a 6-bit integer), then as `affine_half`: y += (s·2^e) ⊙ Σ q·x̂ per 16 inputs, − o ⊙ S per group. */
 static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *codes, const uint8_t *marks,
                                                             const uint16_t *steps, const TileActivations *act,
-                                                            int64_t K, int tokens, int half, float *y, int64_t ldy) {
+                                                            int64_t K, int tokens, int half, float *y, int64_t ldy,
+                                                            int bits) {
     const int64_t groups = K / GROUP;
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const __m128i every_other = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
-        const uint8_t *tile = codes + g * INT4_TILE_BYTES, *mark = marks + super * Q4K_MARK_BYTES;
-        prefetch_tile(tile, INT4_TILE_BYTES, half * 32);
+        const uint8_t *tile = codes + g * tile_bytes, *mark = marks + super * Q4K_MARK_BYTES;
+        prefetch_tile(tile, tile_bytes, half * 32);
         const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS + 8 * half;
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mark + 16 * gl + 8 * half))));
         /* m of group gl for rows 8·half .. 8·half + 7: bytes e, e + 2, ... of the pair's 16 (e = gl % 2) */
@@ -140,7 +160,7 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
         const int16_t *xg = act->x + g * GROUP;
         for (int part = 0; part < 2; part++) {
             __m256i sum[MAX_TOKENS];
-            affine_part_sums(tile, half, 4, xg, K, tokens, part, sum);
+            affine_part_sums(tile, half, bits, xg, K, tokens, part, sum);
             for (int t = 0; t < tokens; t++) {
                 const float scale = act->scale[t * 2 * groups + 2 * g + part];
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(scale)), _mm256_cvtepi32_ps(sum[t]), acc[t]);
@@ -156,8 +176,9 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
 
 /* Tokens 0 .. precise − 1 of x on the 16-bit path (`q4k_half16`), MAX_TOKENS at a time. */
 static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                         int64_t N, int64_t K, int64_t precise, int64_t ldy) {
+                         int64_t N, int64_t K, int64_t precise, int64_t ldy, int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, items = 2 * (N / 16);
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     for (int64_t t0 = 0; t0 < precise; t0 += MAX_TOKENS) {
         const int chunk = (int)(precise - t0 < MAX_TOKENS ? precise - t0 : MAX_TOKENS);
         const TileActivations act = tile_activations(x + t0 * K, K, chunk);
@@ -165,10 +186,17 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
         for (int64_t item = 0; item < items; item++) {
             const int64_t nb = item / 2;
             const int half = (int)(item % 2);
-#define Q4K_HALF16(T) q4k_half16(codes + nb * groups * INT4_TILE_BYTES, marks + nb * supers * Q4K_MARK_BYTES, \
-                                 steps + nb * supers * Q4K_STEP_HALFWORDS, &act, K, T, half, y + t0 * ldy + nb * 16, ldy)
-            WITH_CONSTANT_TOKENS(chunk, Q4K_HALF16)
+#define Q4K_HALF16(T) q4k_half16(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES, \
+                                 steps + nb * supers * Q4K_STEP_HALFWORDS, &act, K, T, half, y + t0 * ldy + nb * 16, ldy, 4)
+#define Q5K_HALF16(T) q4k_half16(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES, \
+                                 steps + nb * supers * Q4K_STEP_HALFWORDS, &act, K, T, half, y + t0 * ldy + nb * 16, ldy, 5)
+            if (bits == 5) {
+                WITH_CONSTANT_TOKENS(chunk, Q5K_HALF16)
+            } else {
+                WITH_CONSTANT_TOKENS(chunk, Q4K_HALF16)
+            }
 #undef Q4K_HALF16
+#undef Q5K_HALF16
         }
         release_activations(act);
     }
@@ -180,11 +208,12 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
  * span each block of 16 rows meets Q8_BLOCK tokens at a time (a last 5 to Q8_WIDEST at once) while its codes stay in
  * L1/L2, as `affine_q8_passes`. */
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise) {
+                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     if (precise > tokens) precise = tokens;
-    q4k_passes16(codes, marks, steps, x, y, N, K, precise, ldy);
+    q4k_passes16(codes, marks, steps, x, y, N, K, precise, ldy, bits);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
@@ -195,14 +224,22 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint8_t *block = codes + nb * groups * INT4_TILE_BYTES, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
+            const uint8_t *block = codes + nb * groups * tile_bytes, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
             const uint16_t *block_steps = steps + nb * supers * Q4K_STEP_HALFWORDS;
             for (int64_t t0 = s0, chunk; t0 < s1; t0 += chunk) {
                 chunk = s1 - t0 < 2 * Q8_BLOCK ? s1 - t0 : Q8_BLOCK;  /* Q8_BLOCK, or a last sweep of up to Q8_WIDEST */
                 float *out = y + t0 * ldy + nb * 16;
-#define Q4K_ROWS(T) q4k_rows16(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, T, out, ldy)
-                WITH_CONSTANT_Q8_TOKENS(chunk, Q4K_ROWS)
+#define Q4K_ROWS(T) q4k_rows16(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, T, out, \
+                                ldy, 4)
+#define Q5K_ROWS(T) q4k_rows16(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, T, out, \
+                                ldy, 5)
+                if (bits == 5) {
+                    WITH_CONSTANT_Q8_TOKENS(chunk, Q5K_ROWS)
+                } else {
+                    WITH_CONSTANT_Q8_TOKENS(chunk, Q4K_ROWS)
+                }
 #undef Q4K_ROWS
+#undef Q5K_ROWS
             }
         }
     }

@@ -22,18 +22,13 @@ static inline __attribute__((always_inline)) void q4_0_block_q8(const uint8_t *c
                                                                const int16_t *group_sums, int64_t K, int tokens,
                                                                float *y, int64_t ldy, int ahead) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *tile = codes + g * INT4_TILE_BYTES;
         prefetch_ahead(tile, INT4_TILE_BYTES, ahead);
         __m512i quads[8];  /* quads[i]: the codes of inputs 4i .. 4i + 3 of each row */
-        for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
-            quads[2 * j] = _mm512_and_si512(v, low);
-            quads[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
+        for (int j = 0; j < 4; j++) kquant_quads(tile, j, 4, quads + 2 * j);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + g * Q4_0_STEP_HALFWORDS)));
         for (int t = 0; t < tokens; t++) {
             const int32_t *xw = (const int32_t *)(xq + t * K + g * GROUP);

@@ -40,14 +40,40 @@ static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *s
     }
 }
 
-/* A block of 16 rows of Q4_K tiles against `tokens` tokens (a constant after inlining) on int8 activations: â, a
- * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+/* The codes of chunk j of a `QUADS` tile of 16 rows (bits 4: Q4_K's; 5: Q5_K's, the AVX2 5-bit tiles' layout),
+ * quads[e] dword lane c: row c's codes of inputs 8j + 4e .. 8j + 4e + 3, a byte each. A 5-bit tile's fifth bits (byte
+ * i of its 32-byte vector j / 2 holds them at bit 4·(j % 2) + 2·h + e for byte 32·h + i of the chunk: `int4_layout.
+ * _fifth_bit_quads`) reach bit 4 by two shifts of both halves' copies (a 16-bit lane right by that bit, then left by
+ * 4: each byte's own bit lands at its bit 4, whatever its neighbour holds) and a mask. */
+static inline __attribute__((always_inline)) void kquant_quads(const uint8_t *tile, int chunk, int bits,
+                                                              __m512i quads[2]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * chunk));
+    quads[0] = _mm512_and_si512(v, low);
+    quads[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (bits == 5) {
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(tile + INT4_TILE_BYTES + 32 * (chunk / 2)));
+        const __m512i both = _mm512_broadcast_i64x4(high);
+        const __m512i fifth = _mm512_set1_epi8(0x10);
+        for (int e = 0; e < 2; e++) {
+            const int bit = 4 * (chunk % 2) + e;  /* rows 0-7 (the low 32 bytes); rows 8-15: bit + 2 */
+            const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16((short)bit), _mm256_set1_epi16((short)(bit + 2)), 1);
+            const __m512i moved = _mm512_slli_epi16(_mm512_srlv_epi16(both, counts), 4);
+            quads[e] = _mm512_or_si512(quads[e], _mm512_and_si512(moved, fifth));
+        }
+    }
+}
+
+/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5; constants after inlining) against `tokens` tokens on
+ * int8 activations: â, a and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one
+ * token to the next. */
 static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *codes, const uint8_t *marks,
                                                               const uint16_t *steps, const int8_t *xq,
                                                               const float *act_scale, const int16_t *group_sums,
-                                                              int64_t K, int tokens, float *y, int64_t ldy, int ahead) {
+                                                              int64_t K, int tokens, float *y, int64_t ldy, int ahead,
+                                                              int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
@@ -55,14 +81,10 @@ static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *co
         __m512i dots[MAX_TOKENS];  /* I of each token, a row a lane */
         for (int gl = 0; gl < Q4K_GROUPS; gl++) {
             const int64_t g = s * Q4K_GROUPS + gl;
-            const uint8_t *tile = codes + g * INT4_TILE_BYTES;
-            prefetch_ahead(tile, INT4_TILE_BYTES, ahead);
+            const uint8_t *tile = codes + g * tile_bytes;
+            prefetch_ahead(tile, tile_bytes, ahead);
             __m512i quads[8];  /* quads[i]: the codes of inputs 4i .. 4i + 3 of each row */
-            for (int j = 0; j < 4; j++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
-                quads[2 * j] = _mm512_and_si512(v, low);
-                quads[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
+            for (int j = 0; j < 4; j++) kquant_quads(tile, j, bits, quads + 2 * j);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl)));
             for (int t = 0; t < tokens; t++) {
                 const int32_t *xw = (const int32_t *)(xq + t * K + g * GROUP);
@@ -89,22 +111,24 @@ static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *co
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* A block of 16 rows of Q4_K tiles against `tokens` tokens in float32: x [tokens][K] float32 (K apart), each group's
- * Σx [tokens][K/32]. Four chains of products per group (inputs 8j + b, low and high nibble, b even and odd), added
- * in one order. */
+/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5) against `tokens` tokens in float32: x [tokens][K]
+ * float32 (K apart), each group's Σx [tokens][K/32]. Four chains of products per group (inputs 8j + b, low and high
+ * nibble, b even and odd), added in one order. */
 static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t *codes, const uint8_t *marks,
                                                                  const uint16_t *steps, const float *xf,
                                                                  const float *group_x, int64_t K, int tokens, float *y,
-                                                                 int64_t ldy) {
+                                                                 int64_t ldy, int bits) {
     const int64_t groups = K / GROUP;
-    /* a code to float32 by `vpermps`, which reads the low 4 bits of each index: no mask, no conversion */
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    /* a code to float32 by `vpermt2ps`, which reads the low 5 bits of each index: no mask, no conversion */
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values16 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
-        const uint8_t *tile = codes + g * INT4_TILE_BYTES, *mark = marks + super * Q4K_MARK_BYTES;
-        prefetch_ahead(tile, INT4_TILE_BYTES, PREFETCH_BYTES);
+        const uint8_t *tile = codes + g * tile_bytes, *mark = marks + super * Q4K_MARK_BYTES;
+        prefetch_ahead(tile, tile_bytes, PREFETCH_BYTES);
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl))));
         /* m of group gl: the low (gl even) or high (gl odd) int16 of each row's pair */
         const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mark + 128 + 32 * (gl / 2))));
@@ -116,10 +140,11 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
         __m512 chain[MAX_TOKENS][4];
         for (int t = 0; t < tokens; t++) chain[t][0] = chain[t][1] = chain[t][2] = chain[t][3] = _mm512_setzero_ps();
         for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(tile + 64 * j));
+            __m512i quads[2];
+            kquant_quads(tile, j, bits, quads);
             for (int b = 0; b < 4; b++) {
-                const __m512 lo = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b), values);
-                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * b + 4), values);
+                const __m512 lo = _mm512_permutex2var_ps(values, _mm512_srli_epi32(quads[0], 8 * b), values16);
+                const __m512 hi = _mm512_permutex2var_ps(values, _mm512_srli_epi32(quads[1], 8 * b), values16);
                 for (int t = 0; t < tokens; t++) {
                     const float *xg = xf + t * K + g * GROUP + 8 * j;
                     chain[t][b % 2] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[b]), chain[t][b % 2]);
@@ -151,8 +176,9 @@ static void exact_activations(const uint16_t *x, int64_t K, int tokens, float *x
 
 /* Tokens 0 .. exact − 1 of x in float32 (`q4k_block_exact`), MAX_TOKENS at a time. */
 static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x,
-                             float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy) {
+                             float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy, int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     float *xf = malloc(sizeof(float) * (size_t)(MAX_TOKENS * K));
     float *group_x = malloc(sizeof(float) * (size_t)(MAX_TOKENS * groups));
     for (int64_t t0 = 0; t0 < exact; t0 += MAX_TOKENS) {
@@ -160,11 +186,19 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
         exact_activations(x + t0 * K, K, chunk, xf, group_x);
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-#define Q4K_EXACT(T) q4k_block_exact(codes + nb * groups * INT4_TILE_BYTES, marks + nb * supers * Q4K_MARK_BYTES, \
-                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,                \
-                                     y + t0 * ldy + nb * 16, ldy)
-            WITH_CONSTANT_TOKENS(chunk, Q4K_EXACT)
+#define Q4K_EXACT(T) q4k_block_exact(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES,   \
+                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,              \
+                                     y + t0 * ldy + nb * 16, ldy, 4)
+#define Q5K_EXACT(T) q4k_block_exact(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES,   \
+                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,              \
+                                     y + t0 * ldy + nb * 16, ldy, 5)
+            if (bits == 5) {
+                WITH_CONSTANT_TOKENS(chunk, Q5K_EXACT)
+            } else {
+                WITH_CONSTANT_TOKENS(chunk, Q4K_EXACT)
+            }
 #undef Q4K_EXACT
+#undef Q5K_EXACT
         }
     }
     free(xf);
@@ -176,11 +210,12 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
  * `prompt_pass`), the others on int8 activations: taken in spans whose int8 activations fit in L2; in a span each
  * block of 16 rows meets MAX_TOKENS tokens at a time while its codes stay in L1/L2. */
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise) {
+                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int bits) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
+    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t fit = Q4K_SPAN_BYTES / K, span = fit < MAX_TOKENS ? MAX_TOKENS : fit - fit % MAX_TOKENS;
     if (precise > tokens) precise = tokens;
-    if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy);
+    if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy, bits);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
@@ -192,15 +227,22 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint8_t *block = codes + nb * groups * INT4_TILE_BYTES, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
+            const uint8_t *block = codes + nb * groups * tile_bytes, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
             const uint16_t *block_steps = steps + nb * supers * Q4K_STEP_HALFWORDS;
             for (int64_t t0 = s0; t0 < s1; t0 += MAX_TOKENS) {
                 const int chunk = (int)(s1 - t0 < MAX_TOKENS ? s1 - t0 : MAX_TOKENS);
                 float *out = y + t0 * ldy + nb * 16;
 #define Q4K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, \
-                                  T, out, ldy, ahead)
-                WITH_CONSTANT_TOKENS(chunk, Q4K_BLOCK)
+                                  T, out, ldy, ahead, 4)
+#define Q5K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, \
+                                  T, out, ldy, ahead, 5)
+                if (bits == 5) {
+                    WITH_CONSTANT_TOKENS(chunk, Q5K_BLOCK)
+                } else {
+                    WITH_CONSTANT_TOKENS(chunk, Q4K_BLOCK)
+                }
 #undef Q4K_BLOCK
+#undef Q5K_BLOCK
             }
         }
     }

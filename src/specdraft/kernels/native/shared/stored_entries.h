@@ -1,5 +1,5 @@
 /* The slots of weights kept as the file stores them, written once over the including library's drivers: `q8_0_matmul`
- * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul` over its `q4k_tiles.h` (`q4k_passes`),
+ * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul` and `q5k_matmul` over its `q4k_tiles.h` (`q4k_passes`),
  * `q4_0_matmul` over its `q4_0_tiles.h` (`q4_0_passes`).
  * The AVX2 and AVX-512 libraries fill them with the same function on the same tiles. */
 #pragma once
@@ -22,7 +22,13 @@ void iq4_matmul(const uint8_t *tiles, const float *steps, const uint16_t *x, flo
  * `avx2/q4k_tiles.h`), the first `precise` tokens against the exact weights. */
 void q4k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                 int64_t N, int64_t K, int64_t tokens, int64_t precise) {
-    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise);
+    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, 4);
+}
+
+/* The same for Q5_K tiles (`codes`: 5-bit tiles, the nibbles and then the fifth bits of each group). */
+void q5k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
+                int64_t N, int64_t K, int64_t tokens, int64_t precise) {
+    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, 5);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q4_0 tiles (`codes`, `steps`: the layout in
