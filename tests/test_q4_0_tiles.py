@@ -1,4 +1,4 @@
-"""Q4_0 tiles (`kernels/q4_0_tiles.py`, `native/avx2/q4_0_tiles.h`, `native/avx512/q4_0_tiles.h`): a file's Q4_0 blocks
+"""Q4_0 tiles (`kernels/q4_0_tiles.py`, each library's `q4k_tiles.h`, format `TILES_Q4_0`): a file's Q4_0 blocks
 as stored (codes and fp16 d), times each token's activations on one int8 scale per 256 inputs; each test on every level
 this CPU runs (`SPECDRAFT_ISA`)."""
 

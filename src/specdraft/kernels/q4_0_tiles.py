@@ -1,6 +1,6 @@
 """Linears whose GGUF weights are Q4_0, multiplied as the file stores them (codes and an fp16 d per 32 weights:
-w = d·(q − 8)) on the Q4_0 tiles of the AVX2 and AVX-512 libraries (`native/avx2/q4_0_tiles.h`,
-`native/avx512/q4_0_tiles.h`: one layout, one function, the same bits): in an int8 pass (`prompt_pass`: on both levels
+w = d·(q − 8)) on the Q4_0 tiles of the AVX2 and AVX-512 libraries (each library's `q4k_tiles.h`, format `TILES_Q4_0`:
+one layout, one function, the same bits): in an int8 pass (`prompt_pass`: on both levels
 every pass by default) each token's activations on Q4_K's int8 scale per 256 inputs, per group the exact integer sum
 Σ q·â − 8·Σâ and one float multiply-add; a sequence's first token, and every token where int8 activations are off,
 against the file's exact weights (AVX2: the 16-bit tiles' int16 activations; AVX-512: in float32). The loader uses
@@ -42,7 +42,7 @@ def fits(out_features: int, in_features: int) -> bool:
 
 @dataclass
 class PackedQ40:
-    """A Q4_0 matrix in tiles of 16 rows (`native/avx2/q4_0_tiles.h`, both libraries' layout): `tiles [N/16 · K/32 ·
+    """A Q4_0 matrix in tiles of 16 rows (`native/avx2/q4k_tiles.h`, both libraries' layout): `tiles [N/16 · K/32 ·
     256]` (the `QUADS` 4-bit tiles) and `steps [N/16, K/32, 16]` (int16: each row's d, as fp16 bits)."""
 
     tiles: torch.Tensor

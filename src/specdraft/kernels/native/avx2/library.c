@@ -8,9 +8,8 @@
  *   ../shared/dense_tiles.h   F16, BF16 and F32 weights as stored: f16_matmul, bf16_matmul,
  *                             f32_matmul
  *   int8_code_tiles.h   Q8_0 and IQ4 weights as stored, on int16 activations: code_passes
- *   q4k_tiles.h    Q4_K weights as stored, on int8 activations per 256 inputs: q4k_passes
- *   q4_0_tiles.h   Q4_0 weights as stored, on Q4_K's int8 activations: q4_0_passes
- *   ../shared/stored_entries.h   q8_0_matmul, iq4_matmul, q4k_matmul, q4_0_matmul over the three headers above
+ *   q4k_tiles.h    Q4_K, Q5_K and Q4_0 weights as stored, on int8 activations per 256 inputs: q4k_passes
+ *   ../shared/stored_entries.h   q8_0_matmul, iq4_matmul, q4k_matmul, q5k_matmul, q4_0_matmul over the two headers above
  *   layer_ops.h    rms_norm_bf16, rms_norm_gain_bf16, rotary_bf16
  *   attention.h    few_query_attention_bf16 (and attend_heads for the decoder stack)
  *   decoder_ops.h  the decoder stack's elementwise steps: use_exp, silu_mul_bf16, act_mul_bf16, residuals
@@ -22,7 +21,6 @@
 #include "../shared/dense_tiles.h"
 #include "int8_code_tiles.h"
 #include "q4k_tiles.h"
-#include "q4_0_tiles.h"
 #include "../shared/stored_entries.h"
 #include "layer_ops.h"
 #include "attention.h"

@@ -1,6 +1,7 @@
-/* Q4_K weights as the file stores them, times int8 activations: `q4k_matmul`, and `q4k_passes` for the decoder stack
- * (run kind 11). The AVX-512 library computes the same function on the same tiles (`avx512/q4k_tiles.h`); on AMX
- * Q4_K runs as 4-bit tiles with a bf16 scale and offset per 32 weights (`int4_layout`).
+/* Q4_K, Q5_K and Q4_0 weights as the file stores them, times int8 activations: `q4k_passes` (for `q4k_matmul`,
+ * `q5k_matmul`, `q4_0_matmul` and the decoder stack's run kinds 11, 13, 12). The AVX-512 library computes the same
+ * functions on the same tiles (`avx512/q4k_tiles.h`); on AMX they run as 4- and 5-bit tiles with a bf16 scale and
+ * offset per 32 weights (`int4_layout`).
  *
  * Q4_K keeps, per row and super-block of 256 weights, an fp16 d and dmin and eight 6-bit scales sc and mins m, one per
  * group of 32: w = d·sc·q − dmin·m, q in 0..15. The tiles keep exactly those (`kernels/q4k_tiles.pack_q4k`, 4.625
@@ -21,6 +22,16 @@
  * below 8·63·4064 < 2^21. Where int8 activations are off, and for a sequence's first token (whose few huge channels
  * one int8 scale per 256 cannot hold: `prompt_pass`), the 16-bit tiles' arithmetic on the file's exact weights
  * (`q4k_half16`). Each token alone either way, so a verify pass agrees bit for bit with one-token decoding.
+ *
+ * Q5_K: the same on 5-bit codes, its tiles the 5-bit tiles' bytes (the nibbles, then the fifth bits: `int4_layout`),
+ * 5.625 bits a weight.
+ *
+ * Q4_0 keeps, per row and group of 32 weights, an fp16 d: w = d·(q − 8), q in 0..15. Its tiles keep exactly that
+ * (`kernels/q4_0_tiles.pack_q4_0`, 4.5 bits a weight as in the file, against 5 for the 4-bit tiles):
+ *   codes  [N/16][K/32][256]  the `QUADS` 4-bit tile of each group, as Q4_K's
+ *   steps  [N/16][K/32][16]   d of each row, fp16 bits
+ * on the same int8 activations, per group and row the exact integer sum I = Σ q·â − 8·Σâ (|8·Σâ| <= 8·32·127), then
+ * y += (d·a) ⊙ I, groups in input order (`q4_0_rows16`); the 16-bit path with s = d and o = 8d.
  */
 #pragma once
 
@@ -52,16 +63,16 @@ static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *s
     }
 }
 
-/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5; constants after inlining) against `tokens` tokens: â, a
+/* A block of 16 rows of Q4_K tiles (Q5_K's: `format`; constants after inlining) against `tokens` tokens: â, a
  * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next.
  * 5-bit words fill an int16 in four `vpmaddubsw` sums (2·31·127 each): without AVX-VNNI a group's words are widened
  * after two chunks and again after four, then scaled as int32. */
 static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *codes, const uint8_t *marks,
                                                             const uint16_t *steps, const int8_t *xq,
                                                             const float *act_scale, const int16_t *group_sums,
-                                                            int64_t K, int tokens, float *y, int64_t ldy, int bits) {
+                                                            int64_t K, int tokens, float *y, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     /* a row's 6-bit scale in both int16 halves of its dword: rows 0-7 (half 0) or 8-15 (half 1) of 16 bytes */
     const __m256i spread[2] = {
         _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
@@ -133,30 +144,75 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
     }
 }
 
-/* Half `half` (8 rows) of a block of 16 rows of Q4_K tiles against `tokens` tokens on the 16-bit tiles' int16
- * activations (`tile_activations`), the file's weights exactly: per group, s = d·sc and o = dmin·m in float32 (exact:
- * an fp16 times a 6-bit integer), then as `affine_half`: y += (s·2^e) ⊙ Σ q·x̂ per 16 inputs, − o ⊙ S per group. */
+/* A block of 16 rows of Q4_0 tiles against `tokens` tokens (a constant after inlining): â, a and the group sums from
+ * the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+static inline __attribute__((always_inline)) void q4_0_rows16(const uint8_t *codes, const uint16_t *steps,
+                                                             const int8_t *xq, const float *act_scale,
+                                                             const int16_t *group_sums, int64_t K, int tokens,
+                                                             float *y, int64_t ldy) {
+    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+    __m256 acc[Q8_WIDEST][2];
+    for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = codes + g * INT4_TILE_BYTES;
+        const int8_t *xg = xq + g * GROUP;
+        prefetch_tile(tile, INT4_TILE_BYTES, 0);
+        __m256i words[Q8_WIDEST][2];
+        affine_chunk_q8(tile, 0, 4, xg, K, tokens, 1, words);
+#pragma GCC unroll 1
+        for (int chunk = 1; chunk < 4; chunk++) affine_chunk_q8(tile, chunk, 4, xg + 8 * chunk, K, tokens, 0, words);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + g * Q4_0_STEP_HALFWORDS + 8 * h)));
+            for (int t = 0; t < tokens; t++) {
+#ifdef __AVXVNNI__
+                const __m256i dot = words[t][h];
+#else
+                const __m256i dot = widen16(words[t][h]);
+#endif
+                const __m256i sum = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * (int32_t)group_sums[t * groups + g]));
+                const __m256 a = _mm256_set1_ps(act_scale[t * supers + g / Q4K_GROUPS]);
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sum), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < tokens; t++) {
+        _mm256_storeu_ps(y + t * ldy, acc[t][0]);
+        _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
+    }
+}
+
+/* Half `half` (8 rows) of a block of 16 rows of tiles in `format` against `tokens` tokens on the 16-bit tiles' int16
+ * activations (`tile_activations`), the file's weights exactly: per group, s = d·sc and o = dmin·m (Q4_0: s = d and
+ * o = 8d) in float32 (exact: an fp16 times a small integer), then as `affine_half`: y += (s·2^e) ⊙ Σ q·x̂ per 16
+ * inputs, − o ⊙ S per group. */
 static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *codes, const uint8_t *marks,
                                                             const uint16_t *steps, const TileActivations *act,
                                                             int64_t K, int tokens, int half, float *y, int64_t ldy,
-                                                            int bits) {
+                                                            int format) {
     const int64_t groups = K / GROUP;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const __m128i every_other = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
-        const uint8_t *tile = codes + g * tile_bytes, *mark = marks + super * Q4K_MARK_BYTES;
+        const uint8_t *tile = codes + g * tile_bytes;
         prefetch_tile(tile, tile_bytes, half * 32);
-        const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS + 8 * half;
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mark + 16 * gl + 8 * half))));
-        /* m of group gl for rows 8·half .. 8·half + 7: bytes e, e + 2, ... of the pair's 16 (e = gl % 2) */
-        const __m128i pair = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(mark + 128 + 32 * (gl / 2) + 16 * half)), every_other);
-        const __m128i m = gl % 2 ? _mm_srli_si128(pair, 8) : pair;
-        const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)step)), sc);
-        const __m256 offset = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(step + 16))),
-                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+        __m256 s, offset;
+        if (format == TILES_Q4_0) {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + g * Q4_0_STEP_HALFWORDS + 8 * half)));
+            offset = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
+        } else {
+            const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
+            const uint8_t *mark = marks + super * Q4K_MARK_BYTES;
+            const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS + 8 * half;
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mark + 16 * gl + 8 * half))));
+            /* m of group gl for rows 8·half .. 8·half + 7: bytes e, e + 2, ... of the pair's 16 (e = gl % 2) */
+            const __m128i pair = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(mark + 128 + 32 * (gl / 2) + 16 * half)), every_other);
+            const __m128i m = gl % 2 ? _mm_srli_si128(pair, 8) : pair;
+            s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)step)), sc);
+            offset = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(step + 16))),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+        }
         const int16_t *xg = act->x + g * GROUP;
         for (int part = 0; part < 2; part++) {
             __m256i sum[MAX_TOKENS];
@@ -176,9 +232,10 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
 
 /* Tokens 0 .. precise − 1 of x on the 16-bit path (`q4k_half16`), MAX_TOKENS at a time. */
 static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                         int64_t N, int64_t K, int64_t precise, int64_t ldy, int bits) {
+                         int64_t N, int64_t K, int64_t precise, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, items = 2 * (N / 16);
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
     for (int64_t t0 = 0; t0 < precise; t0 += MAX_TOKENS) {
         const int chunk = (int)(precise - t0 < MAX_TOKENS ? precise - t0 : MAX_TOKENS);
         const TileActivations act = tile_activations(x + t0 * K, K, chunk);
@@ -186,17 +243,22 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
         for (int64_t item = 0; item < items; item++) {
             const int64_t nb = item / 2;
             const int half = (int)(item % 2);
-#define Q4K_HALF16(T) q4k_half16(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES, \
-                                 steps + nb * supers * Q4K_STEP_HALFWORDS, &act, K, T, half, y + t0 * ldy + nb * 16, ldy, 4)
-#define Q5K_HALF16(T) q4k_half16(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES, \
-                                 steps + nb * supers * Q4K_STEP_HALFWORDS, &act, K, T, half, y + t0 * ldy + nb * 16, ldy, 5)
-            if (bits == 5) {
+            const uint8_t *block = codes + nb * groups * tile_bytes, *mark = marks ? marks + nb * mark_stride : NULL;
+            const uint16_t *step = steps + nb * step_stride;
+            float *out = y + t0 * ldy + nb * 16;
+#define Q4K_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q4_K)
+#define Q5K_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q5_K)
+#define Q4_0_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q4_0)
+            if (format == TILES_Q5_K) {
                 WITH_CONSTANT_TOKENS(chunk, Q5K_HALF16)
+            } else if (format == TILES_Q4_0) {
+                WITH_CONSTANT_TOKENS(chunk, Q4_0_HALF16)
             } else {
                 WITH_CONSTANT_TOKENS(chunk, Q4K_HALF16)
             }
 #undef Q4K_HALF16
 #undef Q5K_HALF16
+#undef Q4_0_HALF16
         }
         release_activations(act);
     }
@@ -208,12 +270,13 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
  * span each block of 16 rows meets Q8_BLOCK tokens at a time (a last 5 to Q8_WIDEST at once) while its codes stay in
  * L1/L2, as `affine_q8_passes`. */
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int bits) {
+                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
     const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     if (precise > tokens) precise = tokens;
-    q4k_passes16(codes, marks, steps, x, y, N, K, precise, ldy, bits);
+    q4k_passes16(codes, marks, steps, x, y, N, K, precise, ldy, format);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
@@ -224,22 +287,28 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint8_t *block = codes + nb * groups * tile_bytes, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
-            const uint16_t *block_steps = steps + nb * supers * Q4K_STEP_HALFWORDS;
+            const uint8_t *block = codes + nb * groups * tile_bytes;
+            const uint8_t *block_marks = marks ? marks + nb * mark_stride : NULL;  /* Q4_0: none */
+            const uint16_t *block_steps = steps + nb * step_stride;
             for (int64_t t0 = s0, chunk; t0 < s1; t0 += chunk) {
                 chunk = s1 - t0 < 2 * Q8_BLOCK ? s1 - t0 : Q8_BLOCK;  /* Q8_BLOCK, or a last sweep of up to Q8_WIDEST */
                 float *out = y + t0 * ldy + nb * 16;
-#define Q4K_ROWS(T) q4k_rows16(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, T, out, \
-                                ldy, 4)
-#define Q5K_ROWS(T) q4k_rows16(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, T, out, \
-                                ldy, 5)
-                if (bits == 5) {
+                const int8_t *xq = q + t0 * K;
+                const float *scale = a + t0 * supers;
+                const int16_t *group_sums = sums + t0 * groups;
+#define Q4K_ROWS(T) q4k_rows16(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q4_K)
+#define Q5K_ROWS(T) q4k_rows16(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q5_K)
+#define Q4_0_ROWS(T) q4_0_rows16(block, block_steps, xq, scale, group_sums, K, T, out, ldy)
+                if (format == TILES_Q5_K) {
                     WITH_CONSTANT_Q8_TOKENS(chunk, Q5K_ROWS)
+                } else if (format == TILES_Q4_0) {
+                    WITH_CONSTANT_Q8_TOKENS(chunk, Q4_0_ROWS)
                 } else {
                     WITH_CONSTANT_Q8_TOKENS(chunk, Q4K_ROWS)
                 }
 #undef Q4K_ROWS
 #undef Q5K_ROWS
+#undef Q4_0_ROWS
             }
         }
     }

@@ -1,16 +1,20 @@
-/* Q4_K weights as the file stores them, times int8 activations on AVX-512 VNNI: `q4k_matmul`, and `q4k_passes` for
- * the decoder stack (run kind 11). The tiles are the AVX2 library's (`kernels/q4k_tiles.pack_q4k`, the layout in
- * `avx2/q4k_tiles.h`: the `QUADS` 4-bit tiles of the codes, each super-block's 6-bit scales and mins, fp16 d and
- * dmin; 4.625 bits a weight), and so is the function: the same int8 activations per 256 inputs, the same exact
+/* Q4_K, Q5_K and Q4_0 weights as the file stores them, times int8 activations on AVX-512 VNNI: `q4k_passes` (for
+ * `q4k_matmul`, `q5k_matmul`, `q4_0_matmul` and the decoder stack's run kinds 11, 13, 12). The tiles are the AVX2
+ * library's (`kernels/q4k_tiles.pack_q4k`, `kernels/q4_0_tiles.pack_q4_0`, the layouts in `avx2/q4k_tiles.h`: Q4_K's
+ * `QUADS` 4-bit tiles of the codes, each super-block's 6-bit scales and mins, fp16 d and dmin; 4.625 bits a weight),
+ * and so is the function: the same int8 activations per 256 inputs, the same exact
  * integer sums I = Σ_g sc_g · Σ q·â and M = Σ_g m_g · Σâ_g, the same float32 steps per super-block
  *   y += (d·a) ⊙ I − (dmin·a) ⊙ M
  * so both levels give the same bits. Here a `QUADS` chunk of 64 bytes is two `vpdpbusd` operands as it stands
  * (dword lane c: row c's four bytes; the low nibbles are inputs 8j .. 8j + 3, the high ones 8j + 4 .. 8j + 7), a
  * group's sum is scaled by its 6-bit scales with one `vpmulld`, and the mins take four `vpdpwssd` per super-block.
  *
+ * Q5_K: the same on 5-bit codes (the AVX2 5-bit tiles' bytes). Q4_0: each group's fp16 d, the same int8 activations,
+ * per group I = Σ q·â − 8·Σâ and y += (d·a) ⊙ I (`q4_0_block_q8`).
+ *
  * Where int8 activations are off, and for a sequence's first token (`prompt_pass`), every product in float32 against
- * the file's exact weights (s = d·sc and o = dmin·m are exact in float32): y += s ⊙ Σ q·x − o ⊙ Σ x per group of 32.
- * Each token alone either way, so a verify pass agrees bit for bit with one-token decoding.
+ * the file's exact weights (s = d·sc and o = dmin·m, or s = d and o = 8d, are exact in float32): y += s ⊙ Σ q·x −
+ * o ⊙ Σ x per group of 32. Each token alone either way, so a verify pass agrees bit for bit with one-token decoding.
  */
 #pragma once
 
@@ -64,16 +68,16 @@ static inline __attribute__((always_inline)) void kquant_quads(const uint8_t *ti
     }
 }
 
-/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5; constants after inlining) against `tokens` tokens on
+/* A block of 16 rows of Q4_K tiles (Q5_K's: `format`; constants after inlining) against `tokens` tokens on
  * int8 activations: â, a and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one
  * token to the next. */
 static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *codes, const uint8_t *marks,
                                                               const uint16_t *steps, const int8_t *xq,
                                                               const float *act_scale, const int16_t *group_sums,
                                                               int64_t K, int tokens, float *y, int64_t ldy, int ahead,
-                                                              int bits) {
+                                                              int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
@@ -111,32 +115,65 @@ static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *co
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* A block of 16 rows of Q4_K tiles (Q5_K's where `bits` is 5) against `tokens` tokens in float32: x [tokens][K]
- * float32 (K apart), each group's Σx [tokens][K/32]. Four chains of products per group (inputs 8j + b, low and high
- * nibble, b even and odd), added in one order. */
+/* A block of 16 rows of Q4_0 tiles against `tokens` tokens (a constant after inlining) on int8 activations: â, a
+ * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+static inline __attribute__((always_inline)) void q4_0_block_q8(const uint8_t *codes, const uint16_t *steps,
+                                                               const int8_t *xq, const float *act_scale,
+                                                               const int16_t *group_sums, int64_t K, int tokens,
+                                                               float *y, int64_t ldy, int ahead) {
+    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+    __m512 acc[MAX_TOKENS];
+    for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *tile = codes + g * INT4_TILE_BYTES;
+        prefetch_ahead(tile, INT4_TILE_BYTES, ahead);
+        __m512i quads[8];  /* quads[i]: the codes of inputs 4i .. 4i + 3 of each row */
+        for (int j = 0; j < 4; j++) kquant_quads(tile, j, 4, quads + 2 * j);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + g * Q4_0_STEP_HALFWORDS)));
+        for (int t = 0; t < tokens; t++) {
+            const int32_t *xw = (const int32_t *)(xq + t * K + g * GROUP);
+            __m512i dot = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, quads[i], _mm512_set1_epi32(xw[i]));
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * (int32_t)group_sums[t * groups + g]));
+            const __m512 a = _mm512_set1_ps(act_scale[t * supers + g / Q4K_GROUPS]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, a), _mm512_cvtepi32_ps(dot), acc[t]);
+        }
+    }
+    for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+/* A block of 16 rows of tiles in `format` (a constant after inlining) against `tokens` tokens in float32: x
+ * [tokens][K] float32 (K apart), each group's Σx [tokens][K/32]. Four chains of products per group (inputs 8j + b,
+ * low and high nibble, b even and odd), added in one order. */
 static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t *codes, const uint8_t *marks,
                                                                  const uint16_t *steps, const float *xf,
                                                                  const float *group_x, int64_t K, int tokens, float *y,
-                                                                 int64_t ldy, int bits) {
+                                                                 int64_t ldy, int format) {
     const int64_t groups = K / GROUP;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     /* a code to float32 by `vpermt2ps`, which reads the low 5 bits of each index: no mask, no conversion */
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 values16 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
-        const uint8_t *tile = codes + g * tile_bytes, *mark = marks + super * Q4K_MARK_BYTES;
+        const uint8_t *tile = codes + g * tile_bytes;
         prefetch_ahead(tile, tile_bytes, PREFETCH_BYTES);
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl))));
-        /* m of group gl: the low (gl even) or high (gl odd) int16 of each row's pair */
-        const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mark + 128 + 32 * (gl / 2))));
-        const __m512i m = gl % 2 ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF));
-        const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS;
-        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)step)), sc);
-        const __m512 offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(step + 16))),
-                                            _mm512_cvtepi32_ps(m));
+        __m512 s, offset;
+        if (format == TILES_Q4_0) {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + g * Q4_0_STEP_HALFWORDS)));
+            offset = _mm512_mul_ps(s, _mm512_set1_ps(8.0f));
+        } else {
+            const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
+            const uint8_t *mark = marks + super * Q4K_MARK_BYTES;
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mark + 16 * gl))));
+            /* m of group gl: the low (gl even) or high (gl odd) int16 of each row's pair */
+            const __m512i pair = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mark + 128 + 32 * (gl / 2))));
+            const __m512i m = gl % 2 ? _mm512_srli_epi32(pair, 16) : _mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF));
+            const uint16_t *step = steps + super * Q4K_STEP_HALFWORDS;
+            s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)step)), sc);
+            offset = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(step + 16))), _mm512_cvtepi32_ps(m));
+        }
         __m512 chain[MAX_TOKENS][4];
         for (int t = 0; t < tokens; t++) chain[t][0] = chain[t][1] = chain[t][2] = chain[t][3] = _mm512_setzero_ps();
         for (int j = 0; j < 4; j++) {
@@ -176,9 +213,10 @@ static void exact_activations(const uint16_t *x, int64_t K, int tokens, float *x
 
 /* Tokens 0 .. exact − 1 of x in float32 (`q4k_block_exact`), MAX_TOKENS at a time. */
 static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x,
-                             float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy, int bits) {
+                             float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int64_t block_steps = stored_block_halfwords(format, K), block_marks = supers * Q4K_MARK_BYTES;
     float *xf = malloc(sizeof(float) * (size_t)(MAX_TOKENS * K));
     float *group_x = malloc(sizeof(float) * (size_t)(MAX_TOKENS * groups));
     for (int64_t t0 = 0; t0 < exact; t0 += MAX_TOKENS) {
@@ -186,36 +224,41 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
         exact_activations(x + t0 * K, K, chunk, xf, group_x);
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-#define Q4K_EXACT(T) q4k_block_exact(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES,   \
-                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,              \
-                                     y + t0 * ldy + nb * 16, ldy, 4)
-#define Q5K_EXACT(T) q4k_block_exact(codes + nb * groups * tile_bytes, marks + nb * supers * Q4K_MARK_BYTES,   \
-                                     steps + nb * supers * Q4K_STEP_HALFWORDS, xf, group_x, K, T,              \
-                                     y + t0 * ldy + nb * 16, ldy, 5)
-            if (bits == 5) {
+            const uint8_t *block = codes + nb * groups * tile_bytes, *mark = marks ? marks + nb * block_marks : NULL;
+            const uint16_t *step = steps + nb * block_steps;
+            float *out = y + t0 * ldy + nb * 16;
+#define Q4K_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q4_K)
+#define Q5K_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q5_K)
+#define Q4_0_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q4_0)
+            if (format == TILES_Q5_K) {
                 WITH_CONSTANT_TOKENS(chunk, Q5K_EXACT)
+            } else if (format == TILES_Q4_0) {
+                WITH_CONSTANT_TOKENS(chunk, Q4_0_EXACT)
             } else {
                 WITH_CONSTANT_TOKENS(chunk, Q4K_EXACT)
             }
 #undef Q4K_EXACT
 #undef Q5K_EXACT
+#undef Q4_0_EXACT
         }
     }
     free(xf);
     free(group_x);
 }
 
-/* y [tokens, N] float32 (rows `ldy` apart) = x [tokens, K] bf16 · W^T, W in Q4_K tiles; K % 256 == 0, N % 16 == 0.
+/* y [tokens, N] float32 (rows `ldy` apart) = x [tokens, K] bf16 · W^T, W in tiles of `format` (Q4_0: `marks` NULL);
+ * K % 256 == 0, N % 16 == 0.
  * The first `precise` tokens in float32 (a sequence's first token, or every token where int8 activations are off:
  * `prompt_pass`), the others on int8 activations: taken in spans whose int8 activations fit in L2; in a span each
  * block of 16 rows meets MAX_TOKENS tokens at a time while its codes stay in L1/L2. */
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
-                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int bits) {
+                       int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
     const int64_t fit = Q4K_SPAN_BYTES / K, span = fit < MAX_TOKENS ? MAX_TOKENS : fit - fit % MAX_TOKENS;
     if (precise > tokens) precise = tokens;
-    if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy, bits);
+    if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy, format);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
     float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
@@ -227,22 +270,28 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint8_t *block = codes + nb * groups * tile_bytes, *block_marks = marks + nb * supers * Q4K_MARK_BYTES;
-            const uint16_t *block_steps = steps + nb * supers * Q4K_STEP_HALFWORDS;
+            const uint8_t *block = codes + nb * groups * tile_bytes;
+            const uint8_t *block_marks = marks ? marks + nb * mark_stride : NULL;  /* Q4_0: none */
+            const uint16_t *block_steps = steps + nb * step_stride;
             for (int64_t t0 = s0; t0 < s1; t0 += MAX_TOKENS) {
                 const int chunk = (int)(s1 - t0 < MAX_TOKENS ? s1 - t0 : MAX_TOKENS);
                 float *out = y + t0 * ldy + nb * 16;
-#define Q4K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, \
-                                  T, out, ldy, ahead, 4)
-#define Q5K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, q + t0 * K, a + t0 * supers, sums + t0 * groups, K, \
-                                  T, out, ldy, ahead, 5)
-                if (bits == 5) {
+                const int8_t *xq = q + t0 * K;
+                const float *scale = a + t0 * supers;
+                const int16_t *group_sums = sums + t0 * groups;
+#define Q4K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q4_K)
+#define Q5K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q5_K)
+#define Q4_0_BLOCK(T) q4_0_block_q8(block, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead)
+                if (format == TILES_Q5_K) {
                     WITH_CONSTANT_TOKENS(chunk, Q5K_BLOCK)
+                } else if (format == TILES_Q4_0) {
+                    WITH_CONSTANT_TOKENS(chunk, Q4_0_BLOCK)
                 } else {
                     WITH_CONSTANT_TOKENS(chunk, Q4K_BLOCK)
                 }
 #undef Q4K_BLOCK
 #undef Q5K_BLOCK
+#undef Q4_0_BLOCK
             }
         }
     }

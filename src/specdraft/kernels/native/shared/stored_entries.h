@@ -1,6 +1,6 @@
 /* The slots of weights kept as the file stores them, written once over the including library's drivers: `q8_0_matmul`
- * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul` and `q5k_matmul` over its `q4k_tiles.h` (`q4k_passes`),
- * `q4_0_matmul` over its `q4_0_tiles.h` (`q4_0_passes`).
+ * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul`, `q5k_matmul` and `q4_0_matmul` over its `q4k_tiles.h`
+ * (`q4k_passes`).
  * The AVX2 and AVX-512 libraries fill them with the same function on the same tiles. */
 #pragma once
 
@@ -22,18 +22,18 @@ void iq4_matmul(const uint8_t *tiles, const float *steps, const uint16_t *x, flo
  * `avx2/q4k_tiles.h`), the first `precise` tokens against the exact weights. */
 void q4k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                 int64_t N, int64_t K, int64_t tokens, int64_t precise) {
-    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, 4);
+    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, TILES_Q4_K);
 }
 
 /* The same for Q5_K tiles (`codes`: 5-bit tiles, the nibbles and then the fifth bits of each group). */
 void q5k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                 int64_t N, int64_t K, int64_t tokens, int64_t precise) {
-    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, 5);
+    q4k_passes(codes, marks, steps, x, y, N, K, tokens, N, precise, TILES_Q5_K);
 }
 
 /* y [tokens, N] float32 = x [tokens, K] bf16 · W^T, W in Q4_0 tiles (`codes`, `steps`: the layout in
- * `avx2/q4_0_tiles.h`), the first `precise` tokens against the exact weights. */
+ * `avx2/q4k_tiles.h`), the first `precise` tokens against the exact weights. */
 void q4_0_matmul(const uint8_t *codes, const uint16_t *steps, const uint16_t *x, float *y, int64_t N, int64_t K,
                  int64_t tokens, int64_t precise) {
-    q4_0_passes(codes, steps, x, y, N, K, tokens, N, precise);
+    q4k_passes(codes, NULL, steps, x, y, N, K, tokens, N, precise, TILES_Q4_0);
 }

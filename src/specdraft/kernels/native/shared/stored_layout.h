@@ -1,6 +1,6 @@
 /* The tile layouts of weights kept as the file stores them, one for every library that multiplies them
  * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`, `kernels/q4_0_tiles.pack_q4_0`; each layout spelled out
- * in `avx2/int8_code_tiles.h`, `avx2/q4k_tiles.h` and `avx2/q4_0_tiles.h`). */
+ * in `avx2/int8_code_tiles.h` and `avx2/q4k_tiles.h`). */
 #pragma once
 
 #include <stdint.h>
@@ -19,3 +19,13 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 #define Q4K_MARK_BYTES 256      /* scales and mins of a super-block of 16 rows */
 #define Q4K_STEP_HALFWORDS 32   /* d and dmin of a super-block of 16 rows */
 #define Q4_0_STEP_HALFWORDS 16  /* d of a group of 32 inputs of 16 rows (Q4_0 tiles) */
+
+/* The formats of the `QUADS` tiles kept with their file's steps (`q4k_tiles.h`): Q4_K and Q5_K (4- or 5-bit codes,
+ * each super-block's 6-bit scales and mins, fp16 d and dmin) and Q4_0 (4-bit codes, each group's fp16 d); the
+ * decoder's run kinds 11, 13 and 12. */
+enum { TILES_Q4_K = 0, TILES_Q5_K = 1, TILES_Q4_0 = 2 };
+
+/* The step halfwords of a block of 16 rows of K inputs in `format`. */
+static inline int64_t stored_block_halfwords(int format, int64_t K) {
+    return format == TILES_Q4_0 ? K / 32 * Q4_0_STEP_HALFWORDS : K / Q4K_SUPER * Q4K_STEP_HALFWORDS;
+}
