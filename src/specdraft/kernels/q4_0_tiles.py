@@ -1,8 +1,8 @@
 """Linears whose GGUF weights are Q4_0, multiplied as the file stores them (codes and an fp16 d per 32 weights:
-w = d·(q − 8)) on the Q4_0 tiles of the AVX2 and AVX-512 libraries (each library's `q4k_tiles.h`, format `TILES_Q4_0`:
-one layout, one function, the same bits): in an int8 pass (`prompt_pass`: on both levels
-every pass by default) each token's activations on Q4_K's int8 scale per 256 inputs, per group the exact integer sum
-Σ q·â − 8·Σâ and one float multiply-add; a sequence's first token, and every token where int8 activations are off,
+w = d·(q − 8)) on the Q4_0 tiles of the AVX2 and AVX-512 libraries (each library's `q4k_tiles.h`, format
+`TILES_Q4_0`: one layout, one function, the same bits): in an int8 pass (`prompt_pass`: on both levels every pass by
+default) each token's activations on Q4_K's int8 scale per 256 inputs, per group the exact integer sum Σ q·â − 8·Σâ
+and one float multiply-add; a sequence's first token, and every token where int8 activations are off,
 against the file's exact weights (AVX2: the 16-bit tiles' int16 activations; AVX-512: in float32). The loader uses
 them where the AVX2 or AVX-512 tile kernel runs (`available`) and K % 256 == 0; elsewhere (AMX, PyTorch's level,
 Gemma's 1,152-wide rows) Q4_0 runs as 4-bit tiles with a bf16 scale and offset per 32 (`quantize.Int4Linear`).

@@ -34,8 +34,8 @@ _PACK_ROWS = 4096  # rows repacked at a time (a multiple of 16): the temporaries
 
 
 def available() -> bool:
-    """Whether the loader puts Q4_K and Q5_K linears on these kernels: where the AVX2 or the AVX-512 tile kernel runs (AMX
-    keeps its bf16 tiles on 16-bit activations)."""
+    """Whether the loader puts Q4_K and Q5_K linears on these kernels: where the AVX2 or the AVX-512 tile kernel runs
+    (AMX keeps its bf16 tiles on 16-bit activations)."""
     return tiles.runs_stored_weights()
 
 

@@ -122,9 +122,9 @@ AMX = TileKernel("amx", "amx", PAIRS, "int4_amx_matmul", "int5_amx_matmul", "q6k
 AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 KERNELS = (AMX, AVX512, AVX2)  # fastest first
-STORED_KERNELS = (AVX512, AVX2)  # the tile kernels that also run weights as the file stores them (Q4_K, Q5_K, Q4_0, Q8_0,
-#                                  IQ4, F16 / BF16 / F32: `q4k_tiles`, `q4_0_tiles`, `int8_codes`, `dense_matmul`); AMX
-#                                  keeps its bf16 tiles
+STORED_KERNELS = (AVX512, AVX2)  # the tile kernels that also run weights as the file stores them (Q4_K, Q5_K,
+#                                  Q4_0, Q8_0, IQ4, F16 / BF16 / F32: `q4k_tiles`, `q4_0_tiles`, `int8_codes`,
+#                                  `dense_matmul`); AMX keeps its bf16 tiles
 
 
 def kernel_named(name: str) -> TileKernel:

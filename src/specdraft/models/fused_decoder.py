@@ -26,8 +26,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul
 from specdraft.kernels.int4_layout import PackedInt4
 from specdraft.models.architectures import LAYER_NORMS, stacked_architecture
-from specdraft.models.fast_layers import (CODE_MATMULS, FUSED_ATTRIBUTE, STORED_LINEARS, NativeRMSNorm, StackedAttention,
-                                          StackedMLP, StackedProjection)
+from specdraft.models.fast_layers import (CODE_MATMULS, FUSED_ATTRIBUTE, STORED_LINEARS, NativeRMSNorm,
+                                          StackedAttention, StackedMLP, StackedProjection)
 from specdraft.models.quantize import Int4Linear, SplitInt4Linear
 
 
