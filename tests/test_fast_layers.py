@@ -438,6 +438,26 @@ def test_fused_layers_run_dense_weights_bit_for_bit(mix, decoder_build, tmp_path
 
 @tiles_run
 @fused_run
+def test_fused_layers_run_q5_0_rows_as_stored(decoder_build, tmp_path, monkeypatch):
+    """Rows whose width no K-quant fits (160 here; Gemma's 1,152), which llama.cpp's Q4_K_M stores as Q5_0, run as Q5_0
+    tiles beside the Q4_K ones on the AVX2 and AVX-512 levels (5-bit tiles on AMX), in one C call a pass, bit for bit
+    as the stacked PyTorch layers compute them."""
+    config = family_config("llama", hidden_size=160)
+    path = write_random_gguf(config, tmp_path / "llama-160-Q4_K_M.gguf", "Q4_K_M", seed=3)
+    model = build_native_model(path, gguf_config(path), torch.bfloat16)
+    fused = fused_decoder(model)
+    assert fused is not None
+    kinds = {run.kind for entry in fused.table for p in (entry.qkv, entry.o, entry.gate_up, entry.down)
+             for run in p.run[:p.runs]}
+    stored = tiles.tile_kernel() in (tiles.AVX2, tiles.AVX512)
+    assert (decoder_layers.Q5_0 in kinds) == stored and (decoder_layers.Q4K in kinds) == stored, kinds
+    got = pass_sequence(model)
+    monkeypatch.setattr(causal_lm, "fused_decoder", lambda model: None)
+    assert all(torch.equal(w, g) for w, g in zip(pass_sequence(model), got))
+
+
+@tiles_run
+@fused_run
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 @pytest.mark.parametrize("kernel", [None, tiles.AVX512], ids=["fastest", "avx512"])
 def test_fused_sliding_window_layers_match_past_their_window(family, kernel, decoder_build, monkeypatch):

@@ -195,7 +195,7 @@ def expected_linear(type_name: str, backend: str, requantize: bool = False) -> t
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
     if type_name in q4k_tiles.BITS:  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit (Q5_K:
         return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear  # 5-bit) tiles
-    if type_name == "Q4_0":  # the same where its rows are whole blocks of 256 (every matrix here)
+    if type_name in q4_0_tiles.BITS:  # Q4_0, Q5_0: the same (Q5_0 elsewhere: 5-bit tiles)
         return q4_0_tiles.Q40Linear if q4_0_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized
         return Int4Linear

@@ -1,7 +1,7 @@
 """Q4_K tiles (`kernels/q4k_tiles.py`, `kernels/q4_0_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`):
-a file's Q4_K, Q5_K and Q4_0 blocks as stored, times each token's activations on one int8 scale per 256 inputs, the
-K-quants' scales and mins applied as integers (llama.cpp's numerics), Q4_0's d per group; each test on every level
-this CPU runs (`SPECDRAFT_ISA`), for each type."""
+a file's Q4_K, Q5_K, Q4_0 and Q5_0 blocks as stored, times each token's activations on one int8 scale per 256 inputs
+(the K-quants: their scales and mins applied as integers, llama.cpp's Q8_K numerics) or per 32 (Q4_0, Q5_0: each group's
+d, llama.cpp's Q8_0); each test on every level this CPU runs (`SPECDRAFT_ISA`), for each type."""
 
 import numpy as np
 import pytest
@@ -25,7 +25,10 @@ def level(stored_level) -> str:
     return stored_level
 
 
-@pytest.fixture(params=["Q4_K", "Q5_K", "Q4_0"])
+PER_GROUP = ("Q4_0", "Q5_0")  # the types with a step per group of 32 (`q4_0_tiles`)
+
+
+@pytest.fixture(params=["Q4_K", "Q5_K", *PER_GROUP])
 def kind(request) -> str:
     """Each type the tiles hold."""
     return request.param
@@ -33,19 +36,19 @@ def kind(request) -> str:
 
 def random_raw(kind: str, rows: int, inputs: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    if kind == "Q4_0":  # gguf's quantizer, of normal weights
-        return gguf_quantize(rng.normal(0, 0.05, (rows, inputs)).astype(np.float32), GGMLQuantizationType.Q4_0)
+    if kind in PER_GROUP:  # gguf's quantizer, of normal weights
+        return gguf_quantize(rng.normal(0, 0.05, (rows, inputs)).astype(np.float32), GGMLQuantizationType[kind])
     return random_q4k(rows, inputs // 256, rng) if kind == "Q4_K" else random_q5k(rows, inputs // 256, rng)
 
 
 def rows_of(raw: np.ndarray, kind: str):
-    stored = q4_0_stored if kind == "Q4_0" else q4k_stored
+    stored = q4_0_stored if kind in PER_GROUP else q4k_stored
     return lambda start, stop: stored(torch.from_numpy(raw[start:stop]), kind)
 
 
 def pack(raw: np.ndarray, kind: str, rows: int, inputs: int):
-    if kind == "Q4_0":
-        return q4_0_tiles.pack_q4_0(rows_of(raw, kind), rows, inputs)
+    if kind in PER_GROUP:
+        return q4_0_tiles.pack_q4_0(rows_of(raw, kind), rows, inputs, kind)
     return q4k_tiles.pack_q4k(rows_of(raw, kind), rows, inputs, kind)
 
 
@@ -65,17 +68,20 @@ def case(rows: int, inputs: int, tokens: int, seed: int = 0, kind: str = "Q4_K")
 
 def int8_reference(raw: np.ndarray, x: torch.Tensor, kind: str = "Q4_K") -> torch.Tensor:
     """The kernel's function in float64: â = round(x · 127 / max|x|) per 256 inputs (ties to even), a = max|x| / 127,
-    then d·a·Σ sc·Σ q·â − dmin·a·Σ m·Σ â per super-block (Q4_0: Σ_g d·a·(Σ q·â − 8·Σâ)); `[T, N]`."""
-    xs = x.float().view(x.shape[0], -1, 256)  # [T, S, 256]
+    then d·a·Σ sc·Σ q·â − dmin·a·Σ m·Σ â per super-block (Q4_0, Q5_0: per 32 inputs, Σ_g d·a·(Σ q·â − 2^(b−1)·Σâ));
+    `[T, N]`."""
+    xs = x.float().view(x.shape[0], -1, 32 if kind in PER_GROUP else 256)  # [T, S, 32 or 256]
     amax = xs.abs().amax(-1, keepdim=True)  # [T, S, 1]
     a = (amax / 127).double()  # float32 as in the kernel, as are the factor and the product below
-    xq = torch.round(xs * (127 / amax)).double()  # [T, S, 256]
+    # 127 / max|x| correctly rounded to float32, as the kernel's division is (PyTorch's scalar / tensor is not: it
+    # multiplies by a reciprocal, and a product that lands on .5 then rounds the other way)
+    xq = torch.round(xs * (127 / amax.double()).float()).double()  # [T, S, 32 or 256]
     groups = xq.view(x.shape[0], -1, 32)  # [T, K/32, 32]
-    if kind == "Q4_0":
-        codes, d = q4_0_stored(torch.from_numpy(raw))  # [N, K], [N, K/32]
+    if kind in PER_GROUP:
+        codes, d = q4_0_stored(torch.from_numpy(raw), kind)  # [N, K], [N, K/32]
         dots = torch.einsum("tgi,ngi->tng", groups, codes.double().view(codes.shape[0], -1, 32))  # [T, N, K/32]
-        per_group = a.repeat_interleave(8, dim=1).squeeze(-1)[:, None]  # [T, 1, K/32]
-        return (d.double() * per_group * (dots - 8 * groups.sum(-1)[:, None])).sum(-1)  # [T, N]
+        middle = 16 if kind == "Q5_0" else 8
+        return (d.double() * a.squeeze(-1)[:, None] * (dots - middle * groups.sum(-1)[:, None])).sum(-1)  # [T, N]
     codes, d, dmin, sc, mn = q4k_stored(torch.from_numpy(raw), kind)  # [N, K], [N, K/256] x 2, [N, K/32] x 2
     rows, inputs = codes.shape
     dots = torch.einsum("tgi,ngi->tng", groups, codes.double().view(rows, -1, 32))  # [T, N, K/32]
@@ -189,10 +195,22 @@ def test_q4_0_linear_keeps_the_files_blocks_and_adds_its_bias(level):
         assert torch.equal(linear(x.float()), (matmul(linear.packed, x) + bias).float())
 
 
-@pytest.mark.parametrize("shape", [(24, 512), (32, 288), (16, 1152)])
+@pytest.mark.parametrize("shape", [(24, 512), (32, 80)])
 def test_q4_0_tiles_refuse_shapes_they_cannot_hold(shape):
-    """Rows come 16 to a tile and inputs in whole blocks of 256 (the int8 activations' scale): anything else is
-    refused, naming the rule (Gemma's 1,152-wide rows stay on the 4-bit tiles)."""
-    assert not q4_0_tiles.fits(*shape)
-    with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 256 == 0"):
+    """Rows come 16 to a tile and inputs 32 to a group: anything else is refused, naming the rule."""
+    with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 32 == 0"):
         q4_0_tiles.pack_q4_0(lambda start, stop: None, *shape)
+
+
+def test_q5_0_tiles_hold_gemmas_rows(level):
+    """Q5_0 rows 1,152 wide (Gemma's, which llama.cpp's Q4_K_M stores as Q5_0): the file's 5-bit codes and fp16 d
+    (5.5 bits a weight), every weight gguf's own, and the int8 function within float32 rounding of its model."""
+    raw = random_raw("Q5_0", 32, 1152, seed=5)
+    linear = q4_0_tiles.Q40Linear(rows_of(raw, "Q5_0"), 32, 1152, type_name="Q5_0")
+    stored = sum(buffer.numel() * buffer.element_size() for buffer in linear.buffers())
+    assert stored * 8 / (32 * 1152) == 5.5 and linear.type_name == linear.packed.type_name == "Q5_0"
+    assert relative_error(matmul(linear.packed, torch.eye(1152).bfloat16()).T,
+                          gguf_values(raw, GGMLQuantizationType.Q5_0)) < 1e-6  # the weights themselves
+    x = torch.randn(3, 1152, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with prompt_pass.prompt_pass():
+        assert relative_error(matmul(linear.packed, x), int8_reference(raw, x, "Q5_0")) < 1e-6

@@ -50,6 +50,7 @@ SLOTS |= {  # 5-bit tiles (`int4_layout`, bits 5) take the 4-bit tiles' argument
     "q4k_matmul": [_POINTER] * 5 + [_SIZE] * 4,  # codes, marks, steps, x, y, N, K, tokens, leading float32 tokens
     "q5k_matmul": [_POINTER] * 5 + [_SIZE] * 4,
     "q4_0_matmul": [_POINTER] * 4 + [_SIZE] * 4,  # codes, steps, x, y, N, K, tokens, leading exact tokens
+    "q5_0_matmul": [_POINTER] * 4 + [_SIZE] * 4,
     "q8_0_matmul": [_POINTER] * 4 + [_SIZE] * 3,  # tiles, steps, x, y, N, K, tokens
     "iq4_matmul": [_POINTER] * 4 + [_SIZE] * 3,
 }

@@ -20,8 +20,8 @@ MAX_RUNS = 3  # runs of one kind a projection may have (as in the C file)
 MAX_HEAD_DIM = 256  # the attention kernel's largest head (MAX_DIM in the attention C files)
 # run kinds (the AMX ones only where `tiles.AMX` runs; the code tiles Q8_0 and IQ4, and Q4_K's and Q4_0's, where the
 # AVX2 or the AVX-512 tile kernel runs)
-INT4, Q6K, INT4_AMX, Q6K_AMX, INT5_AMX, INT5, F16, BF16, F32, Q8_0, IQ4, Q4K, Q4_0, Q5K = range(14)
-_STORED_KINDS = {"Q8_0": Q8_0, "IQ4_NL": IQ4, "IQ4_XS": IQ4, "Q4_K": Q4K, "Q5_K": Q5K, "Q4_0": Q4_0}
+INT4, Q6K, INT4_AMX, Q6K_AMX, INT5_AMX, INT5, F16, BF16, F32, Q8_0, IQ4, Q4K, Q4_0, Q5K, Q5_0 = range(15)
+_STORED_KINDS = {"Q8_0": Q8_0, "IQ4_NL": IQ4, "IQ4_XS": IQ4, "Q4_K": Q4K, "Q5_K": Q5K, "Q4_0": Q4_0, "Q5_0": Q5_0}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -91,7 +91,7 @@ def q6k_kind() -> int | None:
 
 def code_kind(type_name: str) -> int | None:
     """The run kind of tiles that keep a file's `type_name` blocks as stored (`int8_codes`: Q8_0, IQ4_NL, IQ4_XS;
-    `q4k_tiles`: Q4_K, Q5_K; `q4_0_tiles`: Q4_0), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
+    `q4k_tiles`: Q4_K, Q5_K; `q4_0_tiles`: Q4_0, Q5_0), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
     do, AMX does not)."""
     kernel = tiles.tile_kernel()
     return _STORED_KINDS[type_name] if tiles.runs_stored_weights() and kernel.name == level() else None

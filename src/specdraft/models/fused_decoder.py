@@ -90,7 +90,7 @@ def _describe(target: decoder_layers.Projection, runs: list[tuple[int, object]],
             slot.scale, slot.zero = packed.scale.data_ptr(), packed.zero.data_ptr()
         elif kind in (decoder_layers.F16, decoder_layers.BF16, decoder_layers.F32):
             slot.scale, slot.zero = 0, 0
-        elif kind in (decoder_layers.Q8_0, decoder_layers.IQ4, decoder_layers.Q4_0):
+        elif kind in (decoder_layers.Q8_0, decoder_layers.IQ4, decoder_layers.Q4_0, decoder_layers.Q5_0):
             slot.scale, slot.zero = packed.steps.data_ptr(), 0
         elif kind in (decoder_layers.Q4K, decoder_layers.Q5K):
             slot.scale, slot.zero = packed.marks.data_ptr(), packed.steps.data_ptr()

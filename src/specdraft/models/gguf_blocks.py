@@ -62,16 +62,19 @@ def q4k_stored(raw: np.ndarray | torch.Tensor, type_name: str = "Q4_K") -> tuple
 
 
 def q4_0_stored(raw: torch.Tensor, type_name: str = "Q4_0") -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_0 matrix given as its raw bytes `[rows, blocks · 18]`, as stored: `codes [rows, K]` (uint8, 0..15) and each
-    group's `d [rows, K / 32]` (float16), w = d·(q − 8). (`type_name`: the loader's convert signature; Q4_0 only.)"""
-    if type_name != "Q4_0" or raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % Q4_0_BLOCK_BYTES:
-        raise ValueError(f"Q4_0 data must be uint8 [rows, blocks * {Q4_0_BLOCK_BYTES}], got {type_name} "
-                         f"{tuple(raw.shape)} {raw.dtype}")
+    """A Q4_0 or Q5_0 matrix given as its raw bytes `[rows, blocks · 18 or 22]`, as stored: `codes [rows, K]` (uint8,
+    0..15, Q5_0 0..31 with its fifth bits) and each group's `d [rows, K / 32]` (float16), w = d·(q − 8) or d·(q − 16)."""
+    block_bytes = {"Q4_0": Q4_0_BLOCK_BYTES, "Q5_0": Q5_0_BLOCK_BYTES}.get(type_name)
+    if block_bytes is None or raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"Q4_0 or Q5_0 data must be uint8 [rows, blocks * {Q4_0_BLOCK_BYTES} or {Q5_0_BLOCK_BYTES}], "
+                         f"got {type_name} {tuple(raw.shape)} {raw.dtype}")
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, Q4_0_BLOCK_BYTES)  # [rows, nb, 18]
+    blocks = raw.reshape(rows, -1, block_bytes)  # [rows, nb, 18 or 22]
     d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)  # [rows, nb]
-    qs = blocks[..., 2:].unsqueeze(2)  # [rows, nb, 1, 16]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [rows, nb, 2, 16]: weights j, then 16 + j
+    qs = blocks[..., block_bytes - 16:].unsqueeze(2)  # [rows, nb, 1, 16]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(rows, -1, 32)  # [rows, nb, 32]: weights j, then 16 + j
+    if type_name == "Q5_0":  # bit j of its little-endian 32-bit word is weight j's fifth bit
+        codes = codes | (_bits(blocks[..., 2:6]).flatten(-2) << 4)
     return codes.reshape(rows, -1), d
 
 

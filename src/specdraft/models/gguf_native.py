@@ -3,8 +3,8 @@
 - Q4_K and Q5_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin:
   `kernels/q4k_tiles.Q4KLinear`, llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2
   or AVX-512 tile kernel runs.
-- Q4_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4_0_tiles.Q40Linear`, the same int8 activations)
-  where the AVX2 or AVX-512 tile kernel runs and their rows are whole blocks of 256.
+- Q4_0 and Q5_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4_0_tiles.Q40Linear`, int8
+  activations per 32 inputs) where the AVX2 or AVX-512 tile kernel runs.
 - Other 4-bit affine linears (Q4_1; Q4_0 and Q4_K on AMX) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
@@ -13,7 +13,7 @@
   tile kernels where they build and run; elsewhere they are unpacked.
 - Q8_0, IQ4_NL and IQ4_XS linears keep the file's codes (IQ4: its indices) and steps (`kernels/int8_codes.CodeLinear`,
   8.5 and 5 bits a weight, on int16 activations on every pass) where the AVX2 or AVX-512 tile kernel runs.
-- Q5_0 and Q5_1 linears (and Q5_K on AMX) keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a
+- Q5_1 linears (and Q5_0 and Q5_K on AMX) keep their 5-bit codes in 5-bit tiles (`Int4Linear(bits=5)`, 6 bits a
   weight) where a tile kernel runs (AMX, AVX-512, AVX2); Q8_0 linears on AMX (and 5-bit ones on PyTorch's kernel) split each code into its
   top bits and low nibble: two 4-bit matrices side by side (`SplitInt4Linear`, 10 bits a weight), exact like the
   4-bit ones, on the same kernels; IQ4_NL and IQ4_XS the same, with the int8 value each nibble stands for as the
@@ -213,9 +213,9 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if pack and weight.type_name in q4k_tiles.BITS and out_features % 16 == 0 and q4k_tiles.available():
         return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias,
                                    weight.type_name)
-    if pack and weight.type_name == q4_0_tiles.PackedQ40.type_name and q4_0_tiles.fits(out_features, in_features) \
-            and q4_0_tiles.available():
-        return q4_0_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias)
+    if pack and weight.type_name in q4_0_tiles.BITS and out_features % 16 == 0 and q4_0_tiles.available():
+        return q4_0_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias,
+                                    weight.type_name)
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
         return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)
     if pack and split and weight.type_name in FIVE_BIT and five_bit_tiles_run(out_features, in_features):

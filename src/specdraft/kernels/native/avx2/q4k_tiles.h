@@ -38,25 +38,26 @@
 #include "int8_tiles.h"
 #include "../shared/stored_layout.h"
 
-/* x [K] bf16 of one token -> â [K] int8 on one scale a per 256 inputs [K/256], and each group's Σâ [K/32] (int16). */
-static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *scale, int16_t *group_sums) {
+/* x [K] bf16 of one token -> â [K] int8 on one scale a per `block` inputs (256: Q8_K's; 32: Q8_0's) [K/block], and
+ * each group's Σâ [K/32] (int16). */
+static void quantize_token_blocks(const uint16_t *x, int64_t K, int block, int8_t *q, float *scale, int16_t *group_sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t s = 0; s < K / Q4K_SUPER; s++) {
-        const uint16_t *xs = x + s * Q4K_SUPER;
+    for (int64_t s = 0; s < K / block; s++) {
+        const uint16_t *xs = x + s * block;
         __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < Q4K_SUPER / 8; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, bf16x8_to_ps(xs + 8 * i)));
+        for (int i = 0; i < block / 8; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, bf16x8_to_ps(xs + 8 * i)));
         const float amax = hmax8(m);
         const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        for (int g = 0; g < Q4K_GROUPS; g++) {
+        for (int g = 0; g < block / GROUP; g++) {
             __m256i qi[4];
             for (int i = 0; i < 4; i++)  /* nearest, ties even */
                 qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8_to_ps(xs + GROUP * g + 8 * i), inverse));
             /* int32 -> int8 (|â| <= 127): packs interleave 64-bit lanes, the permutes restore order */
             const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
             const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
-            _mm256_storeu_si256((__m256i *)(q + s * Q4K_SUPER + GROUP * g),
+            _mm256_storeu_si256((__m256i *)(q + s * block + GROUP * g),
                                 _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8));
-            group_sums[s * Q4K_GROUPS + g] = (int16_t)hsum8_epi32(
+            group_sums[s * (block / GROUP) + g] = (int16_t)hsum8_epi32(
                 _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
         }
         scale[s] = amax / 127.0f;
@@ -72,7 +73,7 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
                                                             const float *act_scale, const int16_t *group_sums,
                                                             int64_t K, int tokens, float *y, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     /* a row's 6-bit scale in both int16 halves of its dword: rows 0-7 (half 0) or 8-15 (half 1) of 16 bytes */
     const __m256i spread[2] = {
         _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
@@ -144,33 +145,52 @@ static inline __attribute__((always_inline)) void q4k_rows16(const uint8_t *code
     }
 }
 
-/* A block of 16 rows of Q4_0 tiles against `tokens` tokens (a constant after inlining): â, a and the group sums from
- * the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+/* The int32 sums Σ q·â of one group of a block of 16 rows (4- or 5-bit codes: `bits`) for `tokens` tokens, per half.
+ * `vpmaddubsw` words hold a 4-bit group in int16 (8 words of at most 2·15·127), a 5-bit one two chunks at a time. */
+static inline __attribute__((always_inline)) void group_dots_q8(const uint8_t *tile, int bits, const int8_t *xg,
+                                                               int64_t K, int tokens, __m256i dots[][2]) {
+    __m256i words[Q8_WIDEST][2];
+    affine_chunk_q8(tile, 0, bits, xg, K, tokens, 1, words);
+#ifdef __AVXVNNI__
+#pragma GCC unroll 1
+    for (int chunk = 1; chunk < 4; chunk++) affine_chunk_q8(tile, chunk, bits, xg + 8 * chunk, K, tokens, 0, words);
+    for (int t = 0; t < tokens; t++) dots[t][0] = words[t][0], dots[t][1] = words[t][1];
+#else
+    affine_chunk_q8(tile, 1, bits, xg + 8, K, tokens, 0, words);
+    if (bits == 5) {
+        for (int t = 0; t < tokens; t++) dots[t][0] = widen16(words[t][0]), dots[t][1] = widen16(words[t][1]);
+        affine_chunk_q8(tile, 2, bits, xg + 16, K, tokens, 1, words);
+    } else {
+        affine_chunk_q8(tile, 2, bits, xg + 16, K, tokens, 0, words);
+    }
+    affine_chunk_q8(tile, 3, bits, xg + 24, K, tokens, 0, words);
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < 2; h++)
+            dots[t][h] = bits == 5 ? _mm256_add_epi32(dots[t][h], widen16(words[t][h])) : widen16(words[t][h]);
+#endif
+}
+
+/* A block of 16 rows of Q4_0 tiles (Q5_0's: `format`; constants after inlining) against `tokens` tokens: â, a and
+ * the group sums from the first token on, K (â) and K/32 (a, sums) apart from one token to the next. */
 static inline __attribute__((always_inline)) void q4_0_rows16(const uint8_t *codes, const uint16_t *steps,
                                                              const int8_t *xq, const float *act_scale,
                                                              const int16_t *group_sums, int64_t K, int tokens,
-                                                             float *y, int64_t ldy) {
-    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+                                                             float *y, int64_t ldy, int format) {
+    const int64_t groups = K / GROUP;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int32_t middle = 1 << (bits - 1);  /* w = d·(q − middle) */
     __m256 acc[Q8_WIDEST][2];
     for (int t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *tile = codes + g * INT4_TILE_BYTES;
-        const int8_t *xg = xq + g * GROUP;
-        prefetch_tile(tile, INT4_TILE_BYTES, 0);
-        __m256i words[Q8_WIDEST][2];
-        affine_chunk_q8(tile, 0, 4, xg, K, tokens, 1, words);
-#pragma GCC unroll 1
-        for (int chunk = 1; chunk < 4; chunk++) affine_chunk_q8(tile, chunk, 4, xg + 8 * chunk, K, tokens, 0, words);
+        const uint8_t *tile = codes + g * tile_bytes;
+        prefetch_tile(tile, tile_bytes, 0);
+        __m256i dots[Q8_WIDEST][2];
+        group_dots_q8(tile, bits, xq + g * GROUP, K, tokens, dots);
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + g * Q4_0_STEP_HALFWORDS + 8 * h)));
             for (int t = 0; t < tokens; t++) {
-#ifdef __AVXVNNI__
-                const __m256i dot = words[t][h];
-#else
-                const __m256i dot = widen16(words[t][h]);
-#endif
-                const __m256i sum = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * (int32_t)group_sums[t * groups + g]));
-                const __m256 a = _mm256_set1_ps(act_scale[t * supers + g / Q4K_GROUPS]);
+                const __m256i sum = _mm256_sub_epi32(dots[t][h], _mm256_set1_epi32(middle * group_sums[t * groups + g]));
+                const __m256 a = _mm256_set1_ps(act_scale[t * groups + g]);
                 acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sum), acc[t][h]);
             }
         }
@@ -190,7 +210,7 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
                                                             int64_t K, int tokens, int half, float *y, int64_t ldy,
                                                             int format) {
     const int64_t groups = K / GROUP;
-    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const __m128i every_other = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm256_setzero_ps();
@@ -198,9 +218,9 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
         const uint8_t *tile = codes + g * tile_bytes;
         prefetch_tile(tile, tile_bytes, half * 32);
         __m256 s, offset;
-        if (format == TILES_Q4_0) {
+        if (stored_per_group(format)) {  /* w = d·(q − 2^(bits − 1)) */
             s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(steps + g * Q4_0_STEP_HALFWORDS + 8 * half)));
-            offset = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
+            offset = _mm256_mul_ps(s, _mm256_set1_ps((float)(1 << (bits - 1))));
         } else {
             const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
             const uint8_t *mark = marks + super * Q4K_MARK_BYTES;
@@ -234,7 +254,7 @@ static inline __attribute__((always_inline)) void q4k_half16(const uint8_t *code
 static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                          int64_t N, int64_t K, int64_t precise, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, items = 2 * (N / 16);
-    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = stored_bits(format) == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
     for (int64_t t0 = 0; t0 < precise; t0 += MAX_TOKENS) {
         const int chunk = (int)(precise - t0 < MAX_TOKENS ? precise - t0 : MAX_TOKENS);
@@ -249,16 +269,20 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
 #define Q4K_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q4_K)
 #define Q5K_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q5_K)
 #define Q4_0_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q4_0)
+#define Q5_0_HALF16(T) q4k_half16(block, mark, step, &act, K, T, half, out, ldy, TILES_Q5_0)
             if (format == TILES_Q5_K) {
                 WITH_CONSTANT_TOKENS(chunk, Q5K_HALF16)
             } else if (format == TILES_Q4_0) {
                 WITH_CONSTANT_TOKENS(chunk, Q4_0_HALF16)
+            } else if (format == TILES_Q5_0) {
+                WITH_CONSTANT_TOKENS(chunk, Q5_0_HALF16)
             } else {
                 WITH_CONSTANT_TOKENS(chunk, Q4K_HALF16)
             }
 #undef Q4K_HALF16
 #undef Q5K_HALF16
 #undef Q4_0_HALF16
+#undef Q5_0_HALF16
         }
         release_activations(act);
     }
@@ -272,17 +296,19 @@ static void q4k_passes16(const uint8_t *codes, const uint8_t *marks, const uint1
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                        int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = stored_bits(format) == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
+    const int per = stored_per_group(format) ? GROUP : Q4K_SUPER;  /* inputs an activation scale covers */
+    const int64_t scales = K / per;
     const int64_t fit = Q8_SPAN_BYTES / K, span = fit < Q8_BLOCK ? Q8_BLOCK : fit - fit % Q8_BLOCK;
     if (precise > tokens) precise = tokens;
     q4k_passes16(codes, marks, steps, x, y, N, K, precise, ldy, format);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
-    float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
+    float *a = malloc(sizeof(float) * (size_t)(tokens * scales));
     int16_t *sums = malloc(sizeof(int16_t) * (size_t)(tokens * groups));
 #pragma omp parallel for schedule(static) if (tokens - precise > 1)
-    for (int64_t t = precise; t < tokens; t++) quantize_token_256(x + t * K, K, q + t * K, a + t * supers, sums + t * groups);
+    for (int64_t t = precise; t < tokens; t++) quantize_token_blocks(x + t * K, K, per, q + t * K, a + t * scales, sums + t * groups);
     for (int64_t s0 = precise; s0 < tokens; s0 += span) {
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
 #pragma omp parallel for schedule(static)
@@ -294,21 +320,25 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
                 chunk = s1 - t0 < 2 * Q8_BLOCK ? s1 - t0 : Q8_BLOCK;  /* Q8_BLOCK, or a last sweep of up to Q8_WIDEST */
                 float *out = y + t0 * ldy + nb * 16;
                 const int8_t *xq = q + t0 * K;
-                const float *scale = a + t0 * supers;
+                const float *scale = a + t0 * scales;
                 const int16_t *group_sums = sums + t0 * groups;
 #define Q4K_ROWS(T) q4k_rows16(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q4_K)
 #define Q5K_ROWS(T) q4k_rows16(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q5_K)
-#define Q4_0_ROWS(T) q4_0_rows16(block, block_steps, xq, scale, group_sums, K, T, out, ldy)
+#define Q4_0_ROWS(T) q4_0_rows16(block, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q4_0)
+#define Q5_0_ROWS(T) q4_0_rows16(block, block_steps, xq, scale, group_sums, K, T, out, ldy, TILES_Q5_0)
                 if (format == TILES_Q5_K) {
                     WITH_CONSTANT_Q8_TOKENS(chunk, Q5K_ROWS)
                 } else if (format == TILES_Q4_0) {
                     WITH_CONSTANT_Q8_TOKENS(chunk, Q4_0_ROWS)
+                } else if (format == TILES_Q5_0) {
+                    WITH_CONSTANT_Q8_TOKENS(chunk, Q5_0_ROWS)
                 } else {
                     WITH_CONSTANT_Q8_TOKENS(chunk, Q4K_ROWS)
                 }
 #undef Q4K_ROWS
 #undef Q5K_ROWS
 #undef Q4_0_ROWS
+#undef Q5_0_ROWS
             }
         }
     }

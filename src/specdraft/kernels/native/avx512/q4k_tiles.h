@@ -23,22 +23,22 @@
 
 #define Q4K_SPAN_BYTES (256 * 1024)  /* int8 activations of one sweep over the rows (they stay in L2) */
 
-/* x [K] bf16 of one token -> â [K] int8 on one scale a per 256 inputs [K/256], and each group's Σâ [K/32] (int16):
- * the AVX2 library's `quantize_token_256`, element for element. */
-static void quantize_token_256(const uint16_t *x, int64_t K, int8_t *q, float *scale, int16_t *group_sums) {
+/* x [K] bf16 of one token -> â [K] int8 on one scale a per `block` inputs (256: Q8_K's; 32: Q8_0's) [K/block], and
+ * each group's Σâ [K/32] (int16): the AVX2 library's `quantize_token_blocks`, element for element. */
+static void quantize_token_blocks(const uint16_t *x, int64_t K, int block, int8_t *q, float *scale, int16_t *group_sums) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t s = 0; s < K / Q4K_SUPER; s++) {
-        const uint16_t *xs = x + s * Q4K_SUPER;
+    for (int64_t s = 0; s < K / block; s++) {
+        const uint16_t *xs = x + s * block;
         __m512 m = _mm512_setzero_ps();
-        for (int i = 0; i < Q4K_SUPER / 16; i++) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, bf16x16_to_ps(xs + 16 * i)));
+        for (int i = 0; i < block / 16; i++) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, bf16x16_to_ps(xs + 16 * i)));
         const float amax = _mm512_reduce_max_ps(m);
         const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        for (int g = 0; g < Q4K_GROUPS; g++) {  /* nearest, ties even */
+        for (int g = 0; g < block / GROUP; g++) {  /* nearest, ties even */
             const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_ps(xs + GROUP * g), inverse));
             const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_ps(xs + GROUP * g + 16), inverse));
-            _mm_storeu_si128((__m128i *)(q + s * Q4K_SUPER + GROUP * g), _mm512_cvtsepi32_epi8(lo));
-            _mm_storeu_si128((__m128i *)(q + s * Q4K_SUPER + GROUP * g + 16), _mm512_cvtsepi32_epi8(hi));
-            group_sums[s * Q4K_GROUPS + g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+            _mm_storeu_si128((__m128i *)(q + s * block + GROUP * g), _mm512_cvtsepi32_epi8(lo));
+            _mm_storeu_si128((__m128i *)(q + s * block + GROUP * g + 16), _mm512_cvtsepi32_epi8(hi));
+            group_sums[s * (block / GROUP) + g] = (int16_t)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
         }
         scale[s] = amax / 127.0f;
     }
@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *co
                                                               int64_t K, int tokens, float *y, int64_t ldy, int ahead,
                                                               int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
-    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
@@ -115,27 +115,30 @@ static inline __attribute__((always_inline)) void q4k_block_q8(const uint8_t *co
     for (int t = 0; t < tokens; t++) _mm512_storeu_ps(y + t * ldy, acc[t]);
 }
 
-/* A block of 16 rows of Q4_0 tiles against `tokens` tokens (a constant after inlining) on int8 activations: â, a
- * and the group sums from the first token on, K (â), K/256 (a) and K/32 (sums) apart from one token to the next. */
+/* A block of 16 rows of Q4_0 tiles (Q5_0's: `format`; constants after inlining) against `tokens` tokens on int8
+ * activations: â, a and the group sums from the first token on, K (â) and K/32 (a, sums) apart from one token to the
+ * next. */
 static inline __attribute__((always_inline)) void q4_0_block_q8(const uint8_t *codes, const uint16_t *steps,
                                                                const int8_t *xq, const float *act_scale,
                                                                const int16_t *group_sums, int64_t K, int tokens,
-                                                               float *y, int64_t ldy, int ahead) {
-    const int64_t supers = K / Q4K_SUPER, groups = K / GROUP;
+                                                               float *y, int64_t ldy, int ahead, int format) {
+    const int64_t groups = K / GROUP;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int32_t middle = 1 << (bits - 1);  /* w = d·(q − middle) */
     __m512 acc[MAX_TOKENS];
     for (int t = 0; t < tokens; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *tile = codes + g * INT4_TILE_BYTES;
-        prefetch_ahead(tile, INT4_TILE_BYTES, ahead);
+        const uint8_t *tile = codes + g * tile_bytes;
+        prefetch_ahead(tile, tile_bytes, ahead);
         __m512i quads[8];  /* quads[i]: the codes of inputs 4i .. 4i + 3 of each row */
-        for (int j = 0; j < 4; j++) kquant_quads(tile, j, 4, quads + 2 * j);
+        for (int j = 0; j < 4; j++) kquant_quads(tile, j, bits, quads + 2 * j);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + g * Q4_0_STEP_HALFWORDS)));
         for (int t = 0; t < tokens; t++) {
             const int32_t *xw = (const int32_t *)(xq + t * K + g * GROUP);
             __m512i dot = _mm512_setzero_si512();
             for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, quads[i], _mm512_set1_epi32(xw[i]));
-            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * (int32_t)group_sums[t * groups + g]));
-            const __m512 a = _mm512_set1_ps(act_scale[t * supers + g / Q4K_GROUPS]);
+            dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(middle * group_sums[t * groups + g]));
+            const __m512 a = _mm512_set1_ps(act_scale[t * groups + g]);
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, a), _mm512_cvtepi32_ps(dot), acc[t]);
         }
     }
@@ -150,7 +153,7 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
                                                                  const float *group_x, int64_t K, int tokens, float *y,
                                                                  int64_t ldy, int format) {
     const int64_t groups = K / GROUP;
-    const int bits = format == TILES_Q5_K ? 5 : 4, tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int bits = stored_bits(format), tile_bytes = bits == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     /* a code to float32 by `vpermt2ps`, which reads the low 5 bits of each index: no mask, no conversion */
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 values16 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -160,9 +163,9 @@ static inline __attribute__((always_inline)) void q4k_block_exact(const uint8_t 
         const uint8_t *tile = codes + g * tile_bytes;
         prefetch_ahead(tile, tile_bytes, PREFETCH_BYTES);
         __m512 s, offset;
-        if (format == TILES_Q4_0) {
+        if (stored_per_group(format)) {  /* w = d·(q − 2^(bits − 1)) */
             s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(steps + g * Q4_0_STEP_HALFWORDS)));
-            offset = _mm512_mul_ps(s, _mm512_set1_ps(8.0f));
+            offset = _mm512_mul_ps(s, _mm512_set1_ps((float)(1 << (bits - 1))));
         } else {
             const int64_t super = g / Q4K_GROUPS, gl = g % Q4K_GROUPS;
             const uint8_t *mark = marks + super * Q4K_MARK_BYTES;
@@ -215,7 +218,7 @@ static void exact_activations(const uint16_t *x, int64_t K, int tokens, float *x
 static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x,
                              float *y, int64_t N, int64_t K, int64_t exact, int64_t ldy, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = stored_bits(format) == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t block_steps = stored_block_halfwords(format, K), block_marks = supers * Q4K_MARK_BYTES;
     float *xf = malloc(sizeof(float) * (size_t)(MAX_TOKENS * K));
     float *group_x = malloc(sizeof(float) * (size_t)(MAX_TOKENS * groups));
@@ -230,16 +233,20 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
 #define Q4K_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q4_K)
 #define Q5K_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q5_K)
 #define Q4_0_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q4_0)
+#define Q5_0_EXACT(T) q4k_block_exact(block, mark, step, xf, group_x, K, T, out, ldy, TILES_Q5_0)
             if (format == TILES_Q5_K) {
                 WITH_CONSTANT_TOKENS(chunk, Q5K_EXACT)
             } else if (format == TILES_Q4_0) {
                 WITH_CONSTANT_TOKENS(chunk, Q4_0_EXACT)
+            } else if (format == TILES_Q5_0) {
+                WITH_CONSTANT_TOKENS(chunk, Q5_0_EXACT)
             } else {
                 WITH_CONSTANT_TOKENS(chunk, Q4K_EXACT)
             }
 #undef Q4K_EXACT
 #undef Q5K_EXACT
 #undef Q4_0_EXACT
+#undef Q5_0_EXACT
         }
     }
     free(xf);
@@ -254,17 +261,19 @@ static void q4k_exact_passes(const uint8_t *codes, const uint8_t *marks, const u
 static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_t *steps, const uint16_t *x, float *y,
                        int64_t N, int64_t K, int64_t tokens, int64_t ldy, int64_t precise, int format) {
     const int64_t supers = K / Q4K_SUPER, groups = K / GROUP, blocks = N / 16;
-    const int tile_bytes = format == TILES_Q5_K ? INT5_TILE_BYTES : INT4_TILE_BYTES;
+    const int tile_bytes = stored_bits(format) == 5 ? INT5_TILE_BYTES : INT4_TILE_BYTES;
     const int64_t step_stride = stored_block_halfwords(format, K), mark_stride = supers * Q4K_MARK_BYTES;
+    const int per = stored_per_group(format) ? GROUP : Q4K_SUPER;  /* inputs an activation scale covers */
+    const int64_t scales = K / per;
     const int64_t fit = Q4K_SPAN_BYTES / K, span = fit < MAX_TOKENS ? MAX_TOKENS : fit - fit % MAX_TOKENS;
     if (precise > tokens) precise = tokens;
     if (precise > 0) q4k_exact_passes(codes, marks, steps, x, y, N, K, precise, ldy, format);
     if (precise == tokens) return;
     int8_t *q = malloc((size_t)(tokens * K));
-    float *a = malloc(sizeof(float) * (size_t)(tokens * supers));
+    float *a = malloc(sizeof(float) * (size_t)(tokens * scales));
     int16_t *sums = malloc(sizeof(int16_t) * (size_t)(tokens * groups));
 #pragma omp parallel for schedule(static) if (tokens - precise > 1)
-    for (int64_t t = precise; t < tokens; t++) quantize_token_256(x + t * K, K, q + t * K, a + t * supers, sums + t * groups);
+    for (int64_t t = precise; t < tokens; t++) quantize_token_blocks(x + t * K, K, per, q + t * K, a + t * scales, sums + t * groups);
     const int ahead = tokens - precise <= PREFETCH_FAR_TOKENS ? PREFETCH_BYTES : PREFETCH_NEAR_BYTES;
     for (int64_t s0 = precise; s0 < tokens; s0 += span) {
         const int64_t s1 = tokens - s0 < span ? tokens : s0 + span;
@@ -277,21 +286,25 @@ static void q4k_passes(const uint8_t *codes, const uint8_t *marks, const uint16_
                 const int chunk = (int)(s1 - t0 < MAX_TOKENS ? s1 - t0 : MAX_TOKENS);
                 float *out = y + t0 * ldy + nb * 16;
                 const int8_t *xq = q + t0 * K;
-                const float *scale = a + t0 * supers;
+                const float *scale = a + t0 * scales;
                 const int16_t *group_sums = sums + t0 * groups;
 #define Q4K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q4_K)
 #define Q5K_BLOCK(T) q4k_block_q8(block, block_marks, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q5_K)
-#define Q4_0_BLOCK(T) q4_0_block_q8(block, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead)
+#define Q4_0_BLOCK(T) q4_0_block_q8(block, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q4_0)
+#define Q5_0_BLOCK(T) q4_0_block_q8(block, block_steps, xq, scale, group_sums, K, T, out, ldy, ahead, TILES_Q5_0)
                 if (format == TILES_Q5_K) {
                     WITH_CONSTANT_TOKENS(chunk, Q5K_BLOCK)
                 } else if (format == TILES_Q4_0) {
                     WITH_CONSTANT_TOKENS(chunk, Q4_0_BLOCK)
+                } else if (format == TILES_Q5_0) {
+                    WITH_CONSTANT_TOKENS(chunk, Q5_0_BLOCK)
                 } else {
                     WITH_CONSTANT_TOKENS(chunk, Q4K_BLOCK)
                 }
 #undef Q4K_BLOCK
 #undef Q5K_BLOCK
 #undef Q4_0_BLOCK
+#undef Q5_0_BLOCK
             }
         }
     }

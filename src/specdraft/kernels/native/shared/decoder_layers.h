@@ -33,10 +33,10 @@ typedef struct {
                              6, 7, 8: F16, BF16, F32 weights as stored (`shared/dense_tiles.h`: format kind − 6),
                              9, 10: Q8_0, IQ4 code tiles (`avx2/int8_code_tiles.h`, in the AVX2 library only),
                              11: Q4_K tiles (`avx2/q4k_tiles.h`, `avx512/q4k_tiles.h`),
-                             12, 13: Q4_0, Q5_K tiles (the same headers) */
+                             12, 13, 14: Q4_0, Q5_K, Q5_0 tiles (the same headers) */
     const uint8_t *tiles;
     const void *scale;    /* 4- and 5-bit: bf16 scales; Q6_K: float32 d; Q8_0: fp16 d; IQ4: float32 steps;
-                             Q4_K, Q5_K: its scales and mins; Q4_0: fp16 d */
+                             Q4_K, Q5_K: its scales and mins; Q4_0, Q5_0: fp16 d */
     const uint16_t *zero; /* 4- and 5-bit: bf16 zeros; Q4_K, Q5_K: fp16 d and dmin; others: unused */
     int64_t rows;         /* output features of this run */
     int64_t doubled;      /* 1: 4-bit halves side by side (`SplitInt4Linear`), multiplied by [x, x] */
@@ -93,7 +93,7 @@ static int int8_activations = 0;
 void use_int8_activations(int64_t on) { int8_activations = (int)on; }
 
 /* 1 where the run's rows y [tokens][ldy] were computed here: Q8_0 or IQ4 code tiles (kinds 9, 10: the AVX2 library's
- * `int8_code_tiles.h`, the only one that has them), Q4_K, Q4_0 or Q5_K tiles (kinds 11, 12, 13: each library's
+ * `int8_code_tiles.h`, the only one that has them), Q4_K, Q4_0, Q5_K or Q5_0 tiles (kinds 11-14: each library's
  * `q4k_tiles.h`), each on
  * every pass, or 4-bit, 5-bit and Q6_K ones on int8 activations; else 0 (the tile kernels' loop). */
 static int project_run(const Run *run, const uint16_t *x, float *y, int64_t tokens, int64_t in, int64_t ldy) {
@@ -104,10 +104,11 @@ static int project_run(const Run *run, const uint16_t *x, float *y, int64_t toke
     }
 #endif
 #ifdef Q4K_SUPER
-    if (run->kind >= 11 && run->kind <= 13) {  /* Q4_K, Q4_0, Q5_K: TILES_Q4_K, TILES_Q4_0, TILES_Q5_K */
-        const int format = run->kind == 11 ? TILES_Q4_K : run->kind == 12 ? TILES_Q4_0 : TILES_Q5_K;
-        const uint8_t *marks = format == TILES_Q4_0 ? NULL : (const uint8_t *)run->scale;
-        const uint16_t *steps = format == TILES_Q4_0 ? (const uint16_t *)run->scale : run->zero;
+    if (run->kind >= 11 && run->kind <= 14) {  /* Q4_K, Q4_0, Q5_K, Q5_0 */
+        static const int formats[4] = {TILES_Q4_K, TILES_Q4_0, TILES_Q5_K, TILES_Q5_0};
+        const int format = formats[run->kind - 11];
+        const uint8_t *marks = stored_per_group(format) ? NULL : (const uint8_t *)run->scale;
+        const uint16_t *steps = stored_per_group(format) ? (const uint16_t *)run->scale : run->zero;
         q4k_passes(run->tiles, marks, steps, x, y, run->rows, in, tokens, ldy, int8_activations ? 0 : tokens, format);
         return 1;
     }

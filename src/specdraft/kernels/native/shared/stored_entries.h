@@ -1,5 +1,6 @@
 /* The slots of weights kept as the file stores them, written once over the including library's drivers: `q8_0_matmul`
- * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul`, `q5k_matmul` and `q4_0_matmul` over its `q4k_tiles.h`
+ * and `iq4_matmul` over its `int8_code_tiles.h` (`code_passes`), `q4k_matmul`, `q5k_matmul`, `q4_0_matmul` and `q5_0_matmul` over its
+ * `q4k_tiles.h`
  * (`q4k_passes`).
  * The AVX2 and AVX-512 libraries fill them with the same function on the same tiles. */
 #pragma once
@@ -36,4 +37,10 @@ void q5k_matmul(const uint8_t *codes, const uint8_t *marks, const uint16_t *step
 void q4_0_matmul(const uint8_t *codes, const uint16_t *steps, const uint16_t *x, float *y, int64_t N, int64_t K,
                  int64_t tokens, int64_t precise) {
     q4k_passes(codes, NULL, steps, x, y, N, K, tokens, N, precise, TILES_Q4_0);
+}
+
+/* The same for Q5_0 tiles (`codes`: 5-bit tiles). */
+void q5_0_matmul(const uint8_t *codes, const uint16_t *steps, const uint16_t *x, float *y, int64_t N, int64_t K,
+                 int64_t tokens, int64_t precise) {
+    q4k_passes(codes, NULL, steps, x, y, N, K, tokens, N, precise, TILES_Q5_0);
 }
