@@ -18,7 +18,7 @@ from transformers import Qwen2Config
 from conftest import activations_as_multiplied, tiny_config, tiny_model
 from specdraft import ModelDrafter, SpecdraftError, SpeculativeDecoder
 from specdraft.exactness import compare_greedy
-from specdraft.kernels import (dense_matmul, gguf_matmul, int4_layout, isa, int8_codes, numerics, q4_0_tiles, q4k_tiles,
+from specdraft.kernels import (dense_matmul, gguf_matmul, int4_layout, isa, int8_codes, numerics, q4k_tiles,
                                tiles)
 from specdraft.models.causal_lm import CausalLM
 from specdraft.gguf_layout import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, QK_K
@@ -195,8 +195,8 @@ def expected_linear(type_name: str, backend: str, requantize: bool = False) -> t
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
     if type_name in q4k_tiles.BITS:  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit (Q5_K:
         return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear  # 5-bit) tiles
-    if type_name in q4_0_tiles.BITS:  # Q4_0, Q5_0: the same (Q5_0 elsewhere: 5-bit tiles)
-        return q4_0_tiles.Q40Linear if q4_0_tiles.available() else Int4Linear
+    if type_name in q4k_tiles.GROUP_BITS:  # Q4_0, Q5_0: the same (Q5_0 elsewhere: 5-bit tiles)
+        return q4k_tiles.Q40Linear if q4k_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized
         return Int4Linear
     if type_name in int8_codes.TYPES:  # the file's codes on the AVX2 and AVX-512 levels, else two 4-bit halves

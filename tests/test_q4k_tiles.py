@@ -1,4 +1,4 @@
-"""Q4_K tiles (`kernels/q4k_tiles.py`, `kernels/q4_0_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`):
+"""Q4_K tiles (`kernels/q4k_tiles.py`, `native/avx2/q4k_tiles.h`, `native/avx512/q4k_tiles.h`):
 a file's Q4_K, Q5_K, Q4_0 and Q5_0 blocks as stored, times each token's activations on one int8 scale per 256 inputs
 (the K-quants: their scales and mins applied as integers, llama.cpp's Q8_K numerics) or per 32 (Q4_0, Q5_0: each group's
 d, llama.cpp's Q8_0); each test on every level this CPU runs (`SPECDRAFT_ISA`), for each type."""
@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
-from specdraft.kernels import numerics, prompt_pass, q4_0_tiles, q4k_tiles
+from specdraft.kernels import numerics, prompt_pass, q4k_tiles
 from specdraft.models.gguf_blocks import q4_0_stored, q4k_stored
 from conftest import stored_levels
 from test_gguf_native import gguf_values, random_q4k, random_q5k
@@ -25,7 +25,7 @@ def level(stored_level) -> str:
     return stored_level
 
 
-PER_GROUP = ("Q4_0", "Q5_0")  # the types with a step per group of 32 (`q4_0_tiles`)
+PER_GROUP = ("Q4_0", "Q5_0")  # the types with a step per group of 32 (`q4k_tiles.Q40Linear`)
 
 
 @pytest.fixture(params=["Q4_K", "Q5_K", *PER_GROUP])
@@ -48,13 +48,13 @@ def rows_of(raw: np.ndarray, kind: str):
 
 def pack(raw: np.ndarray, kind: str, rows: int, inputs: int):
     if kind in PER_GROUP:
-        return q4_0_tiles.pack_q4_0(rows_of(raw, kind), rows, inputs, kind)
+        return q4k_tiles.pack_q4_0(rows_of(raw, kind), rows, inputs, kind)
     return q4k_tiles.pack_q4k(rows_of(raw, kind), rows, inputs, kind)
 
 
 def matmul(packed, x: torch.Tensor) -> torch.Tensor:
     """The kernel of `packed`'s tiles: `q4_0_matmul` or `q4k_matmul`."""
-    return (q4_0_tiles.q4_0_matmul if isinstance(packed, q4_0_tiles.PackedQ40) else q4k_tiles.q4k_matmul)(packed, x)
+    return (q4k_tiles.q4_0_matmul if isinstance(packed, q4k_tiles.PackedQ40) else q4k_tiles.q4k_matmul)(packed, x)
 
 
 def case(rows: int, inputs: int, tokens: int, seed: int = 0, kind: str = "Q4_K"):
@@ -185,7 +185,7 @@ def test_q4_0_linear_keeps_the_files_blocks_and_adds_its_bias(level):
     float32."""
     raw = random_raw("Q4_0", 32, 512, seed=2)
     bias = torch.randn(32)
-    linear = q4_0_tiles.Q40Linear(rows_of(raw, "Q4_0"), 32, 512, bias)
+    linear = q4k_tiles.Q40Linear(rows_of(raw, "Q4_0"), 32, 512, bias)
     stored = sum(buffer.numel() * buffer.element_size() for buffer in linear.buffers() if buffer is not linear.bias)
     assert stored * 8 / (32 * 512) == 4.5
     d = q4_0_stored(torch.from_numpy(raw))[1]  # [32, 16] float16
@@ -199,14 +199,14 @@ def test_q4_0_linear_keeps_the_files_blocks_and_adds_its_bias(level):
 def test_q4_0_tiles_refuse_shapes_they_cannot_hold(shape):
     """Rows come 16 to a tile and inputs 32 to a group: anything else is refused, naming the rule."""
     with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 32 == 0"):
-        q4_0_tiles.pack_q4_0(lambda start, stop: None, *shape)
+        q4k_tiles.pack_q4_0(lambda start, stop: None, *shape)
 
 
 def test_q5_0_tiles_hold_gemmas_rows(level):
     """Q5_0 rows 1,152 wide (Gemma's, which llama.cpp's Q4_K_M stores as Q5_0): the file's 5-bit codes and fp16 d
     (5.5 bits a weight), every weight gguf's own, and the int8 function within float32 rounding of its model."""
     raw = random_raw("Q5_0", 32, 1152, seed=5)
-    linear = q4_0_tiles.Q40Linear(rows_of(raw, "Q5_0"), 32, 1152, type_name="Q5_0")
+    linear = q4k_tiles.Q40Linear(rows_of(raw, "Q5_0"), 32, 1152, type_name="Q5_0")
     stored = sum(buffer.numel() * buffer.element_size() for buffer in linear.buffers())
     assert stored * 8 / (32 * 1152) == 5.5 and linear.type_name == linear.packed.type_name == "Q5_0"
     assert relative_error(matmul(linear.packed, torch.eye(1152).bfloat16()).T,

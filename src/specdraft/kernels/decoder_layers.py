@@ -91,7 +91,7 @@ def q6k_kind() -> int | None:
 
 def code_kind(type_name: str) -> int | None:
     """The run kind of tiles that keep a file's `type_name` blocks as stored (`int8_codes`: Q8_0, IQ4_NL, IQ4_XS;
-    `q4k_tiles`: Q4_K, Q5_K; `q4_0_tiles`: Q4_0, Q5_0), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
+    `q4k_tiles`: Q4_K, Q5_K, Q4_0, Q5_0), or None where the loaded build does not run their kernel (the AVX2 and AVX-512 tile kernels
     do, AMX does not)."""
     kernel = tiles.tile_kernel()
     return _STORED_KINDS[type_name] if tiles.runs_stored_weights() and kernel.name == level() else None

@@ -1,6 +1,6 @@
 """The module shape every linear over a packed GGUF matrix shares (`gguf_matmul.BlockLinear`,
 `dense_matmul.DenseLinear`, `int8_codes.CodeLinear`, `q4k_tiles.Q4KLinear`,
-`q4_0_tiles.Q40Linear`): the packed matrix, its float32 bias, and a
+`q4k_tiles.Q40Linear`): the packed matrix, its float32 bias, and a
 forward that multiplies on the tile kernels, its packed tensors as buffers (`tiles`, `tile_<field>`); and the input
 check every packed matmul makes (`require_input`)."""
 

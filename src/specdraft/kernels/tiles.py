@@ -99,7 +99,7 @@ class TileKernel:
 
     def q4_0_matmul(self, codes: torch.Tensor, steps: torch.Tensor, x: torch.Tensor, out_features: int,
                     bits: int = 4) -> torch.Tensor:
-        """`x @ W^T` for Q4_0 tiles (Q5_0's where `bits` is 5: `q4_0_tiles.pack_q4_0`; every library has them): x
+        """`x @ W^T` for Q4_0 tiles (Q5_0's where `bits` is 5: `q4k_tiles.pack_q4_0`; every library has them): x
         `[tokens, K]` (rounded to bf16) -> float32 `[tokens, N]`, on int8 activations per 32 inputs as `q4k_matmul`."""
         rows = prompt_pass.precise_rows()
         kernel = self._loaded().q5_0_matmul if bits == 5 else self._loaded().q4_0_matmul
@@ -125,7 +125,7 @@ AVX512 = TileKernel("avx512", "avx512", PAIRS, "int4_matmul", "int5_matmul", "q6
 AVX2 = TileKernel("avx2", "avx2", QUADS, "int4_matmul", "int5_matmul", "q6k_matmul", int8=True)
 KERNELS = (AMX, AVX512, AVX2)  # fastest first
 STORED_KERNELS = (AVX512, AVX2)  # the tile kernels that also run weights as the file stores them (Q4_K, Q5_K,
-#                                  Q4_0, Q5_0, Q8_0, IQ4, F16 / BF16 / F32: `q4k_tiles`, `q4_0_tiles`, `int8_codes`,
+#                                  Q4_0, Q5_0, Q8_0, IQ4, F16 / BF16 / F32: `q4k_tiles`, `int8_codes`,
 #                                  `dense_matmul`); AMX keeps its bf16 tiles
 
 

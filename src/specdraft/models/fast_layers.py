@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, layer_ops, q4_0_tiles, q4k_tiles
+from specdraft.kernels import decoder_layers, dense_matmul, gguf_matmul, int8_codes, layer_ops, q4k_tiles
 from specdraft.kernels.tile_linear import packed_tensors
 from specdraft.models.architectures import LAYER_NORMS, Architecture, stacked_architecture
 from specdraft.models.heap import drop_file_pages, trim_heap
@@ -100,8 +100,8 @@ def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
 
 # Linears over weights kept as the file stores them, whose `type_name` is their run kind, and those of their kernels
 # whose decoder run kind is `decoder_layers.code_kind(type_name)` (the dense ones have one per element type)
-STORED_LINEARS = (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear, q4_0_tiles.Q40Linear)
-CODE_MATMULS = (int8_codes.code_matmul, q4k_tiles.q4k_matmul, q4_0_tiles.q4_0_matmul)
+STORED_LINEARS = (dense_matmul.DenseLinear, int8_codes.CodeLinear, q4k_tiles.Q4KLinear, q4k_tiles.Q40Linear)
+CODE_MATMULS = (int8_codes.code_matmul, q4k_tiles.q4k_matmul, q4k_tiles.q4_0_matmul)
 
 
 def run_kind(linear: nn.Module) -> str | None:

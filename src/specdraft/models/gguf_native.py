@@ -3,7 +3,7 @@
 - Q4_K and Q5_K linears keep the file's blocks (codes, 6-bit scales and mins, fp16 d and dmin:
   `kernels/q4k_tiles.Q4KLinear`, llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2
   or AVX-512 tile kernel runs.
-- Q4_0 and Q5_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4_0_tiles.Q40Linear`, int8
+- Q4_0 and Q5_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4k_tiles.Q40Linear`, int8
   activations per 32 inputs) where the AVX2 or AVX-512 tile kernel runs.
 - Other 4-bit affine linears (Q4_1; Q4_0 and Q4_K on AMX) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.kernels import dense_matmul, gguf_matmul, int8_codes, q4_0_tiles, q4k_tiles
+from specdraft.kernels import dense_matmul, gguf_matmul, int8_codes, q4k_tiles
 from specdraft.kernels.int4_layout import AffineRows
 from specdraft.models.architectures import (FREQUENCY_FACTORS, LAYER_NORMS, LONGROPE_FACTORS, Architecture,
                                             architecture_for, head_dim_of, known_model_types)
@@ -213,8 +213,8 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if pack and weight.type_name in q4k_tiles.BITS and out_features % 16 == 0 and q4k_tiles.available():
         return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias,
                                    weight.type_name)
-    if pack and weight.type_name in q4_0_tiles.BITS and out_features % 16 == 0 and q4_0_tiles.available():
-        return q4_0_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias,
+    if pack and weight.type_name in q4k_tiles.GROUP_BITS and out_features % 16 == 0 and q4k_tiles.available():
+        return q4k_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias,
                                     weight.type_name)
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
         return Int4Linear(_affine_rows(raw, weight.type_name, q4_affine), out_features, in_features, Q4K_GROUP, bias)

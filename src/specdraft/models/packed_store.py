@@ -27,8 +27,7 @@ from specdraft.paths import partial_path
 _PACKING_CODE = ("models/gguf_native.py", "models/gguf_blocks.py", "models/quantize.py", "models/architectures.py",
                  "models/fast_layers.py", "models/packed_model.py",
                  "kernels/int4_layout.py", "kernels/gguf_matmul.py", "kernels/dense_matmul.py", "kernels/int8_codes.py",
-                 "kernels/q4k_tiles.py",
-                 "kernels/q4_0_tiles.py", "kernels/tile_linear.py", "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
+                 "kernels/q4k_tiles.py", "kernels/tile_linear.py", "kernels/tiles.py", "gguf_layout.py")  # what decides the bytes
 
 
 @lru_cache(maxsize=1)

@@ -27,7 +27,7 @@
  * 5.625 bits a weight.
  *
  * Q4_0 keeps, per row and group of 32 weights, an fp16 d: w = d·(q − 8), q in 0..15. Its tiles keep exactly that
- * (`kernels/q4_0_tiles.pack_q4_0`, 4.5 bits a weight as in the file, against 5 for the 4-bit tiles):
+ * (`kernels/q4k_tiles.pack_q4_0`, 4.5 bits a weight as in the file, against 5 for the 4-bit tiles):
  *   codes  [N/16][K/32][256]  the `QUADS` 4-bit tile of each group, as Q4_K's
  *   steps  [N/16][K/32][16]   d of each row, fp16 bits
  * on the same int8 activations, per group and row the exact integer sum I = Σ q·â − 8·Σâ (|8·Σâ| <= 8·32·127), then

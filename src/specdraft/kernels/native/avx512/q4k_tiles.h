@@ -1,6 +1,6 @@
 /* Q4_K, Q5_K and Q4_0 weights as the file stores them, times int8 activations on AVX-512 VNNI: `q4k_passes` (for
  * `q4k_matmul`, `q5k_matmul`, `q4_0_matmul` and the decoder stack's run kinds 11, 13, 12). The tiles are the AVX2
- * library's (`kernels/q4k_tiles.pack_q4k`, `kernels/q4_0_tiles.pack_q4_0`, the layouts in `avx2/q4k_tiles.h`: Q4_K's
+ * library's (`kernels/q4k_tiles.pack_q4k`, `kernels/q4k_tiles.pack_q4_0`, the layouts in `avx2/q4k_tiles.h`: Q4_K's
  * `QUADS` 4-bit tiles of the codes, each super-block's 6-bit scales and mins, fp16 d and dmin; 4.625 bits a weight),
  * and so is the function: the same int8 activations per 256 inputs, the same exact
  * integer sums I = Σ_g sc_g · Σ q·â and M = Σ_g m_g · Σâ_g, the same float32 steps per super-block

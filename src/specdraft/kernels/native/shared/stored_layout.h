@@ -1,5 +1,5 @@
 /* The tile layouts of weights kept as the file stores them, one for every library that multiplies them
- * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`, `kernels/q4_0_tiles.pack_q4_0`; each layout spelled out
+ * (`kernels/int8_codes.pack_codes`, `kernels/q4k_tiles.pack_q4k`, `kernels/q4k_tiles.pack_q4_0`; each layout spelled out
  * in `avx2/int8_code_tiles.h` and `avx2/q4k_tiles.h`). */
 #pragma once
 
