@@ -193,8 +193,10 @@ def build(path, config, dtype, backend: str, stacked: bool = True, **kwargs):
 def expected_linear(type_name: str, backend: str, requantize: bool = False) -> type:
     """The module a GGUF linear of `type_name` should become (the loader's documented policy); `requantize`: in a
     draft as `prepare_draft` makes one (built with `split=False`, then `quantize_int4`)."""
-    if type_name in q4k_tiles.BITS:  # the file's blocks on the AVX2 and AVX-512 levels (a draft's too), else 4-bit (Q5_K:
-        return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear  # 5-bit) tiles
+    if requantize and type_name in ("Q5_K", "Q5_0"):  # a draft's 5-bit rows: unpacked for it, then re-quantized
+        return Int4Linear
+    if type_name in q4k_tiles.BITS:  # the file's blocks on the AVX2 and AVX-512 levels (a draft's Q4_K too), else 4-bit
+        return q4k_tiles.Q4KLinear if q4k_tiles.available() else Int4Linear  # (Q5_K: 5-bit) tiles
     if type_name in q4k_tiles.GROUP_BITS:  # Q4_0, Q5_0: the same (Q5_0 elsewhere: 5-bit tiles)
         return q4k_tiles.Q40Linear if q4k_tiles.available() else Int4Linear
     if requantize and type_name in ("Q8_0", *dense_matmul.ELEMENT_BYTES):  # unpacked for it, then re-quantized

@@ -210,10 +210,13 @@ def _linear(source: _TensorFile, weight: TensorEntry, bias: torch.Tensor | None,
     if bias is not None and order is not None:
         bias = bias[order]
     raw = source.lazy_rows(weight) if order is None or not pack else source.rows(weight)[order]  # [N, bytes per row]
-    if pack and weight.type_name in q4k_tiles.BITS and out_features % 16 == 0 and q4k_tiles.available():
+    five_bit = weight.type_name in ("Q5_K", "Q5_0")  # a draft (split False) re-quantizes them to plain 4 bits, as before
+    if (pack and weight.type_name in q4k_tiles.BITS and out_features % 16 == 0 and q4k_tiles.available()
+            and (split or not five_bit)):
         return q4k_tiles.Q4KLinear(_affine_rows(raw, weight.type_name, q4k_stored), out_features, in_features, bias,
                                    weight.type_name)
-    if pack and weight.type_name in q4k_tiles.GROUP_BITS and out_features % 16 == 0 and q4k_tiles.available():
+    if (pack and weight.type_name in q4k_tiles.GROUP_BITS and out_features % 16 == 0 and q4k_tiles.available()
+            and (split or not five_bit)):
         return q4k_tiles.Q40Linear(_affine_rows(raw, weight.type_name, q4_0_stored), out_features, in_features, bias,
                                     weight.type_name)
     if pack and weight.type_name in AFFINE_4BIT and out_features % 16 == 0 and int4_kernel_available():
