@@ -4,7 +4,8 @@
   `kernels/q4k_tiles.Q4KLinear`, llama.cpp's numerics, int8 activations per 256 inputs on every pass) where the AVX2
   or AVX-512 tile kernel runs.
 - Q4_0 and Q5_0 linears keep the file's blocks too (codes and fp16 d: `kernels/q4k_tiles.Q40Linear`, int8
-  activations per 32 inputs) where the AVX2 or AVX-512 tile kernel runs.
+  activations per 32 inputs) where the AVX2 or AVX-512 tile kernel runs. A draft (`split=False`) has its Q5_0 and
+  Q5_K rows unpacked, for `prepare_draft` to re-quantize to plain 4 bits (they cost it more as stored).
 - Other 4-bit affine linears (Q4_1; Q4_0 and Q4_K on AMX) run with the file's own scales and offsets
   (`Int4Linear.from_affine`) on our AMX kernel (`kernels/tiles.AMX`) where the CPU grants AMX,
   else on our AVX-512 or AVX2 kernels, else on PyTorch's CPU int4 kernel: exact up to bf16 rounding
