@@ -317,7 +317,8 @@ def test_huge_requests_are_refused_while_health_answers_at_once(tiny_model_dirs,
     """A body past --max-body-mb gets 413 before it is read (declared or chunked); one under it but past the context
     is parsed and tokenized off the event loop, so /health keeps answering meanwhile (a 20 MB prompt once froze the
     server for 35 s). Parsing is made to take a second: on the loop, a probe would wait that second (checked: 1.7 s,
-    one probe); off it, every probe answers well under half of it, most within 100 ms."""
+    one probe); off it, every probe answers well under half of it, most within 100 ms (a full garbage collection over
+    the test process's 700k objects once stalled one for 0.9 s: the server now freezes what is alive at start)."""
     import specdraft.server.app as server_app
 
     app = make_app(tiny_model_dirs, max_body_mb=1.0)

@@ -10,6 +10,7 @@ Every route handler is a module-level function that finds the server's parts on 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import hmac
 import random
@@ -258,7 +259,12 @@ async def playground() -> HTMLResponse:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    """The engine thread runs while the app does; on shutdown it gets `shutdown_grace` seconds to finish."""
+    """The engine thread runs while the app does; on shutdown it gets `shutdown_grace` seconds to finish. The objects
+    alive once the models are loaded (torch's, transformers', the tokenizer's: hundreds of thousands) are frozen out of
+    the garbage collector's sight, so a full collection walks only what requests made: unfrozen, one stalled every
+    stream and /health for 0.4-0.9 s."""
+    gc.collect()
+    gc.freeze()
     app.state.worker.start()
     yield
     await asyncio.to_thread(app.state.worker.stop, app.state.settings.shutdown_grace)
