@@ -627,6 +627,25 @@ def test_embedding_lookups_read_the_files_rows_and_map_none_of_it(gguf_files, mo
     assert torch.equal(copy.deepcopy(embedding)(ids), table[ids])  # a copy opens the file anew
 
 
+def test_single_token_lookups_keep_recent_rows_as_copies(gguf_files, models, monkeypatch):
+    """A decoding step's one token gets the file's row whether it was kept or read anew; the caller owns what it gets
+    (a write into it reaches no later lookup); at most RECENT_ROWS rows are kept, the least recently asked dropped."""
+    import specdraft.models.gguf_native as gguf_native
+
+    monkeypatch.setattr(gguf_native, "RECENT_ROWS", 2)
+    embedding = reference_model(models).model.embed_tokens
+    table = embedding(torch.arange(VOCAB))  # [vocab, hidden]
+    for token in (5, 3, 5, 7, 5, VOCAB - 1, 3):
+        row = embedding(torch.tensor([[token]]))  # [1, 1, hidden]
+        assert row.shape == (1, 1, table.shape[1]) and torch.equal(row[0, 0], table[token])
+        row.fill_(1e4)  # the fused layers write the residual stream into it
+        assert len(embedding._recent) <= 2
+    assert list(embedding._recent) == [VOCAB - 1, 3]
+    assert torch.equal(embedding(torch.tensor([3])), table[3:4])
+    with pytest.raises(IndexError, match="token ids"):
+        embedding(torch.tensor([[VOCAB]]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_modules_follow_the_tensor_types(gguf_files, models, backend):
     """Q4_K (and Q6_K with the block kernel) stay packed, the rest are FlatLinear; the embedding stays packed."""
