@@ -71,4 +71,3 @@ class DenseLinear(TileLinear):
 
     def __init__(self, raw: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> None:
         super().__init__(pack_dense(raw, type_name), bias)
-        self.type_name = type_name

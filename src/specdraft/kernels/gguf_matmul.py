@@ -75,6 +75,7 @@ class PackedQ6K:
     out_features: int
     in_features: int
     layout: str = PAIRS
+    type_name = "Q6_K"  # the one block type with tiles here (`BLOCK_BYTES`)
 
 
 def pack_q6k(raw: torch.Tensor, layout: str = PAIRS) -> PackedQ6K:
@@ -141,4 +142,3 @@ class BlockLinear(TileLinear):
         if type_name not in BLOCK_BYTES:
             raise ValueError(f"no block kernel for {type_name}")
         super().__init__(pack_q6k(raw, tiles.tile_kernel().layout), bias)
-        self.type_name = type_name

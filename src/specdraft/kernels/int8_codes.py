@@ -94,4 +94,3 @@ class CodeLinear(TileLinear):
     def __init__(self, rows: CodeRows, out_features: int, in_features: int, type_name: str,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__(pack_codes(rows, out_features, in_features, type_name), bias)
-        self.type_name = type_name

@@ -105,11 +105,6 @@ class Q4KLinear(TileLinear):
                  type_name: str = "Q4_K") -> None:
         super().__init__(pack_q4k(rows, out_features, in_features, type_name), bias)
 
-    @property
-    def type_name(self) -> str:
-        """The GGUF type its tiles hold (the packed matrix's)."""
-        return self.packed.type_name
-
 
 # (start, stop) -> rows start .. stop - 1 of a Q4_0 or Q5_0 matrix as stored: codes [rows, K] (uint8 0..15 or 0..31)
 # and d [rows, K/32] (float16): `gguf_blocks.q4_0_stored`
@@ -165,8 +160,3 @@ class Q40Linear(TileLinear):
     def __init__(self, rows: Q40Rows, out_features: int, in_features: int, bias: torch.Tensor | None = None,
                  type_name: str = "Q4_0") -> None:
         super().__init__(pack_q4_0(rows, out_features, in_features, type_name), bias)
-
-    @property
-    def type_name(self) -> str:
-        """The GGUF type its tiles hold (the packed matrix's)."""
-        return self.packed.type_name

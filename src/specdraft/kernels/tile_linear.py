@@ -38,6 +38,11 @@ class TileLinear(nn.Module):
         self.out_features, self.in_features = packed.out_features, packed.in_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
+    @property
+    def type_name(self) -> str:
+        """The GGUF type its tiles hold (the packed matrix's)."""
+        return self.packed.type_name
+
     def num_packed_weights(self) -> int:
         """How many weights the packed matrix holds."""
         return self.out_features * self.in_features
